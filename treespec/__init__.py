@@ -1,0 +1,40 @@
+"""treespec: lossless tree-based multi-draft speculative decoding.
+
+    from treespec import SpeculativeDecoder, TreeConfig, SamplingConfig
+    dec = SpeculativeDecoder.from_pretrained(target="...", draft="...")
+    out = dec.generate("def quicksort(xs):", max_new_tokens=128,
+                       tree=TreeConfig(width=4, depth=6),
+                       sampling=SamplingConfig(temperature=0.8, top_p=0.95), seed=0)
+    out.text, out.token_ids, out.stats.tokens_per_step, out.stats.acceptance_by_depth
+"""
+
+from .config import SamplingConfig, TreeConfig
+from .decoder import SpeculativeDecoder
+from .drafters import Drafter, ModelDrafter
+from .proposal import DraftTree, Draw, ProposalGroup
+from .rng import Rng, TorchRng
+from .runner import HFRunner, Runner
+from .stats import GenerationOutput, GenerationStats
+from .tree import TokenTree
+from .verify import Walk, verify
+
+__all__ = [
+    "DraftTree",
+    "Draw",
+    "Drafter",
+    "GenerationOutput",
+    "GenerationStats",
+    "HFRunner",
+    "ModelDrafter",
+    "ProposalGroup",
+    "Rng",
+    "Runner",
+    "SamplingConfig",
+    "SpeculativeDecoder",
+    "TokenTree",
+    "TorchRng",
+    "TreeConfig",
+    "Walk",
+    "verify",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,159 @@
+"""Drafting with a (small) causal LM, level by level: one draft forward per depth.
+
+Round structure, for depth D:
+
+    forward #1   the committed tokens the draft has not seen yet, ending with the root
+                 (a chain: usually just the root, plus a leaf accepted last round)
+    forward #d   every frontier node of depth d-1 that will be expanded, in ONE call under
+                 the tree mask (d = 2 .. D)
+
+The leaves (depth D) are never fed. After verification, `observe()` keeps the draft cache
+slots of the accepted path and drops the rest, exactly as the target does; accepted tokens
+the draft never fed are fed at the start of the next round.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..config import SamplingConfig, TreeConfig
+from ..proposal import DraftTree, Draw, ProposalGroup
+from ..rng import Rng
+from ..runner import Runner
+from ..sampling import check_finite, probs
+from ..tree import TokenTree
+from ..verify import Walk
+from .base import Drafter
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: int  # node index, -1 for the root
+    log_score: float  # draft log-probability of the path from the root (for ranking)
+    count: int = 1  # i.i.d. strategy: sampled sequences passing through this node
+    slot: int | None = None  # draft cache slot, once fed
+    q: torch.Tensor | None = None  # [V] sampling distribution at this node, once fed
+    score: torch.Tensor | None = None  # [V] probabilities used to rank children, once fed
+
+
+class ModelDrafter(Drafter):
+    def __init__(self, runner: Runner, tree: TreeConfig):
+        self.runner = runner
+        self.config = tree
+
+    def start(self, prompt: Sequence[int], sampling: SamplingConfig, rng: Rng) -> None:
+        self.sampling, self.rng = sampling, rng
+        self.runner.reset()
+        self.runner.prefill(list(prompt[:-1]))
+
+    def propose(self, context: Sequence[int], depth: int) -> DraftTree:
+        run = self.runner
+        if list(context[: run.n_committed]) != run.committed:
+            raise RuntimeError("draft cache is out of sync with the committed tokens")
+        # 1. catch up on committed tokens the draft never fed; the last one is the root
+        chain = list(context[run.n_committed :])
+        base = run.n_slots
+        logits = run.forward(chain, [-1] + list(range(base, base + len(chain) - 1)))
+        self._chain_slots = list(range(base, base + len(chain)))
+        nodes = [_Node(token=chain[-1], parent=-1, log_score=0.0)]
+        self._attach(nodes[0], self._chain_slots[-1], logits[-1])
+
+        groups: list[ProposalGroup] = []
+        frontier = [0]
+        for d in range(1, depth + 1):
+            # 2. propose children for every frontier node, then pick the next frontier
+            expand = getattr(self, f"_expand_{self.config.strategy}")
+            frontier = expand(nodes, frontier, groups)
+            if d == depth or not frontier:
+                break
+            # 3. one draft forward over the whole next frontier
+            logits = run.forward([nodes[n].token for n in frontier], [nodes[nodes[n].parent].slot for n in frontier])
+            slot0 = run.n_slots - len(frontier)
+            for i, n in enumerate(frontier):
+                self._attach(nodes[n], slot0 + i, logits[i])
+
+        self._nodes = nodes
+        tree = TokenTree([n.token for n in nodes], [n.parent for n in nodes], vocab_size=run.vocab_size)
+        return DraftTree(tree, tuple(groups))
+
+    def observe(self, draft: DraftTree, walk: Walk) -> None:
+        slots = list(self._chain_slots)
+        for n in walk.path[1:]:
+            if self._nodes[n].slot is None:
+                break  # an accepted leaf the draft never fed: caught up next round
+            slots.append(self._nodes[n].slot)
+        self.runner.commit(slots)
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _attach(self, node: _Node, slot: int, logits: torch.Tensor) -> None:
+        check_finite(logits, "draft")
+        node.slot = slot
+        node.q = probs(logits, self.sampling)
+        # rank by the sampling distribution; at temperature 0 (one-hot q) by the plain softmax
+        node.score = torch.softmax(logits.double(), -1) if self.sampling.greedy else node.q
+
+    @staticmethod
+    def _add(nodes: list[_Node], parent: int, token: int) -> int:
+        p = nodes[parent]
+        nodes.append(_Node(token, parent, p.log_score + math.log(max(float(p.score[token]), 1e-300))))
+        return len(nodes) - 1
+
+    def _best(self, nodes: list[_Node], candidates: list[int]) -> list[int]:
+        """The `width` candidates with the highest draft path probability (ties: first)."""
+        ranked = sorted(candidates, key=lambda n: -nodes[n].log_score)
+        return sorted(ranked[: self.config.width])
+
+    def _top_tokens(self, node: _Node, k: int) -> list[int]:
+        k = min(k, int((node.score > 0).sum()))
+        return torch.topk(node.score, k).indices.tolist()
+
+    def _expand_iid(self, nodes: list[_Node], frontier: list[int], groups: list[ProposalGroup]) -> list[int]:
+        """Each of the m sequences through u draws its next token from q_u independently."""
+        width = self.config.width
+        new: list[int] = []
+        for u in frontier:
+            m = width if u == 0 else nodes[u].count
+            draws = self.rng.categorical(nodes[u].q, m)
+            child_of: dict[int, int] = {}
+            for x in draws:
+                if x in child_of:
+                    nodes[child_of[x]].count += 1
+                else:
+                    child_of[x] = self._add(nodes, u, x)
+                    new.append(child_of[x])
+            groups.append(ProposalGroup(u, Draw.IID, tuple(draws), tuple(child_of[x] for x in draws), nodes[u].q))
+        return new  # every sampled sequence continues
+
+    def _expand_without_replacement(self, nodes, frontier, groups) -> list[int]:
+        """`width` distinct children per node (Gumbel-top-k); expand the best `width` next."""
+        new: list[int] = []
+        for u in frontier:
+            node = nodes[u]
+            if self.sampling.greedy:  # zero-temperature limit of Gumbel-top-k: the top tokens
+                tokens, draw, q = self._top_tokens(node, self.config.width), Draw.DETERMINISTIC, None
+            else:
+                k = min(self.config.width, int((node.q > 0).sum()))
+                tokens, draw, q = self.rng.without_replacement(node.q, k), Draw.WITHOUT_REPLACEMENT, node.q
+            children = [self._add(nodes, u, x) for x in tokens]
+            groups.append(ProposalGroup(u, draw, tuple(tokens), tuple(children), q))
+            new.extend(children)
+        return self._best(nodes, new)
+
+    def _expand_topk(self, nodes, frontier, groups) -> list[int]:
+        """Deterministic beam: the `width` best (parent, token) pairs by path probability."""
+        cands = [(u, x) for u in frontier for x in self._top_tokens(nodes[u], self.config.width)]
+        scored = sorted(cands, key=lambda c: -(nodes[c[0]].log_score + math.log(float(nodes[c[0]].score[c[1]]))))
+        keep = sorted(scored[: self.config.width], key=cands.index)
+        new: list[int] = []
+        for u in frontier:
+            tokens = [x for (v, x) in keep if v == u]
+            if tokens:
+                children = [self._add(nodes, u, x) for x in tokens]
+                groups.append(ProposalGroup(u, Draw.DETERMINISTIC, tuple(tokens), tuple(children)))
+                new.extend(children)
+        return new

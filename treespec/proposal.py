@@ -1,0 +1,67 @@
+"""What a drafter hands to verification: a token tree plus how each child was proposed.
+
+A *proposal group* is a set of sibling proposals that share one parent and one draw scheme.
+Verification tries the groups of a node in list order and the proposals of a group in draw
+order, so the order never depends on the drawn values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from .tree import TokenTree
+
+
+class Draw(str, Enum):
+    IID = "iid"  # each proposal drawn independently from q (duplicates are separate trials)
+    WITHOUT_REPLACEMENT = "without_replacement"  # sequential draws from q minus earlier draws
+    DETERMINISTIC = "deterministic"  # q is one-hot on the proposed token (top-k, n-gram, lookup)
+
+
+@dataclass(frozen=True)
+class ProposalGroup:
+    parent: int  # node the proposals continue
+    draw: Draw
+    tokens: tuple[int, ...]  # proposed tokens in draw order (i.i.d. groups may repeat one)
+    children: tuple[int, ...]  # node carrying each proposal; children[j] has token tokens[j]
+    q: torch.Tensor | None = None  # [V] distribution the tokens were drawn from; None iff deterministic
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.children) or not self.tokens:
+            raise ValueError("a proposal group needs one child node per proposed token, at least one")
+        if (self.q is None) != (self.draw is Draw.DETERMINISTIC):
+            raise ValueError(f"{self.draw.value} proposals {'need' if self.q is None else 'take no'} a q distribution")
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tree: TokenTree
+    groups: tuple[ProposalGroup, ...] = ()
+    _by_parent: dict[int, tuple[ProposalGroup, ...]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        by_parent: dict[int, list[ProposalGroup]] = {}
+        claimed = set()
+        for g in self.groups:
+            for tok, child in zip(g.tokens, g.children):
+                if not 0 < child < len(self.tree) or self.tree.parents[child] != g.parent:
+                    raise ValueError(f"proposal node {child} is not a child of node {g.parent}")
+                if self.tree.tokens[child] != tok:
+                    raise ValueError(f"proposal token {tok} differs from node {child}'s token {self.tree.tokens[child]}")
+                claimed.add(child)
+            by_parent.setdefault(g.parent, []).append(g)
+        if len(claimed) != len(self.tree) - 1:
+            raise ValueError("every non-root node must carry at least one proposal")
+        object.__setattr__(self, "_by_parent", {k: tuple(v) for k, v in by_parent.items()})
+
+    @classmethod
+    def root_only(cls, token: int) -> DraftTree:
+        """No proposals: the target samples one token (plain autoregressive step)."""
+        return cls(TokenTree([token], [-1]))
+
+    def groups_at(self, node: int) -> Sequence[ProposalGroup]:
+        return self._by_parent.get(node, ())

@@ -1,0 +1,64 @@
+"""The only source of randomness in the decode loop.
+
+Every random choice (a draft sample, an acceptance coin, a correction token) goes through a
+`Rng`. `TorchRng` is the real one, seeded per `generate()` call. The exactness tests plug in
+a `Rng` that enumerates every outcome with its probability instead of drawing one, so the
+production drafters and verification walk are what gets proven lossless.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from .sampling import remove_token
+
+
+class Rng(ABC):
+    @abstractmethod
+    def categorical(self, probs: torch.Tensor, n: int = 1) -> list[int]:
+        """n independent draws from the [V] distribution `probs`."""
+
+    @abstractmethod
+    def bernoulli(self, prob: float) -> bool:
+        """True with probability `prob` (clipped to [0, 1])."""
+
+    def without_replacement(self, probs: torch.Tensor, k: int) -> list[int]:
+        """k distinct tokens, drawn one after another, each from what is left of `probs`.
+
+        k must not exceed the number of tokens with nonzero probability.
+        """
+        out: list[int] = []
+        q = probs
+        for _ in range(k):
+            (x,) = self.categorical(q)
+            out.append(x)
+            q = remove_token(q, x)
+        return out
+
+
+class TorchRng(Rng):
+    """Draws with a seeded `torch.Generator` on the device of the distributions."""
+
+    def __init__(self, seed: int | None = None, device: torch.device | str = "cpu"):
+        self.generator = torch.Generator(device=device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(int(seed))
+
+    def categorical(self, probs: torch.Tensor, n: int = 1) -> list[int]:
+        return torch.multinomial(probs, n, replacement=True, generator=self.generator).tolist()
+
+    def bernoulli(self, prob: float) -> bool:
+        u = torch.rand((), generator=self.generator, device=self.generator.device, dtype=torch.float64)
+        return bool(u < prob)  # strict: a zero probability never accepts
+
+    def without_replacement(self, probs: torch.Tensor, k: int) -> list[int]:
+        # Gumbel-top-k: the order of argsort(log q + Gumbel) is a sequential draw without
+        # replacement (Kool et al. 2019); one kernel instead of k.
+        u = torch.rand(probs.shape, generator=self.generator, device=probs.device, dtype=torch.float64)
+        gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
+        keys = torch.log(probs.double()) + gumbel  # zero-probability tokens get -inf
+        return torch.topk(keys, k).indices.tolist()

@@ -1,0 +1,67 @@
+"""What a generation returns: the tokens, how each was produced, and the round statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+# How an emitted token was produced:
+#   accepted   - a draft token the target accepted
+#   correction - drawn from the residual after every proposal at a node was rejected
+#   bonus      - drawn from the target's p at a leaf (or at the root of a tree=None step)
+TokenSource = Literal["accepted", "correction", "bonus"]
+
+
+@dataclass
+class GenerationStats:
+    target_steps: int = 0  # target forward passes after the prefill (= rounds)
+    draft_forwards: int = 0  # draft model forward passes (0 for model-free drafters)
+    tokens: int = 0  # tokens emitted (after truncation at EOS / max_new_tokens)
+    tree_nodes: int = 0  # draft nodes verified, summed over rounds (root excluded)
+    # accepted_by_depth[d-1]: rounds that accepted a draft token at depth d;
+    # attempted_by_depth[d-1]: rounds whose walk reached depth d-1 at a node with proposals
+    accepted_by_depth: list[int] = field(default_factory=list)
+    attempted_by_depth: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0  # building draft trees (draft forwards + sampling)
+    verify_seconds: float = 0.0  # target tree forwards + verification walks + cache compaction
+    total_seconds: float = 0.0  # the whole generate() call
+
+    @property
+    def tokens_per_step(self) -> float:
+        """tau: tokens emitted per target forward, correction/bonus token included."""
+        return self.tokens / self.target_steps if self.target_steps else 0.0
+
+    @property
+    def acceptance_by_depth(self) -> list[float]:
+        """P(accept a draft token at depth d | the walk stood at depth d-1 with proposals)."""
+        return [a / t if t else 0.0 for a, t in zip(self.accepted_by_depth, self.attempted_by_depth)]
+
+    @property
+    def other_seconds(self) -> float:
+        return max(0.0, self.total_seconds - self.prefill_seconds - self.draft_seconds - self.verify_seconds)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decode throughput: emitted tokens over the time after the prefill."""
+        t = self.total_seconds - self.prefill_seconds
+        return self.tokens / t if t > 0 else 0.0
+
+    def record_walk(self, depths_with_proposals: list[int], accepted: int) -> None:
+        """One round: the walk stood at depths 0..len-1 with proposals and accepted `accepted` tokens."""
+        n = max(len(depths_with_proposals), accepted)
+        for lst in (self.accepted_by_depth, self.attempted_by_depth):
+            lst.extend([0] * (n - len(lst)))
+        for d in depths_with_proposals:
+            self.attempted_by_depth[d] += 1
+        for d in range(accepted):
+            self.accepted_by_depth[d] += 1
+
+
+@dataclass
+class GenerationOutput:
+    token_ids: list[int]  # generated tokens only (prompt excluded), EOS included if hit
+    sources: list[TokenSource]  # how each generated token was produced
+    stats: GenerationStats
+    text: str | None = None  # decoded token_ids, when a tokenizer is known
+    finish_reason: Literal["eos", "length"] = "length"
