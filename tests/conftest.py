@@ -1,0 +1,67 @@
+"""Tiny random Llamas built in-process (no downloads), shared by the integration tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+VOCAB = 96
+
+
+def tiny_llama(
+    seed: int,
+    hidden: int = 32,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = VOCAB,
+    dtype: torch.dtype = torch.float64,
+    attn: str = "sdpa",
+    llama32: bool = False,
+    max_positions: int = 512,
+) -> LlamaForCausalLM:
+    """A random LlamaForCausalLM; `llama32=True` shapes it like Llama-3.2 (GQA, tied
+    embeddings, llama3 rope scaling with theta 500k)."""
+    torch.manual_seed(seed)
+    extra = {}
+    if llama32:
+        extra = dict(
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        bos_token_id=0,
+        eos_token_id=1,
+        attn_implementation=attn,
+        **extra,
+    )
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    # sharper, more structured distributions than the near-uniform random init
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0) if not llama32 else model.model.embed_tokens.weight.mul_(4.0)
+    return model
+
+
+@pytest.fixture(scope="session")
+def target64():
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture(scope="session")
+def draft64():
+    return tiny_llama(seed=1, hidden=16, layers=1, heads=2, kv_heads=1)

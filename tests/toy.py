@@ -1,0 +1,130 @@
+"""Test doubles: table-defined toy language models and an Rng that enumerates every outcome.
+
+`TableRunner` is a real `Runner` (so the production cache bookkeeping is what gets tested):
+it keeps the token of every cache slot and computes each node's logits from the tokens it is
+allowed to see. A wrong mask or position therefore gives a wrong context, hence a wrong
+distribution, and the exactness tests fail.
+
+`enumerate_outcomes(fn)` runs `fn(rng)` once per possible sequence of random choices, with
+an `Rng` that follows a script of choices and multiplies the probabilities of what it chose.
+The result maps each outcome to its exact probability.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import defaultdict
+from collections.abc import Callable, Hashable
+
+import torch
+
+from treespec.config import SamplingConfig
+from treespec.rng import Rng
+from treespec.runner import Runner
+from treespec.sampling import probs
+
+
+class TableModel:
+    """Next-token logits as a deterministic function of the context (a lazily built table).
+
+    `base` makes a correlated model: its logits are `base`'s plus `noise` times fresh ones,
+    so a draft built on the target agrees with it often but not always.
+    """
+
+    def __init__(self, vocab_size: int, seed: int, scale: float = 1.5, base: TableModel | None = None, noise: float = 1.0):
+        self.vocab_size, self.seed, self.scale, self.base, self.noise = vocab_size, seed, scale, base, noise
+        self._table: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def logits(self, context: tuple[int, ...]) -> torch.Tensor:
+        if context not in self._table:
+            g = torch.Generator().manual_seed(zlib.crc32(bytes(str((self.seed, context)), "utf8")))
+            own = torch.randn(self.vocab_size, generator=g, dtype=torch.float64) * self.scale
+            self._table[context] = own if self.base is None else self.base.logits(context) + self.noise * own
+        return self._table[context]
+
+    def joint(self, prompt: tuple[int, ...], n: int, sampling: SamplingConfig) -> dict[tuple[int, ...], float]:
+        """Exact distribution of the next n tokens under autoregressive sampling."""
+        out: dict[tuple[int, ...], float] = {(): 1.0}
+        for _ in range(n):
+            nxt: dict[tuple[int, ...], float] = {}
+            for seq, w in out.items():
+                p = probs(self.logits(prompt + seq), sampling)
+                for x in torch.nonzero(p).flatten().tolist():
+                    nxt[seq + (x,)] = w * float(p[x])
+            out = nxt
+        return out
+
+
+class TableRunner(Runner):
+    def __init__(self, model: TableModel, max_positions: int | None = None, eos_token_ids=()):
+        self.model, self.vocab_size, self.max_positions = model, model.vocab_size, max_positions
+        self.eos_token_ids = set(eos_token_ids)
+        super().__init__()
+
+    def _reset_cache(self) -> None:
+        self.slots: list[int] = []  # token of every cache slot
+
+    def _forward(self, tokens, positions, visible):
+        n, s = len(tokens), len(self.slots)
+        if visible is None:  # prefill: causal
+            visible = torch.ones(n, s + n, dtype=torch.bool).tril(s)
+        assert visible.shape == (n, s + n)
+        all_tokens = self.slots + list(tokens)
+        rows = []
+        for i in range(n):
+            ctx = tuple(t for t, v in zip(all_tokens, visible[i].tolist()) if v)
+            assert int(positions[i]) == len(ctx) - 1, "position id must equal the number of tokens seen before"
+            assert visible[i, s + i], "a node must see itself"
+            rows.append(self.model.logits(ctx))
+        self.slots = all_tokens
+        return torch.stack(rows)  # [n, V]
+
+    def _keep(self, slots):
+        c = self.n_committed
+        self.slots = self.slots[:c] + [self.slots[s] for s in slots]
+
+
+class ScriptRng(Rng):
+    """Follows `script` (an index into each choice point's options), then takes option 0."""
+
+    def __init__(self, script: list[int]):
+        self.script, self.taken, self.n_options, self.weight = script, [], [], 1.0
+
+    def _choose(self, options: list[tuple[object, float]]):
+        options = [(v, w) for v, w in options if w > 0]
+        k = len(self.taken)
+        i = self.script[k] if k < len(self.script) else 0
+        self.taken.append(i)
+        self.n_options.append(len(options))
+        value, w = options[i]
+        self.weight *= w
+        return value
+
+    def categorical(self, probs: torch.Tensor, n: int = 1) -> list[int]:
+        p = probs.double()
+        p = (p / p.sum()).tolist()
+        return [self._choose(list(enumerate(p))) for _ in range(n)]
+
+    def bernoulli(self, prob: float) -> bool:
+        prob = min(1.0, max(0.0, float(prob)))
+        return self._choose([(True, prob), (False, 1.0 - prob)])
+
+
+def enumerate_outcomes(fn: Callable[[Rng], Hashable]) -> dict[Hashable, float]:
+    """Exact distribution of `fn(rng)` over every possible sequence of random choices."""
+    dist: dict[Hashable, float] = defaultdict(float)
+    script: list[int] = []
+    while True:
+        rng = ScriptRng(script)
+        dist[fn(rng)] += rng.weight
+        taken, n_options = rng.taken, rng.n_options
+        while taken and taken[-1] + 1 >= n_options[-1]:  # odometer over choice sequences
+            taken.pop()
+            n_options.pop()
+        if not taken:
+            return dict(dist)
+        script = taken[:-1] + [taken[-1] + 1]
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    return max(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
