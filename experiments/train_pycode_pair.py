@@ -286,6 +286,39 @@ def heldout_loss(model, ho, seq_len, n_windows, args):
     return tot / max(cnt, 1)
 
 
+class CpuShare:
+    """CPU cores used by *other* processes since the last call (from /proc).
+
+    The machine's cores are shared; when another job keeps a core busy, two OpenMP
+    threads stall each other badly (3x slower steps measured), so the training loop
+    drops to one thread while others are busy and goes back up when they stop."""
+
+    def __init__(self):
+        self.hz = os.sysconf("SC_CLK_TCK")
+        self.prev = self._read()
+
+    @staticmethod
+    def _read():
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:]]
+            busy = sum(v) - v[3] - v[4]  # minus idle, iowait
+            with open("/proc/self/stat") as f:
+                st = f.read().rsplit(")", 1)[1].split()
+            return time.time(), busy, int(st[11]) + int(st[12])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def others(self):
+        cur = self._read()
+        if cur is None or self.prev is None:
+            return 0.0
+        dt = cur[0] - self.prev[0]
+        o = ((cur[1] - self.prev[1]) - (cur[2] - self.prev[2])) / max(dt * self.hz, 1e-9)
+        self.prev = cur
+        return max(o, 0.0)
+
+
 def lr_at(frac, peak, warm=0.04, floor=0.1):
     if frac < warm:
         return peak * max(frac / warm, 0.02)
@@ -327,7 +360,13 @@ def train_stage(name, model, tr, ho, args, minutes, peak_lr, batch, seed, teache
     bar = tqdm(total=int(budget), initial=int(min(elapsed, budget)), unit="s", desc=name,
                mininterval=10, file=sys.stdout, dynamic_ncols=False, ncols=110)
     ema = None
+    share = CpuShare()
     while elapsed < budget:
+        if args.adaptive_threads and args.threads > 1:
+            busy = share.others()
+            nthr = 1 if busy > args.threads - 1.5 else args.threads
+            if nthr != torch.get_num_threads():
+                torch.set_num_threads(nthr)
         frac = elapsed / budget
         lr = lr_at(frac, peak_lr)
         for g in opt.param_groups:
@@ -359,7 +398,8 @@ def train_stage(name, model, tr, ho, args, minutes, peak_lr, batch, seed, teache
         dt, t_last = now - t_last, now
         elapsed += dt
         ema = ce.item() if ema is None else 0.95 * ema + 0.05 * ce.item()
-        post = dict(ce=f"{ema:.3f}", lr=f"{lr:.1e}", step=step, tok=f"{tokens / 1e6:.2f}M")
+        post = dict(ce=f"{ema:.3f}", lr=f"{lr:.1e}", step=step, tok=f"{tokens / 1e6:.2f}M",
+                    thr=torch.get_num_threads())
         if kl is not None:
             post["kl"] = f"{kl.item():.3f}"
         bar.set_postfix(post, refresh=False)
@@ -377,6 +417,7 @@ def train_stage(name, model, tr, ho, args, minutes, peak_lr, batch, seed, teache
             last_save = elapsed
             t_last = time.time()
     bar.close()
+    torch.set_num_threads(args.threads)
     save()
     final = history[-1]["heldout_loss"] if history else heldout_loss(model, ho, seq, args.eval_windows, args)
     return dict(steps=step, tokens_seen=tokens, train_minutes=round(elapsed / 60, 2),
@@ -471,6 +512,8 @@ def main():
     ap.add_argument("--eval-every", type=float, default=5.0, help="minutes")
     ap.add_argument("--eval-windows", type=int, default=64)
     ap.add_argument("--save-every", type=float, default=5.0, help="minutes")
+    ap.add_argument("--no-adaptive-threads", dest="adaptive_threads", action="store_false",
+                    help="keep --threads even while other processes keep cores busy")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="smoke test: tiny models, ~0.3 min stages")
     ap.add_argument("--eval-only", action="store_true",
