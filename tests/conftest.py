@@ -8,6 +8,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 VOCAB = 96
 
+# Tiny models: threads only add synchronisation cost (8x slower on 2 busy cores).
+torch.set_num_threads(1)
+
 
 def tiny_llama(
     seed: int,
@@ -65,3 +68,15 @@ def target64():
 @pytest.fixture(scope="session")
 def draft64():
     return tiny_llama(seed=1, hidden=16, layers=1, heads=2, kv_heads=1)
+
+
+def perturbed(model: LlamaForCausalLM, noise: float, seed: int) -> LlamaForCausalLM:
+    """A draft that agrees with `model` often but not always: its weights plus Gaussian noise."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * noise * p.std())
+    return draft

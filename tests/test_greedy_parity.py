@@ -1,0 +1,70 @@
+"""Greedy speculative decoding reproduces Hugging Face greedy `generate`, token for token.
+
+float64 tiny models, so that the tree forward and the sequential forward cannot disagree on
+an argmax through rounding. Drafts are noisy copies of the target: they agree often enough to
+exercise long accepted paths, corrections and bonus tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
+
+from .conftest import VOCAB, perturbed, tiny_llama
+
+GREEDY = SamplingConfig(temperature=0)
+PROMPTS = [[(7 * i + 3 * j) % (VOCAB - 2) + 2 for j in range(1 + (i * 5) % 13)] for i in range(10)]
+TREES = [
+    None,
+    TreeConfig(1, 4),
+    TreeConfig(2, 3),
+    TreeConfig(4, 5),
+    TreeConfig(3, 3, "without_replacement"),
+    TreeConfig(3, 4, "topk"),
+]
+
+
+@pytest.fixture(scope="module", params=["llama", "llama32-shaped"])
+def pair(request):
+    if request.param == "llama":
+        target = tiny_llama(0)
+    else:
+        target = tiny_llama(2, hidden=48, heads=6, kv_heads=2, layers=3, llama32=True)
+    return target, perturbed(target, noise=0.3, seed=1)
+
+
+def hf_greedy(model, prompt, n, stop_at_eos=True):
+    kwargs = {} if stop_at_eos else {"eos_token_id": None}
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0, **kwargs)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("tree", TREES, ids=str)
+def test_greedy_equals_hf_generate(pair, tree):
+    target, draft = pair
+    dec = SpeculativeDecoder(target, draft)
+    accepted = 0
+    for prompt in PROMPTS:
+        want = hf_greedy(target, prompt, 40, stop_at_eos=False)
+        out = dec.generate(prompt, 40, tree=tree, sampling=GREEDY, ignore_eos=True)
+        assert out.token_ids == want, f"prompt {prompt}"
+        accepted += out.sources.count("accepted")
+    if tree is not None:
+        assert accepted > 0  # the drafts were really used
+
+
+def test_greedy_stops_at_eos_like_hf(pair):
+    target, draft = pair
+    dec = SpeculativeDecoder(target, draft)
+    eos = int(target.generation_config.eos_token_id)
+    hits = 0
+    for prompt in PROMPTS:
+        want = hf_greedy(target, prompt, 60)
+        out = dec.generate(prompt, 60, tree=TreeConfig(2, 4), sampling=GREEDY)
+        assert out.token_ids == want
+        hits += out.finish_reason == "eos"
+        assert (out.finish_reason == "eos") == (eos in out.token_ids)
+    assert hits > 0  # some prompts really ended at EOS

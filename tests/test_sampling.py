@@ -1,0 +1,72 @@
+"""Sampling transforms and the residual algebra."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treespec import SamplingConfig
+from treespec.sampling import check_finite, probs, remove_token, residual
+
+LOGITS = torch.log(torch.tensor([0.05, 0.4, 0.3, 0.15, 0.1], dtype=torch.float64))
+
+
+def test_temperature_one_is_softmax_and_float64_is_kept():
+    p = probs(LOGITS, SamplingConfig())
+    assert p.dtype == torch.float64
+    torch.testing.assert_close(p, torch.softmax(LOGITS, -1), rtol=0, atol=1e-15)
+    assert probs(LOGITS.float(), SamplingConfig()).dtype == torch.float32
+    assert probs(LOGITS.bfloat16(), SamplingConfig()).dtype == torch.float32
+
+
+def test_temperature_sharpens():
+    p = probs(LOGITS, SamplingConfig(temperature=0.5))
+    want = torch.tensor([0.05, 0.4, 0.3, 0.15, 0.1], dtype=torch.float64) ** 2
+    torch.testing.assert_close(p, want / want.sum(), rtol=0, atol=1e-15)
+
+
+def test_greedy_is_one_hot_argmax_ignoring_top_k_and_top_p():
+    p = probs(LOGITS, SamplingConfig(temperature=0, top_k=3, top_p=0.2))
+    assert p.tolist() == [0, 1, 0, 0, 0]
+
+
+def test_top_k_keeps_k_most_likely():
+    p = probs(LOGITS, SamplingConfig(top_k=2))
+    torch.testing.assert_close(p, torch.tensor([0, 4 / 7, 3 / 7, 0, 0], dtype=torch.float64), rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("top_p,kept", [(0.39, [1]), (0.41, [1, 2]), (0.69, [1, 2]), (0.71, [1, 2, 3]), (1.0, [0, 1, 2, 3, 4])])
+def test_top_p_keeps_the_smallest_set_reaching_top_p(top_p, kept):
+    p = probs(LOGITS, SamplingConfig(top_p=top_p))
+    assert torch.nonzero(p).flatten().tolist() == kept
+    assert abs(float(p.sum()) - 1) < 1e-12
+
+
+def test_top_k_then_top_p_apply_to_batched_rows():
+    rows = torch.stack([LOGITS, LOGITS.flip(0)])
+    p = probs(rows, SamplingConfig(top_k=3, top_p=0.8))
+    # top-3 renormalised: .4/.85 + .3/.85 = .82 reaches .8 after two tokens
+    assert torch.nonzero(p[0]).flatten().tolist() == [1, 2]
+    assert torch.nonzero(p[1]).flatten().tolist() == [2, 3]
+
+
+def test_residual():
+    r = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    q = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
+    torch.testing.assert_close(residual(r, q), torch.tensor([1.0, 0, 0], dtype=torch.float64))
+    assert residual(r, r.clone()) is r  # zero-probability rejection: keep r
+
+
+def test_remove_token_and_uniform_fallback():
+    q = torch.tensor([0.5, 0.5, 0.0, 0.0], dtype=torch.float64)
+    torch.testing.assert_close(remove_token(q, 0), torch.tensor([0, 1.0, 0, 0], dtype=torch.float64))
+    drawn = torch.tensor([True, False, False, False])
+    left = remove_token(torch.tensor([1.0, 0, 0, 0], dtype=torch.float64), 0, drawn)
+    torch.testing.assert_close(left, torch.tensor([0, 1 / 3, 1 / 3, 1 / 3], dtype=torch.float64))
+
+
+def test_check_finite():
+    check_finite(torch.tensor([0.0, float("-inf")]), "target")  # a forbidden token is fine
+    for bad in ([0.0, float("nan")], [0.0, float("inf")], [float("-inf"), float("-inf")]):
+        with pytest.raises(ValueError, match="target"):
+            check_finite(torch.tensor(bad), "target")
