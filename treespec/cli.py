@@ -1,0 +1,194 @@
+"""The `treespec` command: generate text with tree speculation, or benchmark it.
+
+    treespec generate "def quicksort(xs):" --width 4 --depth 4 --show-tree
+    treespec bench --max-new-tokens 64 --repeats 3 --json bench.json
+
+Both default to the bundled pair (treespec/zoo/pycode). Errors are one line on stderr and
+exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .config import STRATEGIES, SamplingConfig, TreeConfig
+
+COLOURS = {"accepted": "\033[32m", "correction": "\033[33m", "bonus": "\033[36m"}  # green, yellow, cyan
+RESET = "\033[0m"
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit code 2."""
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models (default: the bundled pycode pair)")
+    g.add_argument("--target", help="target model: HF id or local directory")
+    g.add_argument("--draft", help="draft model: HF id or local directory")
+    g.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
+    g.add_argument("--device", default=None, help="torch device (default: cpu)")
+
+
+def _add_decode_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    g = p.add_argument_group("speculation and sampling")
+    g.add_argument("--width", type=int, default=4, help="tree width; 1 = linear speculation (default 4)")
+    g.add_argument("--depth", type=int, default=4, help="draft tokens per branch (default 4)")
+    g.add_argument("--strategy", default="iid", choices=STRATEGIES, help="tree construction (default iid)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    g.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="treespec", description="Lossless tree speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a continuation of a prompt")
+    gen.add_argument("prompt", help="text to continue")
+    gen.add_argument("--plain", action="store_true", help="no speculation: plain autoregressive decoding")
+    gen.add_argument("--ignore-eos", action="store_true", help="decode exactly --max-new-tokens tokens")
+    gen.add_argument("--show-tree", action="store_true", help="colour tokens by origin and print statistics")
+    _add_decode_args(gen, max_new_tokens=128)
+    _add_model_args(gen)
+
+    bench = sub.add_parser("bench", help="compare treespec with HF generate() on a prompt set")
+    bench.add_argument("--prompts", type=Path, help="JSON list of prompts (default: bundled held-out prompts)")
+    bench.add_argument("--n-prompts", type=int, default=8, help="use the first N prompts (default 8)")
+    bench.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
+    bench.add_argument("--methods", default=",".join(_bench_methods()), help="comma-separated subset")
+    bench.add_argument("--json", type=Path, default=Path("treespec-bench.json"), help="where to write results")
+    _add_decode_args(bench, max_new_tokens=64)
+    _add_model_args(bench)
+    return parser
+
+
+def _bench_methods():
+    from .bench import METHODS
+
+    return METHODS
+
+
+def _configs(args) -> tuple[TreeConfig, SamplingConfig]:
+    try:
+        tree = TreeConfig(width=args.width, depth=args.depth, strategy=args.strategy)
+        sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    except ValueError as e:
+        raise CliError(str(e).replace("TreeConfig.", "--")) from e
+    return tree, sampling
+
+
+def _load(args):
+    from .decoder import SpeculativeDecoder
+
+    if (args.target is None) != (args.draft is None):
+        raise CliError("give --target and --draft together (or neither, for the bundled pair)")
+    return SpeculativeDecoder.from_pretrained(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
+
+
+def cmd_generate(args) -> None:
+    tree, sampling = _configs(args)
+    dec = _load(args)
+    if dec.tokenizer is None:
+        raise CliError(f"no tokenizer found next to the target model {args.target!r}")
+    ids: list[int] = []
+    shown = ""
+
+    def on_tokens(new: list[int], sources: list[str]) -> None:
+        nonlocal shown
+        for t, src in zip(new, sources):
+            ids.append(t)
+            text = dec.tokenizer.decode(ids, skip_special_tokens=True)
+            piece, shown = text[len(shown) :], text
+            sys.stdout.write(f"{COLOURS[src]}{piece}{RESET}" if args.show_tree else piece)
+        sys.stdout.flush()
+
+    sys.stdout.write(args.prompt)
+    out = dec.generate(
+        args.prompt,
+        args.max_new_tokens,
+        tree=None if args.plain else tree,
+        sampling=sampling,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        on_tokens=on_tokens,
+    )
+    sys.stdout.write("\n")
+    if args.show_tree:
+        s = out.stats
+        legend = " ".join(f"{COLOURS[k]}{k}{RESET}" for k in COLOURS)
+        print(f"\n[{legend}]")
+        print(f"tokens {s.tokens} in {s.target_steps} target steps: {s.tokens_per_step:.2f} tokens/step, "
+              f"{s.tokens_per_second:.1f} tokens/s ({out.finish_reason})")
+        if s.acceptance_by_depth:
+            print("acceptance by depth: " + " ".join(f"d{d + 1}={a:.2f}" for d, a in enumerate(s.acceptance_by_depth)))
+        print(f"time: draft {s.draft_seconds:.2f}s, verify {s.verify_seconds:.2f}s, prefill {s.prefill_seconds:.2f}s, "
+              f"other {s.other_seconds:.2f}s; draft forwards {s.draft_forwards}, tree nodes/step "
+              f"{s.tree_nodes / max(1, s.target_steps):.1f}")
+
+
+def cmd_bench(args) -> None:
+    from .bench import run_bench
+    from .zoo import ZOO
+
+    tree, sampling = _configs(args)
+    path = args.prompts or ZOO / "pycode" / "heldout_prompts.json"
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise CliError(f"cannot read prompts from {path}: {e}") from e
+    prompts = [p["text"] if isinstance(p, dict) else p for p in (data["prompts"] if isinstance(data, dict) else data)]
+    prompts = prompts[: args.n_prompts]
+    if not prompts or not all(isinstance(p, str) and p for p in prompts):
+        raise CliError(f"{path} must hold a non-empty JSON list of non-empty prompt strings")
+    if args.repeats < 1 or args.n_prompts < 1:
+        raise CliError("--repeats and --n-prompts must be >= 1")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    dec = _load(args)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
+    config["n_prompts"] = len(prompts)
+    result = run_bench(dec, prompts, args.max_new_tokens, tree, sampling, args.repeats, methods,
+                       progress=lambda msg: print(f"\r\033[K{msg}", end="", file=sys.stderr), config=config)
+    print("\r\033[K", end="", file=sys.stderr)
+    base = next((r.tokens_per_second for r in result.methods if r.method == "hf"), None)
+    print(f"{'method':<16}{'tokens/s':>10}{'speedup':>9}{'tokens/step':>13}  acceptance by depth")
+    for r in result.methods:
+        speed = f"{r.tokens_per_second / base:.2f}x" if base else "-"
+        tps = f"{r.tokens_per_step:.2f}" if r.tokens_per_step is not None else "-"
+        acc = " ".join(f"{a:.2f}" for a in r.acceptance_by_depth or [])
+        print(f"{r.method:<16}{r.tokens_per_second:>10.1f}{speed:>9}{tps:>13}  {acc}")
+    print("cost: " + ", ".join(f"{k}={v:.4g}" for k, v in result.cost.items()))
+    args.json.write_text(json.dumps(result.to_json(), indent=2))
+    print(f"wrote {args.json}")
+
+
+def _quiet_transformers() -> None:
+    """Progress bars and advisory warnings from transformers would interleave with the output."""
+    from huggingface_hub.utils import logging as hub_logging
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    hub_logging.set_verbosity_error()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)  # usage errors exit 2 with argparse's one-line message
+    _quiet_transformers()
+    try:
+        {"generate": cmd_generate, "bench": cmd_bench}[args.command](args)
+    except (CliError, ValueError) as e:
+        print(f"treespec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
