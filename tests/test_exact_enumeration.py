@@ -128,7 +128,7 @@ class MixedDrafter(Drafter):
 
 
 @pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
-def test_mixed_proposal_groups_are_lossless(sampling_name, monkeypatch):
+def test_mixed_proposal_groups_are_lossless(sampling_name):
     sampling = SAMPLINGS[sampling_name]
     target = TableModel(V, seed=11)
     drafter = MixedDrafter(
@@ -136,8 +136,7 @@ def test_mixed_proposal_groups_are_lossless(sampling_name, monkeypatch):
         TableModel(V, seed=22, base=target, noise=1.2),
         TableModel(V, seed=23, base=target, noise=0.5),
     )
-    decoder = SpeculativeDecoder(TableRunner(target), TableRunner(target))
-    monkeypatch.setattr(decoder, "_drafter", lambda tree: drafter)
+    decoder = SpeculativeDecoder(TableRunner(target), drafter=drafter)
     got = enumerate_decoder(decoder, TreeConfig(width=1, depth=2), sampling, k=2)
     assert max_abs_diff(got, target.joint(PROMPT, 2, sampling)) < 1e-9
 
@@ -150,3 +149,25 @@ def test_enumeration_detects_a_biased_walk(monkeypatch):
     decoder = SpeculativeDecoder(TableRunner(target), TableRunner(draft))
     got = enumerate_decoder(decoder, TreeConfig(width=2, depth=1), SAMPLINGS["T1"], k=2)
     assert max_abs_diff(got, target.joint(PROMPT, 2, SAMPLINGS["T1"])) > 1e-3
+
+
+LONG_PROMPT = (1, 0, 2, 1, 0)  # gives the model-free drafters something to match
+
+
+@pytest.mark.parametrize("sampling_name", list(SAMPLINGS) + ["greedy"])
+@pytest.mark.parametrize("drafter", ["ngram", "lookup", "merged"])
+@pytest.mark.parametrize("width,depth", [(1, 2), (2, 2), (3, 1)])
+def test_model_free_and_merged_drafters_are_lossless(drafter, width, depth, sampling_name):
+    sampling = SAMPLINGS.get(sampling_name, SamplingConfig(temperature=0))
+    target, draft = pair()
+    decoder = SpeculativeDecoder(TableRunner(target), TableRunner(draft), drafter=drafter)
+    used = []
+
+    def run(rng):
+        out = decoder.generate(list(LONG_PROMPT), K, tree=TreeConfig(width, depth), sampling=sampling, rng=rng, ignore_eos=True)
+        used.append(out.stats.tree_nodes)
+        return tuple(out.token_ids)
+
+    got = enumerate_outcomes(run)
+    assert max_abs_diff(got, target.joint(LONG_PROMPT, K, sampling)) < 1e-9
+    assert max(used) > 0  # the drafter proposed something in some runs

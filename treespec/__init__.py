@@ -10,7 +10,7 @@
 
 from .config import SamplingConfig, TreeConfig
 from .decoder import SpeculativeDecoder
-from .drafters import Drafter, ModelDrafter
+from .drafters import Drafter, MergedDrafter, ModelDrafter, NgramDrafter, PromptLookupDrafter
 from .proposal import DraftTree, Draw, ProposalGroup
 from .rng import Rng, TorchRng
 from .runner import HFRunner, Runner
@@ -25,7 +25,10 @@ __all__ = [
     "GenerationOutput",
     "GenerationStats",
     "HFRunner",
+    "MergedDrafter",
     "ModelDrafter",
+    "NgramDrafter",
+    "PromptLookupDrafter",
     "ProposalGroup",
     "Rng",
     "Runner",

@@ -37,6 +37,8 @@ def _add_decode_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     g.add_argument("--width", type=int, default=4, help="tree width; 1 = linear speculation (default 4)")
     g.add_argument("--depth", type=int, default=4, help="draft tokens per branch (default 4)")
     g.add_argument("--strategy", default="iid", choices=STRATEGIES, help="tree construction (default iid)")
+    g.add_argument("--drafter", default="model", choices=("model", "ngram", "lookup", "merged"),
+                   help="who proposes: the draft model, n-gram tables, prompt lookup, or model+n-gram merged")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
@@ -87,7 +89,9 @@ def _load(args):
 
     if (args.target is None) != (args.draft is None):
         raise CliError("give --target and --draft together (or neither, for the bundled pair)")
-    return SpeculativeDecoder.from_pretrained(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device)
+    return SpeculativeDecoder.from_pretrained(
+        target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, drafter=args.drafter
+    )
 
 
 def cmd_generate(args) -> None:

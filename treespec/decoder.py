@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .config import SamplingConfig, TreeConfig
-from .drafters import Drafter, ModelDrafter
+from .drafters import Drafter, MergedDrafter, ModelDrafter, NgramDrafter, PromptLookupDrafter
 from .proposal import DraftTree
 from .rng import Rng, TorchRng
 from .runner import HFRunner, Runner
@@ -32,10 +32,22 @@ class SpeculativeDecoder:
 
     `target` and `draft` are Hugging Face causal LMs (loaded with an attention implementation
     that honours 4D masks: "sdpa" or "eager") or treespec `Runner`s. `draft` may be None for
-    plain decoding (`tree=None`) only.
+    plain decoding (`tree=None`) and for model-free drafters.
+
+    `drafter` chooses who proposes the tree:
+      "model"   the draft model, shaped by `TreeConfig` (default)
+      "ngram"   `NgramDrafter(width)`: n-gram tables over the sequence, no draft model
+      "lookup"  `PromptLookupDrafter(width)`: continuations of earlier matches in the context
+      "merged"  the draft model's tree and the n-gram tree merged into one
+      a `Drafter` instance: used as it is; `TreeConfig.depth` still caps each round's depth
     """
 
-    def __init__(self, target, draft=None, tokenizer=None):
+    DRAFTERS = ("model", "ngram", "lookup", "merged")
+
+    def __init__(self, target, draft=None, tokenizer=None, drafter: str | Drafter = "model"):
+        if not isinstance(drafter, Drafter) and drafter not in self.DRAFTERS:
+            raise ValueError(f"drafter must be one of {', '.join(self.DRAFTERS)} or a Drafter, got {drafter!r}")
+        self.drafter = drafter
         self.target_model, self.draft_model, self.tokenizer = target, draft, tokenizer
         self._target = target if isinstance(target, Runner) else HFRunner(target)
         self._draft = None if draft is None else draft if isinstance(draft, Runner) else HFRunner(draft)
@@ -54,6 +66,7 @@ class SpeculativeDecoder:
         dtype: torch.dtype | str | None = None,
         device: torch.device | str | None = None,
         attn_implementation: str = "sdpa",
+        drafter: str | Drafter = "model",
     ) -> SpeculativeDecoder:
         """Load target, draft and the target's tokenizer from HF ids or local directories.
 
@@ -72,7 +85,7 @@ class SpeculativeDecoder:
             tokenizer = AutoTokenizer.from_pretrained(str(target))
         except (OSError, ValueError):
             tokenizer = None  # token-id prompts still work
-        return cls(models[0], models[1], tokenizer)
+        return cls(models[0], models[1], tokenizer, drafter=drafter)
 
     def generate(
         self,
@@ -157,9 +170,19 @@ class SpeculativeDecoder:
 
     # ---- helpers ---------------------------------------------------------------------------
     def _drafter(self, tree: TreeConfig) -> Drafter:
+        if isinstance(self.drafter, Drafter):
+            return self.drafter
+        if self.drafter == "ngram":
+            return NgramDrafter(tree.width)
+        if self.drafter == "lookup":
+            return PromptLookupDrafter(tree.width)
         if self._draft is None:
-            raise ValueError("tree speculation needs a draft model; pass draft=..., or tree=None for plain decoding")
-        return ModelDrafter(self._draft, tree)
+            raise ValueError(
+                f"drafter={self.drafter!r} needs a draft model; pass draft=..., use drafter='ngram' or "
+                f"'lookup', or tree=None for plain decoding"
+            )
+        model = ModelDrafter(self._draft, tree)
+        return model if self.drafter == "model" else MergedDrafter([model, NgramDrafter(tree.width)])
 
     def _check(self, prompt, max_new_tokens, tree, sampling) -> list[int]:
         if not isinstance(sampling, SamplingConfig):

@@ -63,5 +63,30 @@ class DraftTree:
         """No proposals: the target samples one token (plain autoregressive step)."""
         return cls(TokenTree([token], [-1]))
 
+    @classmethod
+    def from_paths(cls, root: int, paths: Sequence[Sequence[int]]) -> DraftTree:
+        """Deterministic proposals given as token paths below `root`, merged into a prefix tree.
+
+        Each distinct token under a node becomes one deterministic proposal, in the order the
+        paths first propose it (so list the preferred path first).
+        """
+        tokens, parents = [int(root)], [-1]
+        index: dict[tuple[int, ...], int] = {(): 0}
+        kids: dict[int, list[int]] = {}
+        for path in paths:
+            prefix: tuple[int, ...] = ()
+            for t in path:
+                node = index.get(prefix + (int(t),))
+                if node is None:
+                    tokens.append(int(t))
+                    parents.append(index[prefix])
+                    node = index[prefix + (int(t),)] = len(tokens) - 1
+                    kids.setdefault(index[prefix], []).append(node)
+                prefix += (int(t),)
+        groups = tuple(
+            ProposalGroup(u, Draw.DETERMINISTIC, tuple(tokens[c] for c in cs), tuple(cs)) for u, cs in kids.items()
+        )
+        return cls(TokenTree(tokens, parents), groups)
+
     def groups_at(self, node: int) -> Sequence[ProposalGroup]:
         return self._by_parent.get(node, ())

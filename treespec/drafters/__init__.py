@@ -1,6 +1,8 @@
 """Draft samplers: anything that proposes a token tree for the target to verify."""
 
 from .base import Drafter
+from .merged import MergedDrafter
 from .model import ModelDrafter
+from .ngram import NgramDrafter, PromptLookupDrafter
 
-__all__ = ["Drafter", "ModelDrafter"]
+__all__ = ["Drafter", "MergedDrafter", "ModelDrafter", "NgramDrafter", "PromptLookupDrafter"]

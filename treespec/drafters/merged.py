@@ -1,0 +1,63 @@
+"""Several drafters, one tree: SpecInfer's merge-based construction.
+
+Each drafter proposes its own tree; identical token paths become one node. Every drafter's
+proposal groups are kept as they were, only re-pointed at the merged nodes, so a node can
+hold groups of different kinds and different q (a draft model's i.i.d. samples next to an
+n-gram's deterministic guess). Verification tries them one after another with the running
+residual, which keeps the walk exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..config import SamplingConfig
+from ..proposal import DraftTree, ProposalGroup
+from ..rng import Rng
+from ..tree import TokenTree
+from ..verify import Walk
+from .base import Drafter
+
+
+class MergedDrafter(Drafter):
+    def __init__(self, drafters: Sequence[Drafter]):
+        if not drafters:
+            raise ValueError("MergedDrafter needs at least one drafter")
+        self.drafters = list(drafters)
+
+    def start(self, prompt: Sequence[int], sampling: SamplingConfig, rng: Rng) -> None:
+        for d in self.drafters:
+            d.start(prompt, sampling, rng)
+
+    def propose(self, context: Sequence[int], depth: int) -> DraftTree:
+        tokens, parents = [int(context[-1])], [-1]
+        index: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
+        groups: list[ProposalGroup] = []
+        self._parts: list[tuple[DraftTree, list[int]]] = []
+        for drafter in self.drafters:
+            part = drafter.propose(context, depth)
+            to_merged = [0]
+            for i in range(1, len(part.tree)):
+                key = (to_merged[part.tree.parents[i]], part.tree.tokens[i])
+                if key not in index:
+                    tokens.append(key[1])
+                    parents.append(key[0])
+                    index[key] = len(tokens) - 1
+                to_merged.append(index[key])
+            groups += [
+                ProposalGroup(to_merged[g.parent], g.draw, g.tokens, tuple(to_merged[c] for c in g.children), g.q)
+                for g in part.groups
+            ]
+            self._parts.append((part, to_merged))
+        return DraftTree(TokenTree(tokens, parents), tuple(groups))
+
+    def observe(self, draft: DraftTree, walk: Walk) -> None:
+        """Each drafter hears the accepted path projected onto its own tree."""
+        for drafter, (part, to_merged) in zip(self.drafters, self._parts):
+            from_merged = {m: i for i, m in enumerate(to_merged)}
+            path = [0]
+            for n in walk.path[1:]:
+                if n not in from_merged:
+                    break
+                path.append(from_merged[n])
+            drafter.observe(part, Walk(tuple(path), walk.token, walk.kind))
