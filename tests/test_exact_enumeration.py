@@ -46,7 +46,7 @@ def enumerate_decoder(decoder: SpeculativeDecoder, tree, sampling, k: int = K):
 
 
 @pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
-@pytest.mark.parametrize("strategy", ["iid", "without_replacement", "topk"])
+@pytest.mark.parametrize("strategy", ["iid", "without_replacement", "topk", "dynamic"])
 @pytest.mark.parametrize("width,depth", SHAPES)
 def test_model_drafter_is_lossless(strategy, width, depth, sampling_name):
     sampling = SAMPLINGS[sampling_name]
@@ -58,7 +58,7 @@ def test_model_drafter_is_lossless(strategy, width, depth, sampling_name):
     assert max_abs_diff(got, want) < 1e-9
 
 
-@pytest.mark.parametrize("strategy", ["iid", "without_replacement", "topk"])
+@pytest.mark.parametrize("strategy", ["iid", "without_replacement", "topk", "dynamic"])
 @pytest.mark.parametrize("width,depth", SHAPES)
 def test_greedy_walk_is_the_target_argmax_chain(strategy, width, depth):
     target, draft = pair()
@@ -171,3 +171,21 @@ def test_model_free_and_merged_drafters_are_lossless(drafter, width, depth, samp
     got = enumerate_outcomes(run)
     assert max_abs_diff(got, target.joint(LONG_PROMPT, K, sampling)) < 1e-9
     assert max(used) > 0  # the drafter proposed something in some runs
+
+
+@pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
+@pytest.mark.parametrize(
+    "tree",
+    [
+        TreeConfig(2, 2, "dynamic", budget=3),
+        TreeConfig(2, 1, adaptive="hf", depth_min=1, depth_max=2),
+        TreeConfig(1, 2, "without_replacement", adaptive="entropy", depth_min=1, depth_max=2, ema_beta=0.5),
+    ],
+    ids=["dynamic-budget3", "adaptive-hf", "adaptive-entropy"],
+)
+def test_budgets_and_adaptive_depth_are_lossless(tree, sampling_name):
+    sampling = SAMPLINGS[sampling_name]
+    target, draft = pair()
+    decoder = SpeculativeDecoder(TableRunner(target), TableRunner(draft))
+    got = enumerate_decoder(decoder, tree, sampling, k=4)
+    assert max_abs_diff(got, target.joint(PROMPT, 4, sampling)) < 1e-9

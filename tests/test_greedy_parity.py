@@ -25,6 +25,9 @@ TREES = [
     TreeConfig(4, 5),
     TreeConfig(3, 3, "without_replacement"),
     TreeConfig(3, 4, "topk"),
+    TreeConfig(3, 4, "dynamic", budget=8),
+    TreeConfig(2, 3, adaptive="hf", depth_min=1, depth_max=6),
+    TreeConfig(2, 3, adaptive="entropy", depth_min=1, depth_max=6),
 ]
 
 

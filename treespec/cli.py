@@ -37,6 +37,9 @@ def _add_decode_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     g.add_argument("--width", type=int, default=4, help="tree width; 1 = linear speculation (default 4)")
     g.add_argument("--depth", type=int, default=4, help="draft tokens per branch (default 4)")
     g.add_argument("--strategy", default="iid", choices=STRATEGIES, help="tree construction (default iid)")
+    g.add_argument("--budget", type=int, default=None, help="strategy dynamic: draft nodes kept per round")
+    g.add_argument("--adaptive", default=None, choices=("hf", "entropy"), help="adapt the depth between rounds")
+    g.add_argument("--depth-max", type=int, default=8, help="adaptive depth upper bound (default 8)")
     g.add_argument("--drafter", default="model", choices=("model", "ngram", "lookup", "merged"),
                    help="who proposes: the draft model, n-gram tables, prompt lookup, or model+n-gram merged")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -77,7 +80,8 @@ def _bench_methods():
 
 def _configs(args) -> tuple[TreeConfig, SamplingConfig]:
     try:
-        tree = TreeConfig(width=args.width, depth=args.depth, strategy=args.strategy)
+        tree = TreeConfig(width=args.width, depth=args.depth, strategy=args.strategy, budget=args.budget,
+                          adaptive=args.adaptive, depth_max=args.depth_max)
         sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     except ValueError as e:
         raise CliError(str(e).replace("TreeConfig.", "--")) from e

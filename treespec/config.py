@@ -10,8 +10,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-Strategy = Literal["iid", "without_replacement", "topk"]
-STRATEGIES: tuple[str, ...] = ("iid", "without_replacement", "topk")
+Strategy = Literal["iid", "without_replacement", "topk", "dynamic"]
+STRATEGIES: tuple[str, ...] = ("iid", "without_replacement", "topk", "dynamic")
+ADAPTIVE: tuple[str, ...] = ("hf", "entropy")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,15 @@ class TreeConfig:
     - "topk": deterministic beam. Each expanded node proposes its `width` most likely draft
       tokens; at each depth the `width` children with the highest draft path probability
       are kept (best-first by path probability). At most `width * depth` nodes.
+    - "dynamic" (EAGLE-2): like "topk", but every one of the `width` expanded nodes keeps
+      all its `width` children; after the last depth the `budget` nodes with the highest
+      draft path probability are kept (an ancestor-closed set). Deterministic proposals.
+
+    Adaptive depth (`adaptive`), from the drafter's feedback after each round:
+    - "hf": Hugging Face's heuristic; depth + 2 after a fully accepted round, - 1 otherwise.
+    - "entropy": EGAG-style; depth maps the EMA (factor `ema_beta`) of the draft's normalised
+      entropy at the root linearly onto [depth_min, depth_max] (confident draft: deeper).
+    Adaptive depth stays within [depth_min, depth_max]; `depth` is the starting depth.
 
     At temperature 0 the draft is read greedily: "iid" proposes the draft's argmax chain
     (its samples would all be equal), "without_replacement" takes the draft's top tokens
@@ -68,9 +78,14 @@ class TreeConfig:
     width: int = 1  # branching: sequences ("iid") or children per node / beam size
     depth: int = 4  # draft tokens per branch; a round emits between 1 and depth + 1 tokens
     strategy: Strategy = "iid"  # see the class docstring
+    budget: int | None = None  # "dynamic": draft nodes kept per round (default width * depth)
+    adaptive: str | None = None  # None (fixed depth), "hf" or "entropy"
+    depth_min: int = 1  # adaptive depth lower bound
+    depth_max: int = 8  # adaptive depth upper bound
+    ema_beta: float = 0.8  # "entropy": weight of the past in the entropy EMA, in [0, 1)
 
     def __post_init__(self) -> None:
-        for name in ("width", "depth"):
+        for name in ("width", "depth", "depth_min", "depth_max") + (("budget",) if self.budget is not None else ()):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"TreeConfig.{name} must be an integer >= 1, got {v!r}")
@@ -78,3 +93,22 @@ class TreeConfig:
             raise ValueError(
                 f"TreeConfig.strategy must be one of {', '.join(STRATEGIES)}; got {self.strategy!r}"
             )
+        if self.budget is not None and self.strategy != "dynamic":
+            raise ValueError("TreeConfig.budget applies to strategy='dynamic' only")
+        if self.adaptive is not None and self.adaptive not in ADAPTIVE:
+            raise ValueError(f"TreeConfig.adaptive must be None, 'hf' or 'entropy'; got {self.adaptive!r}")
+        if self.adaptive is not None and not self.depth_min <= self.depth <= self.depth_max:
+            raise ValueError(
+                f"adaptive depth needs depth_min <= depth <= depth_max, got {self.depth_min}, {self.depth}, {self.depth_max}"
+            )
+        if not 0 <= self.ema_beta < 1:
+            raise ValueError(f"TreeConfig.ema_beta must be in [0, 1), got {self.ema_beta!r}")
+
+    @property
+    def max_depth(self) -> int:
+        """The deepest a round can go."""
+        return self.depth if self.adaptive is None else self.depth_max
+
+    @property
+    def node_budget(self) -> int:
+        return self.budget if self.budget is not None else self.width * self.depth

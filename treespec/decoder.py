@@ -127,7 +127,7 @@ class SpeculativeDecoder:
         while len(out) < max_new_tokens:
             # 1. propose: never deeper than the tokens still wanted (a round emits <= depth + 1)
             t0 = time.perf_counter()
-            depth = 0 if drafter is None else min(tree.depth, max_new_tokens - len(out) - 1)
+            depth = 0 if drafter is None else min(tree.max_depth, max_new_tokens - len(out) - 1)
             draft = drafter.propose(context, depth) if depth else DraftTree.root_only(context[-1])
             t1 = time.perf_counter()
             # 2. score every node in one target forward; 3. verify; 4. commit the accepted path

@@ -48,10 +48,14 @@ class ModelDrafter(Drafter):
 
     def start(self, prompt: Sequence[int], sampling: SamplingConfig, rng: Rng) -> None:
         self.sampling, self.rng = sampling, rng
+        self.depth = self.config.depth  # current depth; moves when config.adaptive is set
+        self.entropy_ema: float | None = None
         self.runner.reset()
         self.runner.prefill(list(prompt[:-1]))
 
     def propose(self, context: Sequence[int], depth: int) -> DraftTree:
+        depth = min(depth, self.depth)
+        self._round_depth = depth
         run = self.runner
         if list(context[: run.n_committed]) != run.committed:
             raise RuntimeError("draft cache is out of sync with the committed tokens")
@@ -77,6 +81,8 @@ class ModelDrafter(Drafter):
             for i, n in enumerate(frontier):
                 self._attach(nodes[n], slot0 + i, logits[i])
 
+        if self.config.strategy == "dynamic":
+            nodes, groups = self._prune(nodes, groups, self.config.node_budget)
         self._nodes = nodes
         tree = TokenTree([n.token for n in nodes], [n.parent for n in nodes], vocab_size=run.vocab_size)
         return DraftTree(tree, tuple(groups))
@@ -88,6 +94,19 @@ class ModelDrafter(Drafter):
                 break  # an accepted leaf the draft never fed: caught up next round
             slots.append(self._nodes[n].slot)
         self.runner.commit(slots)
+        self._adapt_depth(walk)
+
+    def _adapt_depth(self, walk: Walk) -> None:
+        cfg = self.config
+        if cfg.adaptive == "hf":  # +2 after a fully accepted round, -1 otherwise
+            full = len(walk.path) - 1 >= self._round_depth
+            self.depth += 2 if full else -1
+        elif cfg.adaptive == "entropy":  # confident draft along the accepted path: go deeper
+            fed = [self._nodes[n].score for n in walk.path if self._nodes[n].score is not None]
+            h = sum(_normalised_entropy(s) for s in fed) / len(fed)
+            self.entropy_ema = h if self.entropy_ema is None else cfg.ema_beta * self.entropy_ema + (1 - cfg.ema_beta) * h
+            self.depth = round(cfg.depth_max - self.entropy_ema * (cfg.depth_max - cfg.depth_min))
+        self.depth = max(cfg.depth_min, min(cfg.depth_max, self.depth)) if cfg.adaptive else cfg.depth
 
     # ---- helpers ---------------------------------------------------------------------------
     def _attach(self, node: _Node, slot: int, logits: torch.Tensor) -> None:
@@ -144,6 +163,41 @@ class ModelDrafter(Drafter):
             new.extend(children)
         return self._best(nodes, new)
 
+    def _expand_dynamic(self, nodes, frontier, groups) -> list[int]:
+        """EAGLE-2: top-`width` children for every frontier node; expand the best `width`."""
+        new: list[int] = []
+        for u in frontier:
+            tokens = self._top_tokens(nodes[u], self.config.width)
+            children = [self._add(nodes, u, x) for x in tokens]
+            if children:
+                groups.append(ProposalGroup(u, Draw.DETERMINISTIC, tuple(tokens), tuple(children)))
+            new.extend(children)
+        return self._best(nodes, new)
+
+    @staticmethod
+    def _prune(nodes: list[_Node], groups: list[ProposalGroup], budget: int):
+        """Keep the `budget` most probable draft nodes (and their ancestors); renumber."""
+        ranked = sorted(range(1, len(nodes)), key=lambda n: (-nodes[n].log_score, n))
+        keep = {0}
+        for n in ranked[:budget]:
+            while n not in keep:  # path probabilities only shrink downwards: usually a no-op
+                keep.add(n)
+                n = nodes[n].parent
+        order = sorted(keep)
+        new_id = {old: i for i, old in enumerate(order)}
+        kept = []
+        for old in order:
+            node = nodes[old]
+            node.parent = new_id.get(node.parent, -1)
+            kept.append(node)
+        new_groups = []
+        for g in groups:
+            assert g.draw is Draw.DETERMINISTIC, "only deterministic proposals may be pruned after drawing"
+            pairs = [(t, new_id[c]) for t, c in zip(g.tokens, g.children) if c in new_id]
+            if pairs and g.parent in new_id:
+                new_groups.append(ProposalGroup(new_id[g.parent], g.draw, tuple(t for t, _ in pairs), tuple(c for _, c in pairs)))
+        return kept, new_groups
+
     def _expand_topk(self, nodes, frontier, groups) -> list[int]:
         """Deterministic beam: the `width` best (parent, token) pairs by path probability."""
         cands = [(u, x) for u in frontier for x in self._top_tokens(nodes[u], self.config.width)]
@@ -157,3 +211,10 @@ class ModelDrafter(Drafter):
                 groups.append(ProposalGroup(u, Draw.DETERMINISTIC, tuple(tokens), tuple(children)))
                 new.extend(children)
         return new
+
+
+def _normalised_entropy(p: torch.Tensor) -> float:
+    """Entropy of p divided by log V: 0 for one-hot, 1 for uniform."""
+    p = p.double()
+    nz = p[p > 0]
+    return float(-(nz * nz.log()).sum() / math.log(p.numel()))

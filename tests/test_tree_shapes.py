@@ -1,0 +1,56 @@
+"""Dynamic (budgeted) trees and adaptive depth: the shapes they produce."""
+
+from __future__ import annotations
+
+from treespec import ModelDrafter, SamplingConfig, TreeConfig
+from treespec.rng import TorchRng
+from treespec.verify import Walk
+
+from .toy import TableModel, TableRunner
+
+V = 6
+GREEDY = SamplingConfig(temperature=0)
+
+
+def drafter(tree: TreeConfig, model: TableModel) -> ModelDrafter:
+    d = ModelDrafter(TableRunner(model), tree)
+    d.start([1, 2, 3], SamplingConfig(temperature=1.0), TorchRng(0))
+    return d
+
+
+def test_dynamic_tree_keeps_the_budget_most_probable_nodes():
+    model = TableModel(V, seed=5)
+    full = drafter(TreeConfig(3, 3, "dynamic", budget=100), model).propose([1, 2, 3], 3)
+    pruned = drafter(TreeConfig(3, 3, "dynamic", budget=5), model).propose([1, 2, 3], 3)
+    assert len(full.tree) == 1 + 3 + 9 + 9 and len(pruned.tree) == 6
+    # the kept nodes are the 5 best token paths of the full tree
+    def paths(d):
+        return {tuple(d.tree.tokens[n] for n in d.tree.path_to(i)[1:]) for i in range(1, len(d.tree))}
+    assert paths(pruned) <= paths(full)
+
+
+def test_hf_adaptive_depth_grows_when_all_accepted_and_shrinks_otherwise():
+    d = drafter(TreeConfig(1, 2, adaptive="hf", depth_min=1, depth_max=6), TableModel(V, seed=5))
+    ctx = [1, 2, 3]
+    depths = []
+    for _ in range(3):  # everything accepted: +2 per round, capped at 6
+        draft = d.propose(ctx, 10)
+        path = tuple(draft.tree.path_to(draft.tree.leaves()[0]))
+        d.observe(draft, Walk(path, 0, "bonus"))
+        ctx = ctx + [draft.tree.tokens[n] for n in path[1:]] + [0]
+        depths.append(d.depth)
+    assert depths == [4, 6, 6]
+    for _ in range(7):  # nothing accepted: -1 per round, floored at 1
+        draft = d.propose(ctx, 10)
+        d.observe(draft, Walk((0,), 0, "correction"))
+        ctx = ctx + [0]
+    assert d.depth == 1
+
+
+def test_entropy_adaptive_depth_follows_draft_confidence():
+    sharp = drafter(TreeConfig(1, 3, adaptive="entropy", depth_min=1, depth_max=8, ema_beta=0.0), TableModel(V, seed=5, scale=30))
+    flat = drafter(TreeConfig(1, 3, adaptive="entropy", depth_min=1, depth_max=8, ema_beta=0.0), TableModel(V, seed=5, scale=0.01))
+    for d in (sharp, flat):
+        draft = d.propose([1, 2, 3], 8)
+        d.observe(draft, Walk((0,), 0, "correction"))
+    assert sharp.depth >= 7 and flat.depth == 1
