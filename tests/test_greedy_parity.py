@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
+from treespec.sequoia import optimal_shape
 
 from .conftest import VOCAB, perturbed, tiny_llama
 
@@ -28,6 +29,7 @@ TREES = [
     TreeConfig(3, 4, "dynamic", budget=8),
     TreeConfig(2, 3, adaptive="hf", depth_min=1, depth_max=6),
     TreeConfig(2, 3, adaptive="entropy", depth_min=1, depth_max=6),
+    TreeConfig(depth=4, strategy="sequoia", shape=optimal_shape((0.6, 0.2, 0.1), 10, 4)),
 ]
 
 

@@ -54,3 +54,20 @@ def test_entropy_adaptive_depth_follows_draft_confidence():
         draft = d.propose([1, 2, 3], 8)
         d.observe(draft, Walk((0,), 0, "correction"))
     assert sharp.depth >= 7 and flat.depth == 1
+
+
+def test_sequoia_drafter_reproduces_the_shape():
+    from treespec.sequoia import optimal_shape
+
+    shape = optimal_shape((0.5, 0.3, 0.1), 9, 3)
+    d = drafter(TreeConfig(depth=3, strategy="sequoia", shape=shape), TableModel(50, seed=5))
+    draft = d.propose([1, 2, 3], 3)
+
+    def rank_paths(parents):  # each node as its path of sibling ranks: order-independent
+        kids, out = {}, {0: ()}
+        for i, p in enumerate(parents[1:], start=1):
+            kids.setdefault(p, []).append(i)
+            out[i] = out[p] + (len(kids[p]) - 1,)
+        return sorted(out.values())
+
+    assert rank_paths(draft.tree.parents) == rank_paths(shape.parents)

@@ -40,6 +40,7 @@ def _add_decode_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     g.add_argument("--budget", type=int, default=None, help="strategy dynamic: draft nodes kept per round")
     g.add_argument("--adaptive", default=None, choices=("hf", "entropy"), help="adapt the depth between rounds")
     g.add_argument("--depth-max", type=int, default=8, help="adaptive depth upper bound (default 8)")
+    g.add_argument("--shape", type=Path, default=None, help="draft along a saved Sequoia TreeShape (JSON)")
     g.add_argument("--drafter", default="model", choices=("model", "ngram", "lookup", "merged"),
                    help="who proposes: the draft model, n-gram tables, prompt lookup, or model+n-gram merged")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -80,8 +81,14 @@ def _bench_methods():
 
 def _configs(args) -> tuple[TreeConfig, SamplingConfig]:
     try:
+        shape = None
+        if args.shape is not None:
+            from .sequoia import TreeShape
+
+            shape = TreeShape.load(args.shape)
+            args.strategy, args.depth = "sequoia", max(1, shape.depth)
         tree = TreeConfig(width=args.width, depth=args.depth, strategy=args.strategy, budget=args.budget,
-                          adaptive=args.adaptive, depth_max=args.depth_max)
+                          adaptive=args.adaptive, depth_max=args.depth_max, shape=shape)
         sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     except ValueError as e:
         raise CliError(str(e).replace("TreeConfig.", "--")) from e

@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-Strategy = Literal["iid", "without_replacement", "topk", "dynamic"]
-STRATEGIES: tuple[str, ...] = ("iid", "without_replacement", "topk", "dynamic")
+Strategy = Literal["iid", "without_replacement", "topk", "dynamic", "sequoia"]
+STRATEGIES: tuple[str, ...] = ("iid", "without_replacement", "topk", "dynamic", "sequoia")
 ADAPTIVE: tuple[str, ...] = ("hf", "entropy")
 
 
@@ -63,6 +63,10 @@ class TreeConfig:
     - "dynamic" (EAGLE-2): like "topk", but every one of the `width` expanded nodes keeps
       all its `width` children; after the last depth the `budget` nodes with the highest
       draft path probability are kept (an ancestor-closed set). Deterministic proposals.
+    - "sequoia": expand along a fixed `shape` (a `treespec.sequoia.TreeShape`, e.g. from
+      `optimal_shape` or `TreeShape.load`), cut at `depth`: a node with c children in the
+      shape draws c distinct tokens without replacement from q (Gumbel-top-k), the k-th draw
+      going to the shape's k-th child. `width` is unused.
 
     Adaptive depth (`adaptive`), from the drafter's feedback after each round:
     - "hf": Hugging Face's heuristic; depth + 2 after a fully accepted round, - 1 otherwise.
@@ -83,6 +87,7 @@ class TreeConfig:
     depth_min: int = 1  # adaptive depth lower bound
     depth_max: int = 8  # adaptive depth upper bound
     ema_beta: float = 0.8  # "entropy": weight of the past in the entropy EMA, in [0, 1)
+    shape: object = None  # "sequoia": the TreeShape to draft along
 
     def __post_init__(self) -> None:
         for name in ("width", "depth", "depth_min", "depth_max") + (("budget",) if self.budget is not None else ()):
@@ -95,6 +100,10 @@ class TreeConfig:
             )
         if self.budget is not None and self.strategy != "dynamic":
             raise ValueError("TreeConfig.budget applies to strategy='dynamic' only")
+        if (self.strategy == "sequoia") != (self.shape is not None):
+            raise ValueError("TreeConfig.shape is required by, and only used with, strategy='sequoia'")
+        if self.shape is not None and not hasattr(self.shape, "children"):
+            raise ValueError("TreeConfig.shape must be a treespec.sequoia.TreeShape (see TreeShape.load)")
         if self.adaptive is not None and self.adaptive not in ADAPTIVE:
             raise ValueError(f"TreeConfig.adaptive must be None, 'hf' or 'entropy'; got {self.adaptive!r}")
         if self.adaptive is not None and not self.depth_min <= self.depth <= self.depth_max:

@@ -39,12 +39,14 @@ class _Node:
     slot: int | None = None  # draft cache slot, once fed
     q: torch.Tensor | None = None  # [V] sampling distribution at this node, once fed
     score: torch.Tensor | None = None  # [V] probabilities used to rank children, once fed
+    shape_id: int = 0  # "sequoia": the node of the TreeShape this node stands for
 
 
 class ModelDrafter(Drafter):
     def __init__(self, runner: Runner, tree: TreeConfig):
         self.runner = runner
         self.config = tree
+        self._shape_children = tree.shape.children() if tree.shape is not None else None
 
     def start(self, prompt: Sequence[int], sampling: SamplingConfig, rng: Rng) -> None:
         self.sampling, self.rng = sampling, rng
@@ -162,6 +164,25 @@ class ModelDrafter(Drafter):
             groups.append(ProposalGroup(u, draw, tuple(tokens), tuple(children), q))
             new.extend(children)
         return self._best(nodes, new)
+
+    def _expand_sequoia(self, nodes, frontier, groups) -> list[int]:
+        """Follow the shape: c shape children -> c draws without replacement, k-th draw to rank k."""
+        shape_children = self._shape_children
+        new: list[int] = []
+        for u in frontier:
+            node, kids = nodes[u], shape_children[nodes[u].shape_id]
+            if self.sampling.greedy:
+                tokens, draw, q = self._top_tokens(node, len(kids)), Draw.DETERMINISTIC, None
+            else:
+                k = min(len(kids), int((node.q > 0).sum()))
+                tokens, draw, q = self.rng.without_replacement(node.q, k), Draw.WITHOUT_REPLACEMENT, node.q
+            children = [self._add(nodes, u, x) for x in tokens]
+            for c, sid in zip(children, kids):
+                nodes[c].shape_id = sid
+            if children:
+                groups.append(ProposalGroup(u, draw, tuple(tokens), tuple(children), q))
+            new.extend(c for c in children if shape_children[nodes[c].shape_id])
+        return new
 
     def _expand_dynamic(self, nodes, frontier, groups) -> list[int]:
         """EAGLE-2: top-`width` children for every frontier node; expand the best `width`."""
