@@ -28,7 +28,7 @@ from treespec import DraftTree, Draw, ProposalGroup, SamplingConfig, Speculative
 from treespec.bench import forward_latency
 from treespec.sampling import probs
 from treespec.sequoia import optimal_shape
-from treespec.zoo import ZOO
+from treespec.zoo import load_prompts
 
 
 def positional_acceptance(p: torch.Tensor, q: torch.Tensor, k: int, trials: int, rng: TorchRng) -> list[float]:
@@ -50,7 +50,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target")
     ap.add_argument("--draft")
-    ap.add_argument("--prompts", type=Path, default=ZOO / "pycode" / "heldout_prompts.json")
+    ap.add_argument("--prompts", type=Path, default=None, help="JSON prompts (default: bundled held-out)")
     ap.add_argument("--n-prompts", type=int, default=16)
     ap.add_argument("--positions", type=int, default=32, help="sampled continuation tokens per prompt")
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -67,8 +67,7 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     dec = SpeculativeDecoder.from_pretrained(target=args.target, draft=args.draft)
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p)
-    data = json.loads(args.prompts.read_text())
-    prompts = [p["text"] if isinstance(p, dict) else p for p in (data["prompts"] if isinstance(data, dict) else data)][: args.n_prompts]
+    prompts = load_prompts(args.prompts, args.n_prompts)
     rng = TorchRng(args.seed)
 
     per_position: list[list[float]] = []

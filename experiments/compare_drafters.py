@@ -26,7 +26,7 @@ import torch
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.sequoia import TreeShape
-from treespec.zoo import ZOO
+from treespec.zoo import load_prompts
 
 
 def configs(args) -> dict[str, tuple[str, TreeConfig | None]]:
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--target")
     ap.add_argument("--draft")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--prompts", type=Path, default=ZOO / "pycode" / "heldout_prompts.json")
+    ap.add_argument("--prompts", type=Path, default=None, help="JSON prompts (default: bundled held-out)")
     ap.add_argument("--n-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--width", type=int, default=4)
@@ -68,8 +68,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("experiments/results/compare_drafters.json"))
     args = ap.parse_args()
 
-    data = json.loads(args.prompts.read_text())
-    prompts = [p["text"] if isinstance(p, dict) else p for p in (data["prompts"] if isinstance(data, dict) else data)][: args.n_prompts]
+    prompts = load_prompts(args.prompts, args.n_prompts)
     sampling = SamplingConfig(temperature=args.temperature)
     base = SpeculativeDecoder.from_pretrained(target=args.target, draft=args.draft, dtype=args.dtype)
     cfgs = configs(args)

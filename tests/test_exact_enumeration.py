@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 
 import pytest
-import torch
 
 from treespec import DraftTree, Drafter, Draw, ProposalGroup, SamplingConfig, SpeculativeDecoder, TokenTree, TreeConfig
 from treespec.sampling import probs

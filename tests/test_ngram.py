@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 
 from treespec import NgramDrafter, PromptLookupDrafter, SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.proposal import Draw

@@ -148,18 +148,10 @@ def cmd_generate(args) -> None:
 
 def cmd_bench(args) -> None:
     from .bench import run_bench
-    from .zoo import ZOO
+    from .zoo import load_prompts
 
     tree, sampling = _configs(args)
-    path = args.prompts or ZOO / "pycode" / "heldout_prompts.json"
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise CliError(f"cannot read prompts from {path}: {e}") from e
-    prompts = [p["text"] if isinstance(p, dict) else p for p in (data["prompts"] if isinstance(data, dict) else data)]
-    prompts = prompts[: args.n_prompts]
-    if not prompts or not all(isinstance(p, str) and p for p in prompts):
-        raise CliError(f"{path} must hold a non-empty JSON list of non-empty prompt strings")
+    prompts = load_prompts(args.prompts, args.n_prompts)
     if args.repeats < 1 or args.n_prompts < 1:
         raise CliError("--repeats and --n-prompts must be >= 1")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
