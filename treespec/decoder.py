@@ -226,15 +226,15 @@ def _eos_token_ids(model) -> set[int]:
 def _load_model(path, dtype, device, attn_implementation):
     from transformers import AutoModelForCausalLM
 
+    if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'float32' or 'bfloat16'")
+        dtype = getattr(torch, dtype)
     local = Path(path).expanduser()
     if isinstance(path, Path) or str(path).startswith((".", "/", "~")) or local.exists():
         if not (local / "config.json").is_file():
             raise ValueError(f"no model at {str(path)!r}: expected a directory with config.json and weights")
         path = local
-    if isinstance(dtype, str):
-        if not isinstance(getattr(torch, dtype, None), torch.dtype):
-            raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'float32' or 'bfloat16'")
-        dtype = getattr(torch, dtype)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(path), dtype=dtype if dtype is not None else torch.float32, attn_implementation=attn_implementation
