@@ -49,7 +49,14 @@ def hf_greedy(model, prompt, n, stop_at_eos=True):
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("tree", TREES, ids=str)
+def tree_id(tree):
+    if tree is None:
+        return "plain"
+    extra = f"-b{tree.budget}" if tree.budget else f"-{tree.adaptive}" if tree.adaptive else ""
+    return f"{tree.strategy}-w{tree.width}-d{tree.depth}{extra}"
+
+
+@pytest.mark.parametrize("tree", TREES, ids=tree_id)
 def test_greedy_equals_hf_generate(pair, tree):
     target, draft = pair
     dec = SpeculativeDecoder(target, draft)

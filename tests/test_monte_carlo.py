@@ -20,7 +20,7 @@ from treespec.sampling import probs
 
 from .conftest import perturbed, tiny_llama
 
-V, K, N = 8, 3, 1500
+V, K, N = 8, 3, 1000
 PROMPT = [2, 5, 3, 2, 5, 3, 2, 5]  # repetitive, so the n-gram drafter finds matches
 
 

@@ -1,0 +1,60 @@
+"""The bundled pycode pair: present, loadable offline, lossless, and agreeing as measured."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
+from treespec.zoo import ZOO, default_pair, load_prompts
+
+GREEDY = SamplingConfig(temperature=0)
+# Measured on the shipped checkpoints (see treespec/zoo/pycode/README.md), with margin: a
+# broken or mismatched checkpoint falls far below this.
+GREEDY_ALPHA_FLOOR = 0.45
+
+
+@pytest.fixture(scope="module")
+def dec64():
+    """float64, so that tree and sequential forwards cannot disagree on an argmax by rounding."""
+    return SpeculativeDecoder.from_pretrained(dtype="float64")
+
+
+def test_checkpoints_are_shipped_small_and_complete():
+    target, draft = default_pair()
+    for d in (target, draft):
+        for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+            assert (d / name).is_file(), f"{d / name} missing"
+    size = sum(f.stat().st_size for f in (ZOO / "pycode").rglob("*") if f.is_file())
+    assert size <= 80 * 2**20
+    assert len(load_prompts()) >= 16
+
+
+def test_loads_offline_with_a_tokenizer_that_round_trips(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    dec = SpeculativeDecoder.from_pretrained()
+    text = 'def f(xs):\n    """Sum."""\n    return sum(x * 2 for x in xs)  # é\n'
+    ids = dec.tokenizer(text)["input_ids"]
+    assert dec.tokenizer.decode(ids) == text
+    assert dec.target_model.config.vocab_size == dec.draft_model.config.vocab_size
+    assert dec.eos_token_ids  # EOS comes from the shipped generation config
+
+
+def test_greedy_equals_hf_generate_on_heldout_prompts(dec64):
+    for prompt in load_prompts(n=3):
+        ids = dec64.tokenizer(prompt)["input_ids"]
+        with torch.no_grad():
+            want = dec64.target_model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :].tolist()
+        for tree in (TreeConfig(1, 4), TreeConfig(4, 4)):
+            out = dec64.generate(ids, 24, tree=tree, sampling=GREEDY)
+            assert out.token_ids == want
+
+
+def test_greedy_acceptance_is_above_the_measured_floor():
+    dec = SpeculativeDecoder.from_pretrained()
+    accepted = attempted = 0
+    for prompt in load_prompts(n=4):
+        s = dec.generate(prompt, 48, tree=TreeConfig(1, 4), sampling=GREEDY, ignore_eos=True).stats
+        accepted += s.accepted_by_depth[0] if s.accepted_by_depth else 0
+        attempted += s.attempted_by_depth[0] if s.attempted_by_depth else 0
+    assert accepted / attempted >= GREEDY_ALPHA_FLOOR

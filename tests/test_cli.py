@@ -1,0 +1,73 @@
+"""The `treespec` command end to end on the bundled pair; user errors exit 2 in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from treespec.cli import main
+
+
+def test_generate_streams_text(capsys):
+    assert main(["generate", "def quicksort(xs):", "--max-new-tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("def quicksort(xs):") and len(out) > len("def quicksort(xs):") + 1
+
+
+def test_generate_show_tree_colours_tokens_and_prints_stats(capsys):
+    assert main(["generate", "import os\n", "--max-new-tokens", "24", "--show-tree", "--temperature", "0.8", "--top-p", "0.95", "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "\033[32m" in out or "\033[36m" in out  # accepted (green) or bonus (cyan) tokens
+    assert "tokens/step" in out and "acceptance by depth" in out and "tokens/s" in out
+
+
+@pytest.mark.parametrize("extra", [["--drafter", "ngram"], ["--drafter", "merged"], ["--strategy", "dynamic", "--budget", "8"], ["--adaptive", "hf"], ["--plain"]])
+def test_generate_options(capsys, extra):
+    assert main(["generate", "class Foo:\n    def __init__(self):\n", "--max-new-tokens", "12", *extra]) == 0
+
+
+def test_tiny_bench_writes_json(capsys, tmp_path):
+    out_json = tmp_path / "bench.json"
+    args = ["bench", "--n-prompts", "1", "--repeats", "1", "--max-new-tokens", "8", "--json", str(out_json)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    for method in ("hf", "hf-assisted", "autoregressive", "linear", "tree"):
+        assert method in printed
+    data = json.loads(out_json.read_text())
+    assert {m["method"] for m in data["methods"]} == {"hf", "hf-assisted", "autoregressive", "linear", "tree"}
+    assert data["cost"]["c"] > 0
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["generate", "x", "--target", "/nonexistent", "--draft", "/nonexistent"], "no model at '/nonexistent'"),
+        (["generate", "x", "--width", "0"], "--width must be an integer >= 1"),
+        (["generate", "x", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+        (["generate", "x", "--temperature", "-1"], "temperature must be"),
+        (["generate", "x", "--target", "/nonexistent"], "give --target and --draft together"),
+        (["generate", "x", "--strategy", "sequoia"], "shape is required"),
+        (["generate", "x", "--shape", "/nonexistent.json"], "cannot read a tree shape"),
+        (["bench", "--prompts", "/nonexistent.json"], "cannot read prompts"),
+    ],
+)
+def test_user_errors_are_one_line_with_exit_code_2(capsys, args, message):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("treespec: error: ") and message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_usage_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "x", "--strategy", "nope"])
+    assert e.value.code == 2
+
+
+@pytest.mark.skipif(shutil.which("treespec") is None, reason="console script not installed (pip install -e .)")
+def test_console_script(tmp_path):
+    r = subprocess.run(["treespec", "generate", "x", "--width", "-2"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().startswith("treespec: error:") and "Traceback" not in r.stderr
