@@ -116,8 +116,9 @@ class Runner(ABC):
 
     @abstractmethod
     def _forward(self, tokens: list[int], positions: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
-        """Append `tokens` at `positions`; `visible` [n, S+n] is the attention pattern
-        (None: plain causal after the committed prefix). Returns logits [n, V]."""
+        """Append `tokens` at `positions`; `visible` [n, S+n] is the attention pattern.
+        Returns logits [n, V]; with `visible=None` (a prefill: plain causal after the committed
+        prefix) the logits are unused and a backend may return only the last row."""
 
     @abstractmethod
     def _keep(self, slots: list[int]) -> None:
@@ -170,6 +171,7 @@ class HFRunner(Runner):
             attention_mask=None if visible is None else self._mask(visible),
             past_key_values=self.cache,
             use_cache=True,
+            logits_to_keep=1 if visible is None else 0,  # 0 = all rows
         )
         return out.logits[0]  # [n, V]
 
