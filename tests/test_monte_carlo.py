@@ -17,6 +17,7 @@ from scipy.stats import chisquare
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.rng import TorchRng
 from treespec.sampling import probs
+from treespec.sequoia import TreeShape
 
 from .conftest import perturbed, tiny_llama
 
@@ -70,6 +71,10 @@ CASES = {  # name: (drafter, tree, sampling)
     "topk-w2": ("model", TreeConfig(2, 2, "topk"), SamplingConfig(temperature=0.7)),
     "ngram-w2": ("ngram", TreeConfig(2, 2), SamplingConfig(temperature=1.0)),
     "merged-w2": ("merged", TreeConfig(2, 2), SamplingConfig(temperature=0.8, top_p=0.95)),
+    "lookup-w2": ("lookup", TreeConfig(2, 2), SamplingConfig(temperature=1.0)),
+    "dynamic-b4": ("model", TreeConfig(2, 2, "dynamic", budget=4), SamplingConfig(temperature=0.8)),
+    "sequoia": ("model", TreeConfig(depth=2, strategy="sequoia", shape=TreeShape((-1, 0, 0, 1))), SamplingConfig(temperature=1.0)),
+    "adaptive-hf": ("model", TreeConfig(2, 1, adaptive="hf", depth_min=1, depth_max=2), SamplingConfig(temperature=1.0, top_k=6)),
 }
 
 
