@@ -154,34 +154,34 @@ class ModelDrafter(Drafter):
         """`width` distinct children per node (Gumbel-top-k); expand the best `width` next."""
         new: list[int] = []
         for u in frontier:
-            node = nodes[u]
-            if self.sampling.greedy:  # zero-temperature limit of Gumbel-top-k: the top tokens
-                tokens, draw, q = self._top_tokens(node, self.config.width), Draw.DETERMINISTIC, None
-            else:
-                k = min(self.config.width, int((node.q > 0).sum()))
-                tokens, draw, q = self.rng.without_replacement(node.q, k), Draw.WITHOUT_REPLACEMENT, node.q
-            children = [self._add(nodes, u, x) for x in tokens]
-            groups.append(ProposalGroup(u, draw, tuple(tokens), tuple(children), q))
-            new.extend(children)
+            group = self._draw_distinct(nodes, u, self.config.width)
+            groups.append(group)
+            new.extend(group.children)
         return self._best(nodes, new)
+
+    def _draw_distinct(self, nodes: list[_Node], u: int, k: int) -> ProposalGroup:
+        """Up to k distinct children of u drawn without replacement from q (Gumbel-top-k);
+        at temperature 0 its zero-temperature limit, the draft's top-k tokens."""
+        node = nodes[u]
+        if self.sampling.greedy:
+            tokens, draw, q = self._top_tokens(node, k), Draw.DETERMINISTIC, None
+        else:
+            k = min(k, int((node.q > 0).sum()))
+            tokens, draw, q = self.rng.without_replacement(node.q, k), Draw.WITHOUT_REPLACEMENT, node.q
+        children = [self._add(nodes, u, x) for x in tokens]
+        return ProposalGroup(u, draw, tuple(tokens), tuple(children), q)
 
     def _expand_sequoia(self, nodes, frontier, groups) -> list[int]:
         """Follow the shape: c shape children -> c draws without replacement, k-th draw to rank k."""
         shape_children = self._shape_children
         new: list[int] = []
         for u in frontier:
-            node, kids = nodes[u], shape_children[nodes[u].shape_id]
-            if self.sampling.greedy:
-                tokens, draw, q = self._top_tokens(node, len(kids)), Draw.DETERMINISTIC, None
-            else:
-                k = min(len(kids), int((node.q > 0).sum()))
-                tokens, draw, q = self.rng.without_replacement(node.q, k), Draw.WITHOUT_REPLACEMENT, node.q
-            children = [self._add(nodes, u, x) for x in tokens]
-            for c, sid in zip(children, kids):
+            kids = shape_children[nodes[u].shape_id]
+            group = self._draw_distinct(nodes, u, len(kids))
+            for c, sid in zip(group.children, kids):
                 nodes[c].shape_id = sid
-            if children:
-                groups.append(ProposalGroup(u, draw, tuple(tokens), tuple(children), q))
-            new.extend(c for c in children if shape_children[nodes[c].shape_id])
+            groups.append(group)
+            new.extend(c for c in group.children if shape_children[nodes[c].shape_id])
         return new
 
     def _expand_dynamic(self, nodes, frontier, groups) -> list[int]:
