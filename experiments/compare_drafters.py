@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
+from treespec import GenerationStats, SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.sequoia import TreeShape
 from treespec.zoo import load_prompts
 
@@ -76,35 +76,32 @@ def main() -> None:
         cfgs = {k: v for k, v in cfgs.items() if k in args.only.split(",")}
     decoders = {name: SpeculativeDecoder(base.target_model, base.draft_model, base.tokenizer, drafter=d) for name, (d, _) in cfgs.items()}
 
-    rows = {name: {"tps": [], "tokens": 0, "steps": 0, "nodes": 0, "draft_s": 0.0, "verify_s": 0.0} for name in cfgs}
+    tps = {name: [] for name in cfgs}  # tokens/s of every run
+    totals = {name: GenerationStats() for name in cfgs}  # pooled over prompts
     for i, prompt in enumerate(prompts):
         ids = base.tokenizer(prompt)["input_ids"]
         for name, (_, tree) in cfgs.items():
             with torch.inference_mode():
                 out = decoders[name].generate(ids, args.max_new_tokens, tree=tree, sampling=sampling, seed=i, ignore_eos=True)
-            s, r = out.stats, rows[name]
-            r["tps"].append(s.tokens_per_second)
-            r["tokens"] += s.tokens
-            r["steps"] += s.target_steps
-            r["nodes"] += s.tree_nodes
-            r["draft_s"] += s.draft_seconds
-            r["verify_s"] += s.verify_seconds
+            tps[name].append(out.stats.tokens_per_second)
+            totals[name].add(out.stats)
         print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
 
-    plain = statistics.median(rows["plain"]["tps"]) if "plain" in rows else None
+    plain = statistics.median(tps["plain"]) if "plain" in tps else None
     print(f"\n{'config':<20}{'tokens/s':>10}{'vs plain':>10}{'tokens/step':>13}{'nodes/step':>12}{'draft s':>9}{'verify s':>10}")
     summary = {}
-    for name, r in rows.items():
-        tps = statistics.median(r["tps"])
+    for name, t in totals.items():
+        median = statistics.median(tps[name])
         summary[name] = {
-            "tokens_per_second_median": tps,
-            "tokens_per_step": r["tokens"] / r["steps"],
-            "nodes_per_step": r["nodes"] / r["steps"],
-            "draft_seconds": r["draft_s"],
-            "verify_seconds": r["verify_s"],
+            "tokens_per_second_median": median,
+            "tokens_per_step": t.tokens_per_step,
+            "nodes_per_step": t.tree_nodes / t.target_steps,
+            "draft_seconds": t.draft_seconds,
+            "verify_seconds": t.verify_seconds,
         }
-        rel = f"{tps / plain:.2f}x" if plain else "-"
-        print(f"{name:<20}{tps:>10.1f}{rel:>10}{r['tokens'] / r['steps']:>13.2f}{r['nodes'] / r['steps']:>12.1f}{r['draft_s']:>9.2f}{r['verify_s']:>10.2f}")
+        rel = f"{median / plain:.2f}x" if plain else "-"
+        print(f"{name:<20}{median:>10.1f}{rel:>10}{t.tokens_per_step:>13.2f}{t.tree_nodes / t.target_steps:>12.1f}"
+              f"{t.draft_seconds:>9.2f}{t.verify_seconds:>10.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": summary}, indent=1))
     print(f"wrote {args.out}")

@@ -24,6 +24,7 @@ import torch
 
 from .config import SamplingConfig, TreeConfig
 from .decoder import SpeculativeDecoder
+from .stats import GenerationStats
 
 METHODS = ("hf", "hf-assisted", "autoregressive", "linear", "tree")
 
@@ -89,8 +90,7 @@ def run_bench(
         hf_kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p)
 
     runs: dict[str, list[float]] = {m: [] for m in methods}
-    steps = {m: [0, 0] for m in methods}  # tokens, target forwards
-    accepted: dict[str, list[list[int]]] = {m: [[], []] for m in methods}
+    totals = {m: GenerationStats() for m in methods}  # treespec methods: pooled over runs
     for rep in range(repeats):
         for i, ids in enumerate(encoded):
             for m in methods:
@@ -106,20 +106,14 @@ def run_bench(
                     runs[m].append((out.shape[1] - ids.shape[1]) / dt)
                 else:
                     out = dec.generate(ids[0].tolist(), max_new_tokens, tree=trees[m], sampling=sampling, seed=rep * 1000 + i, ignore_eos=True)
-                    s = out.stats
-                    runs[m].append(s.tokens / s.total_seconds)
-                    steps[m][0] += s.tokens
-                    steps[m][1] += s.target_steps
-                    for lst, new in zip(accepted[m], (s.accepted_by_depth, s.attempted_by_depth)):
-                        lst.extend([0] * (len(new) - len(lst)))
-                        for d, v in enumerate(new):
-                            lst[d] += v
+                    runs[m].append(out.stats.tokens / out.stats.total_seconds)
+                    totals[m].add(out.stats)
     results = []
     for m in methods:
         r = MethodResult(m, statistics.median(runs[m]), runs=runs[m])
         if not m.startswith("hf"):
-            r.tokens_per_step = steps[m][0] / steps[m][1]
-            r.acceptance_by_depth = [a / t if t else 0.0 for a, t in zip(*accepted[m])]
+            r.tokens_per_step = totals[m].tokens_per_step
+            r.acceptance_by_depth = totals[m].acceptance_by_depth
         results.append(r)
     n_tree = 1 + tree.width * tree.depth
     cost = {

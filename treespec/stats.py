@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 # How an emitted token was produced:
@@ -49,13 +49,28 @@ class GenerationStats:
 
     def record_walk(self, depths_with_proposals: list[int], accepted: int) -> None:
         """One round: the walk stood at depths 0..len-1 with proposals and accepted `accepted` tokens."""
-        n = max(len(depths_with_proposals), accepted)
-        for lst in (self.accepted_by_depth, self.attempted_by_depth):
-            lst.extend([0] * (n - len(lst)))
+        n = max(len(depths_with_proposals), accepted)  # both lists stay the same length
+        attempted = [0] * n
         for d in depths_with_proposals:
-            self.attempted_by_depth[d] += 1
-        for d in range(accepted):
-            self.accepted_by_depth[d] += 1
+            attempted[d] += 1
+        _add_by_depth(self.attempted_by_depth, attempted)
+        _add_by_depth(self.accepted_by_depth, [1] * accepted + [0] * (n - accepted))
+
+    def add(self, other: GenerationStats) -> None:
+        """Pool another generation's counts and seconds into these (benchmark totals)."""
+        for f in fields(self):
+            mine = getattr(self, f.name)
+            if isinstance(mine, list):
+                _add_by_depth(mine, getattr(other, f.name))
+            else:
+                setattr(self, f.name, mine + getattr(other, f.name))
+
+
+def _add_by_depth(total: list[int], counts: list[int]) -> None:
+    """total[d] += counts[d], growing total as needed."""
+    total.extend([0] * (len(counts) - len(total)))
+    for d, c in enumerate(counts):
+        total[d] += c
 
 
 @dataclass
