@@ -556,43 +556,32 @@ def main():
     run.mkdir(parents=True, exist_ok=True)
     stats = {}
 
+    def stage(name: str, model, minutes: float, lr: float, batch: int, seed: int, note: str = "", **train_kw) -> None:
+        """Train `model` for one stage, or with --resume load it if that stage finished."""
+        done = run / f"{name}_done.json"
+        if args.resume and done.exists():
+            model.load_state_dict(torch.load(run / f"{name}_final.pt"))
+            stats[name] = json.loads(done.read_text())
+            log(f"[{name}] already trained; skipping")
+            return
+        log(f"[{name}] {n_params(model) / 1e6:.2f}M params, {minutes} min{note}")
+        t0 = time.time()
+        st = train_stage(name, model, tr, ho, args, minutes, lr, batch, seed, **train_kw)
+        st["stage_wall_minutes"] = round((time.time() - t0) / 60, 2)
+        torch.save(model.state_dict(), run / f"{name}_final.pt")
+        done.write_text(json.dumps(st))
+        stats[name] = st
+
     # ---- target
     target = make_model(tcfg, info, args.seq_len, args.seed)
-    done_t = run / "target_done.json"
-    if args.resume and done_t.exists():
-        target.load_state_dict(torch.load(run / "target_final.pt"))
-        stats["target"] = json.loads(done_t.read_text())
-        log("[target] already trained; skipping")
-    else:
-        log(f"[target] {n_params(target) / 1e6:.2f}M params, {args.target_minutes} min")
-        t0 = time.time()
-        st = train_stage("target", target, tr, ho, args, args.target_minutes, args.target_lr,
-                         args.target_batch, args.seed + 1)
-        st["stage_wall_minutes"] = round((time.time() - t0) / 60, 2)
-        torch.save(target.state_dict(), run / "target_final.pt")
-        done_t.write_text(json.dumps(st))
-        stats["target"] = st
+    stage("target", target, args.target_minutes, args.target_lr, args.target_batch, args.seed + 1)
     for p in target.parameters():
         p.requires_grad_(False)
 
     # ---- draft (distilled from the target)
     draft = make_model(dcfg, info, args.seq_len, args.seed + 10)
-    done_d = run / "draft_done.json"
-    if args.resume and done_d.exists():
-        draft.load_state_dict(torch.load(run / "draft_final.pt"))
-        stats["draft"] = json.loads(done_d.read_text())
-        log("[draft] already trained; skipping")
-    else:
-        log(f"[draft] {n_params(draft) / 1e6:.2f}M params, {args.draft_minutes} min, "
-            f"kl_weight {args.kl_weight}")
-        t0 = time.time()
-        st = train_stage("draft", draft, tr, ho, args, args.draft_minutes, args.draft_lr,
-                         args.draft_batch, args.seed + 11, teacher=target,
-                         kl_weight=args.kl_weight)
-        st["stage_wall_minutes"] = round((time.time() - t0) / 60, 2)
-        torch.save(draft.state_dict(), run / "draft_final.pt")
-        done_d.write_text(json.dumps(st))
-        stats["draft"] = st
+    stage("draft", draft, args.draft_minutes, args.draft_lr, args.draft_batch, args.seed + 11,
+          note=f", kl_weight {args.kl_weight}", teacher=target, kl_weight=args.kl_weight)
 
     # ---- save HF dirs
     out.mkdir(parents=True, exist_ok=True)
