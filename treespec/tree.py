@@ -112,14 +112,8 @@ class TokenTree:
 
     @cached_property
     def ancestor_mask(self) -> torch.Tensor:
-        """Bool [N, N]: mask[i, j] is True iff j is i or an ancestor of i (one pass)."""
-        n = len(self)
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(n):
-            if i:
-                mask[i] = mask[self.parents[i]]
-            mask[i, i] = True
-        return mask
+        """Bool [N, N]: mask[i, j] is True iff j is i or an ancestor of i."""
+        return ancestor_rows(torch.tensor(self.parents), 0, self.max_depth)
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root down to `node`, inclusive."""
@@ -145,3 +139,22 @@ class TokenTree:
             if i:
                 g.add_edge(self.parents[i], i)
         return g
+
+
+def ancestor_rows(parents: torch.Tensor, start: int, max_depth: int) -> torch.Tensor:
+    """Bool `[P - start, P]`: row i marks node `start + i` and all its ancestors.
+
+    `parents` `[P]` (long, any device) holds parent pointers with -1 for top-level nodes;
+    `max_depth` bounds the depth of nodes `start..P-1` (top level = 0). The mask is built
+    where `parents` lives by pointer jumping, one gather and one scatter per level, with no
+    host round trip: the tree mask of a forward is made on the model's device.
+    """
+    p = parents.numel()
+    up = torch.cat([torch.where(parents < 0, p, parents), parents.new_full((1,), p)])  # [P + 1]; -1 -> sentinel p
+    cur = torch.arange(start, p, device=parents.device)  # [n] the node each row has reached
+    rows = torch.arange(p - start, device=parents.device)
+    mask = torch.zeros(p - start, p + 1, dtype=torch.bool, device=parents.device)  # column p: the sentinel
+    for _ in range(max_depth + 1):
+        mask[rows, cur] = True
+        cur = up[cur]
+    return mask[:, :p]

@@ -1,0 +1,152 @@
+"""The runner interface: a causal LM plus a KV cache holding a committed prefix and a tree.
+
+The cache is laid out as
+
+    [ committed slots 0 .. C-1 | pending slots C .. C+P-1 ]
+
+Committed slots are a plain prefix of the sequence. Pending slots are tree nodes fed during
+the current round, addressed by their *pending index* 0 .. P-1 (after `score(tree)` on an
+empty pending area, pending index == tree node index). Each pending node has a parent (a
+pending index, or -1: it continues the committed prefix) and a depth; its position id is
+`C + depth`, so siblings share a position. A node attends to every committed slot, to its
+pending ancestors and to itself. `commit(nodes)` keeps a root-first chain of pending nodes
+(the accepted path) right after the committed prefix and drops every other pending node.
+Keys were rotated with `C + depth`, which is exactly their final position: nothing is
+re-rotated.
+
+`Runner` owns this bookkeeping, the tree mask (built on the model's device from the parent
+pointers) and the position ids; a backend only computes logits and moves cache slots. The
+decoder and the drafters therefore never do slot arithmetic, and the exactness tests drive
+this very bookkeeping with table-defined toy models.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+from ..tree import TokenTree, ancestor_rows
+
+
+class Runner(ABC):
+    vocab_size: int  # rows of the output projection
+    max_positions: int | None  # longest sequence the model supports (None: unknown)
+    eos_token_ids: frozenset[int] = frozenset()  # from the model's generation config
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+
+    def __init__(self) -> None:
+        self.forwards = 0  # model calls so far (prefills included), for statistics
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything (start of a new sequence)."""
+        self.committed: list[int] = []  # token ids in the committed slots
+        self._clear_pending()
+        self._reset_cache()
+
+    def _clear_pending(self) -> None:
+        self._tokens: list[int] = []  # token of each pending node
+        self._parents: list[int] = []  # pending parent of each pending node (-1: the prefix)
+        self._depths: list[int] = []  # depth below the committed prefix (0: continues it)
+
+    @property
+    def n_committed(self) -> int:
+        return len(self.committed)
+
+    @property
+    def n_pending(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def n_slots(self) -> int:
+        return self.n_committed + self.n_pending
+
+    # ---- the API the decoder and the drafters use ------------------------------------------
+    def prefill(self, tokens: Sequence[int]) -> None:
+        """Feed and commit `tokens` after the committed prefix (no pending nodes allowed)."""
+        if self._tokens:
+            raise RuntimeError("prefill() with pending tree nodes; commit() them first")
+        if not tokens:
+            return
+        self._check_positions(self.n_committed + len(tokens) - 1)
+        c = self.n_committed
+        ids = torch.tensor([list(tokens), list(range(c, c + len(tokens)))], device=self.device)  # [2, n]
+        self._forward(ids[0], ids[1], None, need_logits=False)
+        self.forwards += 1
+        self.committed.extend(int(t) for t in tokens)
+
+    def score(self, tree: TokenTree) -> torch.Tensor:
+        """Feed a whole tree rooted right after the committed prefix; logits `[N, V]`.
+
+        Row i holds the next-token logits after node i. Pending index == node index.
+        """
+        if self._tokens:
+            raise RuntimeError("score() needs an empty pending area; commit() the last tree first")
+        return self.extend(tree.tokens, tree.parents)
+
+    def extend(self, tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        """Feed new pending nodes (level-by-level drafting); their logits `[n, V]`.
+
+        `parents[i]` is the pending index of node i's parent: an earlier pending node, a node
+        earlier in this call (`n_pending + j`, j < i), or -1 to continue the committed prefix.
+        """
+        n, p0, c = len(tokens), self.n_pending, self.n_committed
+        if n == 0 or len(parents) != n:
+            raise ValueError(f"extend() needs one parent per token, got {n} tokens, {len(parents)} parents")
+        depths = []
+        for i, parent in enumerate(parents):
+            if not -1 <= parent < p0 + i:
+                raise ValueError(f"node {i}: parent {parent} is not a pending node before it")
+            depths.append(0 if parent == -1 else (self._depths[parent] if parent < p0 else depths[parent - p0]) + 1)
+        self._check_positions(c + max(depths))
+        self._tokens += [int(t) for t in tokens]
+        self._parents += [int(p) for p in parents]
+        self._depths += depths
+        # one host -> device copy: tokens, positions and the parent pointers of every pending node
+        ids = torch.tensor([self._tokens, [c + d for d in self._depths], self._parents], device=self.device)  # [3, P]
+        new = ancestor_rows(ids[2], p0, max(self._depths[p0:]))  # [n, P] ancestor-or-self of the new nodes
+        visible = torch.ones(n, c + p0 + n, dtype=torch.bool, device=self.device)  # [n, S + n]
+        visible[:, c:] = new
+        logits = self._forward(ids[0, p0:], ids[1, p0:], visible, need_logits=True)
+        self.forwards += 1
+        return logits
+
+    def commit(self, nodes: Sequence[int]) -> None:
+        """Commit the chain of pending `nodes` (root level first); drop every other pending node."""
+        nodes = [int(n) for n in nodes]
+        for i, n in enumerate(nodes):
+            if not 0 <= n < self.n_pending or self._parents[n] != (nodes[i - 1] if i else -1):
+                raise ValueError(f"nodes {nodes} are not a root-first chain of pending nodes")
+        if nodes != list(range(len(nodes))):  # a chain fed in order is already in place
+            self._keep(nodes)
+        self.committed.extend(self._tokens[n] for n in nodes)
+        self._clear_pending()
+        self._truncate(self.n_committed)
+
+    def _check_positions(self, last: int) -> None:
+        if self.max_positions is not None and last >= self.max_positions:
+            raise ValueError(f"position {last} exceeds the model's {self.max_positions} positions")
+
+    # ---- what a model backend implements -------------------------------------------------
+    @abstractmethod
+    def _reset_cache(self) -> None: ...
+
+    @abstractmethod
+    def _forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor | None, need_logits: bool
+    ) -> torch.Tensor | None:
+        """Append `tokens` [n] at `positions` [n] to the cache (slots S .. S+n-1, S = n_slots).
+
+        `visible` [n, S+n] (bool, on the device) is the attention pattern; None means a prefill:
+        plain causal after the committed prefix. Returns logits [n, V], or None when
+        `need_logits` is False."""
+
+    @abstractmethod
+    def _keep(self, nodes: list[int]) -> None:
+        """Move pending `nodes` (pending indices) to the slots right after the committed prefix."""
+
+    def _truncate(self, n_slots: int) -> None:
+        """Drop every cache slot from `n_slots` on (a static cache just forgets them)."""

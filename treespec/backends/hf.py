@@ -1,0 +1,154 @@
+"""Everything that touches `transformers`: the HF runner, model loading, EOS lookup, logging.
+
+`transformers` is imported inside functions only, so `import treespec` stays light and the
+native backend works from safetensors without it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .base import Runner
+
+# Attention implementations that take a custom 4D mask as given. flash_attention_* ignore
+# 4D masks and flex_attention rebuilds its own, so tree attention would silently be wrong.
+TREE_MASK_ATTENTION = ("sdpa", "eager")
+
+
+class HFRunner(Runner):
+    """A Hugging Face causal LM (tested on `LlamaForCausalLM`) over a `DynamicCache`."""
+
+    def __init__(self, model: torch.nn.Module):
+        impl = getattr(model.config, "_attn_implementation", None) or "eager"
+        if impl not in TREE_MASK_ATTENTION:
+            raise ValueError(
+                f"attention implementation {impl!r} does not honour custom 4D tree masks; load the "
+                f"model with attn_implementation='sdpa' (or 'eager')"
+            )
+        self.model = model
+        self.attn_impl = impl
+        self.vocab_size = int(model.config.vocab_size)
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.eos_token_ids = eos_token_ids(model)
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        super().__init__()
+
+    def _reset_cache(self) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.config)
+
+    def _mask(self, visible: torch.Tensor) -> torch.Tensor:
+        """[n, S+n] visibility -> the 4D mask the attention implementation expects."""
+        visible = visible[None, None]  # [1, 1, n, S+n]
+        if self.attn_impl == "sdpa":
+            return visible  # bool, True = attend
+        # eager adds the mask to the scores: 0 where visible, dtype min elsewhere
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        return torch.where(visible, zero, torch.finfo(self.dtype).min)
+
+    @torch.inference_mode()
+    def _forward(self, tokens, positions, visible, need_logits):
+        out = self.model(
+            input_ids=tokens[None],  # [1, n]
+            position_ids=positions[None],  # [1, n]
+            attention_mask=None if visible is None else self._mask(visible),
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=0 if need_logits else 1,  # 0 = all rows
+        )
+        return out.logits[0] if need_logits else None  # [n, V]
+
+    @torch.inference_mode()
+    def _keep(self, nodes: list[int]) -> None:
+        c, k = self.n_committed, len(nodes)
+        idx = torch.tensor(nodes, dtype=torch.long, device=self.device) + c
+        for layer in self.cache.layers:
+            if not getattr(layer, "is_initialized", False):
+                continue
+            # gather first (a copy), then write: never an overlapping in-place copy
+            keys, values = layer.keys.index_select(-2, idx), layer.values.index_select(-2, idx)  # [B, H, k, D]
+            layer.keys[..., c : c + k, :] = keys
+            layer.values[..., c : c + k, :] = values
+
+    def _truncate(self, n_slots: int) -> None:
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.keys = layer.keys[..., :n_slots, :]
+                layer.values = layer.values[..., :n_slots, :]
+
+
+def eos_token_ids(model) -> frozenset[int]:
+    """EOS ids from the model's generation config (falling back to its config)."""
+    for cfg in (getattr(model, "generation_config", None), getattr(model, "config", None), model):
+        eos = getattr(cfg, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(cfg, "eos_token_ids", None)
+        if eos is not None:
+            return frozenset(int(e) for e in ([eos] if isinstance(eos, int) else eos))
+    return frozenset()
+
+
+def is_hf_model(model) -> bool:
+    return isinstance(model, torch.nn.Module) and hasattr(model, "config") and hasattr(model, "generate")
+
+
+def resolve_path(path) -> str | Path:
+    """A local directory (checked for config.json) or, otherwise, a hub id as given."""
+    local = Path(path).expanduser()
+    if isinstance(path, Path) or str(path).startswith((".", "/", "~")) or local.exists():
+        if not (local / "config.json").is_file():
+            raise ValueError(f"no model at {str(path)!r}: expected a directory with config.json and weights")
+        return local
+    return str(path)
+
+
+def load_model(path, dtype: torch.dtype, device, attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """An HF causal LM in eval mode from a local directory or a (cached) hub id."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_path(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=attn_implementation)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"cannot load a causal LM from {str(path)!r}: {str(e).splitlines()[0]} "
+            f"(give a local directory with config.json and weights, or a hub id that is cached)"
+        ) from e
+    if device is not None:
+        model = model.to(device)
+    return model.eval()
+
+
+def load_tokenizer(path):
+    """The tokenizer saved with a model, or None (token-id prompts still work)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(resolve_path(path)))
+    except (OSError, ValueError):
+        return None
+
+
+def load_config(path) -> dict:
+    """config.json of a local model directory or a cached hub id, as a plain dict."""
+    from transformers import AutoConfig
+
+    path = resolve_path(path)
+    try:
+        return AutoConfig.from_pretrained(str(path)).to_dict()
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read a model config from {str(path)!r}: {str(e).splitlines()[0]}") from e
+
+
+def quiet_transformers() -> None:
+    """Progress bars and advisory warnings from transformers would interleave with output."""
+    from huggingface_hub.utils import logging as hub_logging
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    hub_logging.set_verbosity_error()
