@@ -1,0 +1,357 @@
+"""The native Llama backend against the HF runner: tree forwards, multi-round commits, drafting
+level by level, loading from safetensors, bf16, the flash cascade's math, cache growth."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config, Qwen2ForCausalLM
+
+from treespec.backends import native
+from treespec.backends.attention import reference_prefix_attention
+from treespec.backends.hf import HFRunner
+from treespec.backends.native import LlamaShape, NativeRunner, unsupported_reason
+from treespec.tree import TokenTree
+
+VOCAB = 96
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,  # small, so test positions reach the scaled band
+}
+VARIANTS = {
+    "mha_untied": dict(num_attention_heads=4, num_key_value_heads=4),
+    "gqa_tied": dict(tie_word_embeddings=True),
+    "llama3_rope": dict(rope_parameters=LLAMA3_ROPE),
+    "head_dim_16": dict(head_dim=16),  # != hidden / heads = 8
+    "attention_bias": dict(attention_bias=True),  # llama: q, k, v and o biases
+    "qwen2_bias": dict(model_type="qwen2"),  # q, k, v biases, no o bias
+}
+
+
+def build(variant: str, dtype=torch.float32, seed: int = 0, max_positions: int = 512, **overrides):
+    """A random tiny Llama (or Qwen2) with every parameter, biases included, nonzero."""
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=1e-5,
+        bos_token_id=0,
+        eos_token_id=[1, 2],
+        attn_implementation="sdpa",
+    )
+    kw.update(VARIANTS[variant])
+    kw.update(overrides)
+    qwen2 = kw.pop("model_type", "llama") == "qwen2"
+    torch.manual_seed(seed)
+    model = (Qwen2ForCausalLM(Qwen2Config(**kw)) if qwen2 else LlamaForCausalLM(LlamaConfig(**kw))).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:  # zeros / ones at init: make them matter
+                p.add_(torch.randn_like(p) * 0.1)
+        model.model.embed_tokens.weight.mul_(4.0)  # sharper distributions than the random init
+    return model.to(dtype)
+
+
+def runners(model, **kw):
+    return HFRunner(model), NativeRunner.from_hf(model, **kw)
+
+
+def random_tree(rng: random.Random, size: int) -> TokenTree:
+    return TokenTree([rng.randrange(VOCAB) for _ in range(size)], [-1] + [rng.randrange(i) for i in range(1, size)])
+
+
+def level_tree(rng: random.Random, widths: list[int]) -> TokenTree:
+    """A tree with nodes in level order (so feeding it level by level keeps node indices)."""
+    tokens, parents, level = [rng.randrange(VOCAB)], [-1], [0]
+    for w in widths:
+        new = []
+        for _ in range(w):
+            parents.append(rng.choice(level))
+            tokens.append(rng.randrange(VOCAB))
+            new.append(len(tokens) - 1)
+        level = new
+    return TokenTree(tokens, parents)
+
+
+def random_chain(rng: random.Random, tree: TokenTree) -> list[int]:
+    """A root-first chain of node indices: a prefix of a random root-to-node path (maybe empty)."""
+    path = tree.path_to(rng.randrange(len(tree)))
+    return path[: rng.randint(0, len(path))]
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+    return (a.double() - b.double()).abs().max().item()
+
+
+TOL = {torch.float32: 1e-4, torch.float64: 1e-9}
+
+
+# ---- 1. prefill + tree forwards ------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tree_logits_match_hf(variant, dtype):
+    model = build(variant, dtype)
+    hf, nat = runners(model)
+    assert nat.dtype == dtype and nat.vocab_size == VOCAB and nat.eos_token_ids == frozenset({1, 2})
+    rng = random.Random(1)
+    prompt = [rng.randrange(VOCAB) for _ in range(11)]
+    for r in (hf, nat):
+        r.prefill(prompt)
+    for size in (1, 9, 17):
+        tree = random_tree(rng, size)
+        assert max_diff(hf.score(tree), nat.score(tree)) < TOL[dtype]
+        chain = random_chain(rng, tree)
+        for r in (hf, nat):
+            r.commit(chain)
+        toks, parents = [rng.randrange(VOCAB) for _ in range(3)], [-1, 0, 0]  # a drafting step after it
+        assert max_diff(hf.extend(toks, parents), nat.extend(toks, parents)) < TOL[dtype]
+        for r in (hf, nat):
+            r.commit([0])
+
+
+def test_llama32_1b_shaped():
+    """Llama-3.2-1B's shape (hidden 2048, 32 q / 8 kv heads, head_dim 64, 128k vocab, tied,
+    llama3 rope theta 500k factor 32), cut to ONE layer to stay fast."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=1,  # the real model has 16
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_parameters=dict(LLAMA3_ROPE, factor=32.0, original_max_position_embeddings=8192),
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(config).eval()
+    hf, nat = runners(model)
+    assert nat.lm_head is nat.embed  # tied: one tensor
+    assert nat.capacity < 1024  # 128k positions are not allocated up front
+    assert torch.equal(nat.inv_freq, model.model.rotary_emb.inv_freq)
+    rng = random.Random(0)
+    prompt = [rng.randrange(128256) for _ in range(20)]
+    for r in (hf, nat):
+        r.prefill(prompt)
+    tree = TokenTree([rng.randrange(128256) for _ in range(6)], [-1, 0, 0, 1, 1, 2])
+    assert max_diff(hf.score(tree), nat.score(tree)) < 1e-4
+
+
+# ---- 2. many rounds of score + commit --------------------------------------------------------
+@pytest.mark.parametrize("variant", ["gqa_tied", "llama3_rope", "qwen2_bias"])
+def test_multi_round_cache_equals_fresh_prefill(variant):
+    model = build(variant)
+    hf, nat = runners(model)
+    rng = random.Random(2)
+    prompt = [rng.randrange(VOCAB) for _ in range(7)]
+    for r in (hf, nat):
+        r.prefill(prompt)
+    saw = set()
+    for _ in range(24):
+        tree = random_tree(rng, rng.randint(1, 12))
+        assert max_diff(hf.score(tree), nat.score(tree)) < 1e-4
+        chain = random_chain(rng, tree)
+        saw.add("empty" if not chain else "in order" if chain == list(range(len(chain))) else "moved")
+        for r in (hf, nat):
+            r.commit(chain)
+        assert hf.committed == nat.committed and nat.filled == nat.n_committed
+    assert saw == {"empty", "in order", "moved"}
+
+    fresh = NativeRunner.from_hf(model)
+    fresh.prefill(nat.committed)
+    c = nat.n_committed
+    assert max_diff(nat.kv[..., :c, :], fresh.kv[..., :c, :]) < 1e-5
+    nxt = TokenTree([rng.randrange(VOCAB)], [-1])
+    a, b, h = nat.score(nxt), fresh.score(nxt), hf.score(nxt)
+    assert max_diff(a, b) < 1e-5 and max_diff(a, h) < 1e-4
+
+
+# ---- 3. drafting level by level == one tree forward -------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_extend_level_by_level_matches_score(dtype):
+    model = build("gqa_tied", dtype)
+    whole, levels = NativeRunner.from_hf(model), NativeRunner.from_hf(model)
+    rng = random.Random(3)
+    prompt = [rng.randrange(VOCAB) for _ in range(9)]
+    for r in (whole, levels):
+        r.prefill(prompt)
+    for widths in ([3, 4, 2], [1, 1, 1, 1], [2, 1, 3]):
+        tree = level_tree(rng, widths)
+        expected = whole.score(tree)
+        depths = torch.tensor(tree.depths)
+        got = []
+        for d in range(tree.max_depth + 1):
+            idx = [i for i in range(len(tree)) if tree.depths[i] == d]
+            got.append(levels.extend([tree.tokens[i] for i in idx], [tree.parents[i] for i in idx]))
+        assert max_diff(torch.cat(got), expected) < TOL[dtype] * 0.1
+        chain = tree.path_to(int(torch.argmax(depths)))  # the deepest path
+        for r in (whole, levels):
+            r.commit(chain)
+        c = whole.n_committed
+        assert max_diff(whole.kv[..., :c, :], levels.kv[..., :c, :]) < TOL[dtype] * 0.1
+
+
+# ---- 4. loading ---------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["mha_untied", "gqa_tied", "qwen2_bias"])
+def test_from_pretrained_equals_from_hf(variant, tmp_path):
+    model = build(variant)
+    model.generation_config.eos_token_id = 5
+    model.save_pretrained(tmp_path)
+    a, b = NativeRunner.from_hf(model), NativeRunner.from_pretrained(tmp_path)
+    assert b.eos_token_ids == frozenset({5}) and b.max_positions == 512 and b.shape == a.shape
+    tree = random_tree(random.Random(4), 8)
+    for r in (a, b):
+        r.prefill([3, 1, 4, 1, 5])
+    assert torch.equal(a.score(tree), b.score(tree))
+
+
+def test_from_pretrained_sharded(tmp_path):
+    model = build("mha_untied")
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    a, b = NativeRunner.from_hf(model), NativeRunner.from_pretrained(tmp_path)
+    for r in (a, b):
+        r.prefill([7, 8, 9])
+    tree = random_tree(random.Random(5), 5)
+    assert torch.equal(a.score(tree), b.score(tree))
+
+
+def test_bundled_pair_loads():
+    from treespec.zoo import default_pair
+
+    for path in default_pair():
+        r = NativeRunner.from_pretrained(path)
+        assert r.vocab_size == 8192 and r.eos_token_ids == frozenset({0}) and r.dtype == torch.float32
+        r.prefill([5, 6, 7])
+        logits = r.score(TokenTree([8, 9, 10], [-1, 0, 0]))
+        assert logits.shape == (3, 8192) and torch.isfinite(logits).all()
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(ValueError, match="no model directory"):
+        NativeRunner.from_pretrained(tmp_path / "missing")
+    with pytest.raises(ValueError, match="no config.json"):
+        NativeRunner.from_pretrained(tmp_path)
+
+    model = build("gqa_tied")
+    model.save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(ValueError, match="cannot read weights"):
+        NativeRunner.from_pretrained(tmp_path)
+    weights.unlink()
+    with pytest.raises(ValueError, match="no model.safetensors"):
+        NativeRunner.from_pretrained(tmp_path)
+
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for change, reason in (
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type 'yarn'"),
+        ({"model_type": "gpt2"}, "model_type 'gpt2'"),
+        ({"hidden_act": "gelu"}, "activation"),
+    ):
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ValueError, match=reason):
+            NativeRunner.from_pretrained(tmp_path)
+
+    state = build("mha_untied").state_dict()
+    del state["lm_head.weight"]
+    with pytest.raises(ValueError, match="lacks the tensor 'lm_head.weight'"):
+        NativeRunner(LlamaShape.from_config(build("mha_untied").config), state)
+
+
+def test_unsupported_reason():
+    assert unsupported_reason(LlamaConfig()) is None
+    assert unsupported_reason(Qwen2Config()) is None
+    assert unsupported_reason(MistralConfig(sliding_window=None)) is None
+    assert "sliding" in unsupported_reason(MistralConfig(sliding_window=4096))
+    assert "sliding" in unsupported_reason(Qwen2Config(use_sliding_window=True, max_window_layers=0))
+    assert "mlp_bias" in unsupported_reason(LlamaConfig(mlp_bias=True))
+    assert "gpt2" in unsupported_reason({"model_type": "gpt2"})
+    assert "dynamic" in unsupported_reason(LlamaConfig(rope_parameters={"rope_type": "dynamic", "factor": 2.0}))
+    # an older config.json: top-level rope_theta and rope_scaling
+    old = dict(model_type="llama", rope_theta=5e5, rope_scaling={"type": "llama3", **LLAMA3_ROPE})
+    assert unsupported_reason(old) is None
+
+
+def test_llama3_inv_freq_equals_hf():
+    model = build("llama3_rope")
+    assert torch.equal(LlamaShape.from_config(model.config).inv_freq(), model.model.rotary_emb.inv_freq)
+
+
+# ---- 5. bf16 ------------------------------------------------------------------------------
+def test_bf16_close_to_fp32():
+    model = build("gqa_tied")
+    fp32, bf16 = NativeRunner.from_hf(model), NativeRunner.from_hf(model, dtype=torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and bf16.kv.dtype == torch.bfloat16
+    rng = random.Random(6)
+    prompt = [rng.randrange(VOCAB) for _ in range(20)]
+    for r in (fp32, bf16):
+        r.prefill(prompt)
+    for _ in range(3):
+        tree = random_tree(rng, 9)
+        a, b = fp32.score(tree), bf16.score(tree)
+        assert b.dtype == torch.bfloat16
+        assert (a - b.float()).abs().max() < 0.05 * a.abs().max()
+        chain = random_chain(rng, tree)
+        for r in (fp32, bf16):
+            r.commit(chain)
+
+
+# ---- 6. the flash cascade's math on CPU -----------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cascade_path_matches_sdpa(dtype):
+    model = build("gqa_tied")
+    plain, cascade = NativeRunner.from_hf(model, dtype=dtype), NativeRunner.from_hf(model, dtype=dtype)
+    cascade.flash, cascade.prefix_attention = True, reference_prefix_attention  # what CUDA runs, by reference
+    rng = random.Random(7)
+    prompt = [rng.randrange(VOCAB) for _ in range(10)]
+    for r in (plain, cascade):
+        r.prefill(prompt)
+    tol = 1e-5 if dtype == torch.float32 else 0.05
+    for _ in range(6):
+        tree = random_tree(rng, rng.randint(2, 10))
+        a, b = plain.score(tree), cascade.score(tree)
+        assert max_diff(a, b) < tol * max(1.0, a.abs().max().item())
+        chain = random_chain(rng, tree)
+        for r in (plain, cascade):
+            r.commit(chain)
+
+
+# ---- 7. cache growth ------------------------------------------------------------------------
+def test_capacity_growth_matches_hf(monkeypatch):
+    monkeypatch.setattr(native, "INITIAL_CAPACITY", 8)
+    model = build("llama3_rope", max_positions=64)
+    hf, nat = runners(model)
+    assert nat.capacity == 8
+    rng = random.Random(8)
+    prompt = [rng.randrange(VOCAB) for _ in range(13)]  # past the first capacity at once
+    for r in (hf, nat):
+        r.prefill(prompt)
+    caps = {nat.capacity}
+    while nat.n_committed < 56:
+        tree = random_tree(rng, 7)
+        assert max_diff(hf.score(tree), nat.score(tree)) < 1e-4
+        chain = tree.path_to(len(tree) - 1)
+        for r in (hf, nat):
+            r.commit(chain)
+        caps.add(nat.capacity)
+    assert len(caps) >= 3 and nat.capacity <= 64 + 7
+    # a wide tree at the end: more slots than positions, still fine
+    tree = TokenTree([rng.randrange(VOCAB) for _ in range(12)], [-1] + [0] * 11)
+    assert max_diff(hf.score(tree), nat.score(tree)) < 1e-4

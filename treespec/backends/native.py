@@ -1,0 +1,370 @@
+"""A lean Llama forward over a static KV cache (gpt-fast style): the native backend.
+
+Serves what `LlamaForCausalLM` / `Qwen2ForCausalLM` load (GQA, any head_dim, tied or untied
+embeddings, default or llama3 RoPE, q/k/v biases) with a handful of tensor ops per layer and
+no module stack. Weights come from an HF model (`NativeRunner.from_hf`) or straight from a
+local safetensors checkpoint (`NativeRunner.from_pretrained`, no transformers import).
+Anything else is refused by `unsupported_reason(config)`, so callers fall back to the HF
+runner instead of getting a wrong answer.
+
+The KV cache is one preallocated tensor
+
+    kv [L, 2, 1, Hkv, cap, D]     layer, (key | value), batch, kv head, slot, head dim
+
+written by slot index. `kv[l, 0]` / `kv[l, 1]` are layer l's keys / values as [1, Hkv, cap, D],
+the layout SDPA reads; moving slots (commit) is one gather over every layer at once. The
+capacity doubles (capped near max_positions) when a forward would overflow it, so a 128k-token
+model does not allocate 128k slots up front.
+
+Numerics mirror HF's Llama exactly where it matters for parity: RoPE cos/sin from float32
+inverse frequencies, cast to the compute dtype; RMSNorm statistics in float32 (even for
+float64 models) and the weight applied in the input dtype; logits in the model dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .attention import cascade_attention, flash_available, flash_prefix_attention
+from .base import Runner
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+INITIAL_CAPACITY = 256  # cache slots allocated before the first growth
+
+
+# ---- configuration -------------------------------------------------------------------------
+def _as_dict(config) -> dict:
+    """An HF config object or a parsed config.json, as a plain dict."""
+    return dict(config) if isinstance(config, dict) else config.to_dict()
+
+
+def _rope(cfg: dict) -> dict:
+    """RoPE settings as one flat dict with rope_type and rope_theta, from transformers 5.x
+    `rope_parameters` or the older top-level `rope_theta` + `rope_scaling`."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    return rope
+
+
+def unsupported_reason(config) -> str | None:
+    """Why the native backend cannot run this model (one line), or None if it can.
+
+    `config`: an HF config object or the dict of a config.json."""
+    cfg = _as_dict(config)
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}"
+    if cfg.get("quantization_config"):
+        return "quantized checkpoints are not supported"
+    if cfg.get("hidden_act", "silu") != "silu":
+        return f"activation {cfg.get('hidden_act')!r} (only silu)"
+    if cfg.get("mlp_bias"):
+        return "mlp_bias=True"
+    if model_type == "mistral" and cfg.get("sliding_window") is not None:
+        return "sliding-window attention"
+    if model_type == "qwen2" and (
+        cfg.get("use_sliding_window") or any(t != "full_attention" for t in cfg.get("layer_types") or ())
+    ):
+        return "sliding-window attention"
+    raw = cfg.get("rope_parameters") or {}
+    if any(isinstance(v, dict) for v in raw.values()):
+        return "per-layer-type RoPE parameters"
+    rope = _rope(cfg)
+    if rope["rope_type"] not in ("default", "llama3"):
+        return f"rope_type {rope['rope_type']!r} (only default and llama3)"
+    if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) not in (None, 1, 1.0):
+        return "partial rotary embeddings"
+    if rope["rope_type"] == "llama3":
+        missing = {"factor", "low_freq_factor", "high_freq_factor"} - set(rope)
+        if missing:
+            return f"llama3 rope_parameters lack {sorted(missing)}"
+    return None
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The numbers the forward needs, read from a config (defaults as in LlamaConfig)."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int  # query heads, Hq
+    kv_heads: int  # Hkv (GQA when < Hq)
+    head_dim: int  # D
+    intermediate: int  # I
+    eps: float
+    max_positions: int | None
+    tied: bool  # lm_head is the embedding matrix
+    qkv_bias: bool
+    o_bias: bool
+    rope: dict  # rope_type, rope_theta and the llama3 parameters
+
+    @classmethod
+    def from_config(cls, config) -> LlamaShape:
+        reason = unsupported_reason(config)
+        if reason:
+            raise ValueError(f"the native backend cannot run this model: {reason}")
+        cfg = _as_dict(config)
+        heads = int(cfg["num_attention_heads"])
+        qwen2 = cfg["model_type"] == "qwen2"
+        bias = bool(cfg.get("attention_bias", False))  # llama: q, k, v and o; qwen2: q, k, v always
+        rope = _rope(cfg)
+        rope.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+        return cls(
+            vocab=int(cfg["vocab_size"]),
+            hidden=int(cfg["hidden_size"]),
+            layers=int(cfg["num_hidden_layers"]),
+            heads=heads,
+            kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            intermediate=int(cfg["intermediate_size"]),
+            eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_positions=cfg.get("max_position_embeddings"),
+            tied=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qwen2 or bias,
+            o_bias=bias and not qwen2,
+            rope=rope,
+        )
+
+    def inv_freq(self) -> torch.Tensor:
+        """RoPE inverse frequencies [D/2], float32, computed exactly as transformers does."""
+        D, rope = self.head_dim, self.rope
+        inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+        if rope["rope_type"] == "llama3":  # transformers' _compute_llama3_parameters
+            factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+            old_context_len = rope["original_max_position_embeddings"]
+            low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+            wavelen = 2 * math.pi / inv_freq
+            inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+            smooth = (old_context_len / wavelen - low) / (high - low)
+            smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+            is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+            inv_freq = torch.where(is_medium, smoothed, inv_freq_llama)
+        return inv_freq
+
+
+@dataclass
+class Layer:
+    """One decoder layer's weights, fused where two matmuls read the same input."""
+
+    attn_norm: torch.Tensor  # [hidden]
+    wqkv: torch.Tensor  # [(Hq + 2 Hkv) D, hidden]: q, k, v projections stacked
+    bqkv: torch.Tensor | None  # [(Hq + 2 Hkv) D] (qwen2, attention_bias)
+    wo: torch.Tensor  # [hidden, Hq D]
+    bo: torch.Tensor | None  # [hidden] (llama attention_bias)
+    mlp_norm: torch.Tensor  # [hidden]
+    w_gate_up: torch.Tensor  # [2 I, hidden]: gate and up projections stacked
+    w_down: torch.Tensor  # [hidden, I]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm: statistics in float32 (whatever x's dtype), weight in x's dtype."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as HF applies it: x * cos + rotate_half(x) * sin, rotate_half = cat(-x2, x1)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+# ---- the runner ------------------------------------------------------------------------------
+class NativeRunner(Runner):
+    """A Llama-architecture causal LM as plain tensors over a static KV cache."""
+
+    def __init__(
+        self,
+        shape: LlamaShape,
+        weights: dict[str, torch.Tensor],
+        eos_token_ids: frozenset[int] = frozenset(),
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        """`weights`: the HF state dict names (model.layers.{i}.self_attn.q_proj.weight, ...)."""
+        self.shape = s = shape
+        self.vocab_size, self.max_positions = s.vocab, s.max_positions
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.device, self.dtype = torch.device(device), dtype
+
+        def get(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"checkpoint lacks the tensor {name!r}")
+            return weights[name].to(device=self.device, dtype=dtype)
+
+        def cat(*names: str) -> torch.Tensor:
+            return torch.cat([get(n) for n in names])
+
+        self.embed = get("model.embed_tokens.weight")  # [V, hidden]
+        self.lm_head = self.embed if s.tied else get("lm_head.weight")  # tied: the same tensor
+        self.norm = get("model.norm.weight")  # [hidden]
+        self.layers: list[Layer] = []
+        for i in range(s.layers):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            self.layers.append(
+                Layer(
+                    attn_norm=get(f"model.layers.{i}.input_layernorm.weight"),
+                    wqkv=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                    bqkv=cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if s.qkv_bias else None,
+                    wo=get(a + "o_proj.weight"),
+                    bo=get(a + "o_proj.bias") if s.o_bias else None,
+                    mlp_norm=get(f"model.layers.{i}.post_attention_layernorm.weight"),
+                    w_gate_up=cat(m + "gate_proj.weight", m + "up_proj.weight"),
+                    w_down=get(m + "down_proj.weight"),
+                )
+            )
+        expected = {"wqkv": ((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden), "embed": (s.vocab, s.hidden)}
+        for name, got in (("wqkv", self.layers[0].wqkv.shape if self.layers else None), ("embed", self.embed.shape)):
+            if got is not None and tuple(got) != expected[name]:
+                raise ValueError(f"weights do not match the config: {name} is {tuple(got)}, expected {expected[name]}")
+        self.inv_freq = s.inv_freq().to(self.device)  # [D/2] float32
+        # flash-attn serves the committed prefix of tree forwards on CUDA (fp16/bf16); the tree
+        # block is a small masked attention merged by log-sum-exp (attention.cascade_attention).
+        self.flash = dtype in (torch.float16, torch.bfloat16) and flash_available(self.device)
+        self.prefix_attention = flash_prefix_attention
+        self.kv = torch.zeros(0, device=self.device, dtype=dtype)
+        self._grow(min(INITIAL_CAPACITY, s.max_positions or INITIAL_CAPACITY))
+        super().__init__()
+
+    # ---- constructors ----------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, model: torch.nn.Module, dtype: torch.dtype | None = None, device=None) -> NativeRunner:
+        """The weights of an HF `LlamaForCausalLM` / `Qwen2ForCausalLM` (shared, not copied,
+        where no fusion or conversion is needed). dtype/device default to the model's."""
+        from .hf import eos_token_ids
+
+        param = next(model.parameters())
+        shape = LlamaShape.from_config(model.config)
+        return cls(shape, model.state_dict(), eos_token_ids(model), dtype or param.dtype, device or param.device)
+
+    @classmethod
+    def from_pretrained(cls, path, dtype: torch.dtype = torch.float32, device="cpu") -> NativeRunner:
+        """A local directory with config.json and model.safetensors (or a sharded
+        model.safetensors.index.json); no transformers import."""
+        from safetensors.torch import load_file
+
+        root = Path(path).expanduser()
+        if not root.is_dir():
+            raise ValueError(f"no model directory at {str(path)!r}")
+        cfg = _read_json(root / "config.json")
+        shape = LlamaShape.from_config(cfg)
+        index = root / "model.safetensors.index.json"
+        if (root / "model.safetensors").is_file():
+            files = [root / "model.safetensors"]
+        elif index.is_file():
+            files = [root / f for f in sorted(set(_read_json(index).get("weight_map", {}).values()))]
+        else:
+            raise ValueError(f"no model.safetensors (or model.safetensors.index.json) in {root}")
+        weights: dict[str, torch.Tensor] = {}
+        for f in files:
+            try:
+                weights.update(load_file(str(f), device="cpu"))
+            except Exception as e:  # safetensors raises its own error type for corrupt files
+                raise ValueError(f"cannot read weights from {f}: {e}") from e
+        eos = None
+        if (root / "generation_config.json").is_file():
+            eos = _read_json(root / "generation_config.json").get("eos_token_id")
+        eos = cfg.get("eos_token_id") if eos is None else eos
+        eos_ids = frozenset() if eos is None else frozenset(int(e) for e in ([eos] if isinstance(eos, int) else eos))
+        return cls(shape, weights, eos_ids, dtype, device)
+
+    # ---- the KV cache ---------------------------------------------------------------------
+    def _grow(self, capacity: int) -> None:
+        """Reallocate the cache for `capacity` slots (keeping what it holds) and the RoPE table
+        for positions [0, capacity): positions never exceed the slot count."""
+        s, old = self.shape, self.kv
+        self.kv = torch.zeros(s.layers, 2, 1, s.kv_heads, capacity, s.head_dim, device=self.device, dtype=self.dtype)
+        if old.numel():
+            self.kv[..., : old.shape[-2], :] = old
+        # as HF's rotary embedding: float32 angles, cos/sin, then the compute dtype
+        pos = torch.arange(capacity, device=self.device)
+        freqs = pos.float()[:, None] * self.inv_freq[None]  # [cap, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [cap, D]
+        self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        self.capacity = capacity
+
+    def _reset_cache(self) -> None:
+        self.filled = 0  # slots [0, filled) hold keys and values
+
+    @torch.inference_mode()
+    def _keep(self, nodes: list[int]) -> None:
+        # pending index -> slot c + index; gather every layer's keys and values at once (a copy),
+        # then write them right after the committed prefix
+        c, k = self.n_committed, len(nodes)
+        idx = torch.tensor(nodes, dtype=torch.long, device=self.device) + c  # [k]
+        self.kv[..., c : c + k, :] = self.kv.index_select(-2, idx)  # [L, 2, 1, Hkv, k, D]
+
+    def _truncate(self, n_slots: int) -> None:
+        self.filled = n_slots  # a static cache just forgets the rest
+
+    # ---- the forward ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def _forward(self, tokens, positions, visible, need_logits):
+        s, n, S = self.shape, tokens.shape[0], self.filled
+        if visible is not None and visible.shape[-1] != S + n:
+            raise RuntimeError(f"mask covers {visible.shape[-1]} slots, the cache holds {S} + {n} new")
+        if S + n > self.capacity:
+            cap = max(S + n, min(2 * self.capacity, s.max_positions or 2 * self.capacity))
+            self._grow(cap)
+        Hq, Hkv, D = s.heads, s.kv_heads, s.head_dim
+        g = Hq // Hkv  # query heads per kv head
+
+        # The attention pattern over slots [0, S+n). A node continuing the committed prefix
+        # with nothing else pending sees everything: no mask (the decode fast path). A prefill
+        # is causal after the S cached slots. Trees give their ancestor mask. GQA folds the g
+        # query heads sharing a kv head into the query axis, so the mask repeats g times.
+        mask, cascade = None, False
+        if visible is None:
+            if n > 1:
+                mask = torch.ones(n, S + n, dtype=torch.bool, device=self.device).tril(S)  # [n, S+n]
+        elif n > 1 or S != self.n_committed:
+            cascade = self.flash and self.n_committed > 0
+            mask = visible
+        if mask is not None and not cascade and g > 1:
+            mask = mask.repeat(g, 1)  # [g*n, S+n]
+
+        cos, sin = self.cos[positions], self.sin[positions]  # [n, D]
+        x = F.embedding(tokens, self.embed)  # [n, hidden]
+        for i, layer in enumerate(self.layers):
+            # attention: fused q/k/v projection, RoPE on q and k together, k and v into the cache
+            h = rms_norm(x, layer.attn_norm, s.eps)
+            qkv = F.linear(h, layer.wqkv, layer.bqkv).view(n, Hq + 2 * Hkv, D).transpose(0, 1)  # [Hq+2Hkv, n, D]
+            qk = rotate(qkv[: Hq + Hkv], cos, sin)  # [Hq+Hkv, n, D]
+            self.kv[i, 0, 0, :, S : S + n] = qk[Hq:]
+            self.kv[i, 1, 0, :, S : S + n] = qkv[Hq + Hkv :]
+            q = qk[:Hq][None]  # [1, Hq, n, D]
+            keys, values = self.kv[i, 0, :, :, : S + n], self.kv[i, 1, :, :, : S + n]  # [1, Hkv, S+n, D]
+            if cascade:  # flash over the committed prefix + masked tree block, merged by LSE
+                c = self.n_committed
+                o = cascade_attention(q, keys, values, c, mask[:, c:], prefix_attention=self.prefix_attention)
+            else:
+                qg = q.reshape(1, Hkv, g * n, D)  # [1, Hkv, g*n, D]: row j*n + t is head kv*g + j, token t
+                o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=D**-0.5)
+            o = o.view(Hq, n, D).transpose(0, 1).reshape(n, Hq * D)  # [n, Hq*D]
+            x = x + F.linear(o, layer.wo, layer.bo)
+
+            # MLP: fused gate/up projection, SiLU gate, down projection
+            h = rms_norm(x, layer.mlp_norm, s.eps)
+            gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)  # [n, I] each
+            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+        self.filled = S + n
+        if not need_logits:
+            return None
+        return F.linear(rms_norm(x, self.norm, s.eps), self.lm_head)  # [n, V]
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise ValueError(f"no {path.name} in {path.parent}")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
