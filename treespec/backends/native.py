@@ -165,16 +165,17 @@ class Layer:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's LlamaRMSNorm: statistics in float32 (whatever x's dtype), weight in x's dtype."""
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    """HF's LlamaRMSNorm: x32 * rsqrt(mean(x32^2) + eps) with x32 = x in float32 (whatever x's
+    dtype, float64 included), then weight * (that in x's dtype). F.rms_norm without a weight
+    is that very expression in one kernel (bitwise equal on CPU; the float64 tests check it)."""
+    return weight * F.rms_norm(x.to(torch.float32), x.shape[-1:], eps=eps).to(x.dtype)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE as HF applies it: x * cos + rotate_half(x) * sin, rotate_half = cat(-x2, x1)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """RoPE as HF applies it, x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1).
+    As sin = cat(s, s), rotate_half(x) * sin == roll(x, D/2) * cat(-s, s) exactly (a sign flip
+    is exact), one op fewer: `sin_signed` is that cat(-s, s)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 # ---- the runner ------------------------------------------------------------------------------
@@ -289,6 +290,9 @@ class NativeRunner(Runner):
         freqs = pos.float()[:, None] * self.inv_freq[None]  # [cap, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [cap, D]
         self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        self.sin_signed = torch.cat((-self.sin[:, : s.head_dim // 2], self.sin[:, s.head_dim // 2 :]), dim=-1)
+        # per-layer views of the cache, [1, Hkv, cap, D] each: no indexing chain in the hot loop
+        self.k_cache, self.v_cache = list(self.kv[:, 0]), list(self.kv[:, 1])
         self.capacity = capacity
 
     def _reset_cache(self) -> None:
@@ -331,17 +335,17 @@ class NativeRunner(Runner):
         if mask is not None and not cascade and g > 1:
             mask = mask.repeat(g, 1)  # [g*n, S+n]
 
-        cos, sin = self.cos[positions], self.sin[positions]  # [n, D]
+        cos, sin = self.cos[positions], self.sin_signed[positions]  # [n, D]
         x = F.embedding(tokens, self.embed)  # [n, hidden]
-        for i, layer in enumerate(self.layers):
+        for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
             # attention: fused q/k/v projection, RoPE on q and k together, k and v into the cache
             h = rms_norm(x, layer.attn_norm, s.eps)
             qkv = F.linear(h, layer.wqkv, layer.bqkv).view(n, Hq + 2 * Hkv, D).transpose(0, 1)  # [Hq+2Hkv, n, D]
             qk = rotate(qkv[: Hq + Hkv], cos, sin)  # [Hq+Hkv, n, D]
-            self.kv[i, 0, 0, :, S : S + n] = qk[Hq:]
-            self.kv[i, 1, 0, :, S : S + n] = qkv[Hq + Hkv :]
+            k_cache[0, :, S : S + n] = qk[Hq:]
+            v_cache[0, :, S : S + n] = qkv[Hq + Hkv :]
             q = qk[:Hq][None]  # [1, Hq, n, D]
-            keys, values = self.kv[i, 0, :, :, : S + n], self.kv[i, 1, :, :, : S + n]  # [1, Hkv, S+n, D]
+            keys, values = k_cache[:, :, : S + n], v_cache[:, :, : S + n]  # [1, Hkv, S+n, D]
             if cascade:  # flash over the committed prefix + masked tree block, merged by LSE
                 c = self.n_committed
                 o = cascade_attention(q, keys, values, c, mask[:, c:], prefix_attention=self.prefix_attention)
