@@ -323,17 +323,14 @@ class NativeRunner(Runner):
 
         # The attention pattern over slots [0, S+n). A node continuing the committed prefix
         # with nothing else pending sees everything: no mask (the decode fast path). A prefill
-        # is causal after the S cached slots. Trees give their ancestor mask. GQA folds the g
-        # query heads sharing a kv head into the query axis, so the mask repeats g times.
+        # is causal after the S cached slots. Trees bring their ancestor mask.
         mask, cascade = None, False
         if visible is None:
             if n > 1:
                 mask = torch.ones(n, S + n, dtype=torch.bool, device=self.device).tril(S)  # [n, S+n]
         elif n > 1 or S != self.n_committed:
+            mask = visible  # [n, S+n]
             cascade = self.flash and self.n_committed > 0
-            mask = visible
-        if mask is not None and not cascade and g > 1:
-            mask = mask.repeat(g, 1)  # [g*n, S+n]
 
         cos, sin = self.cos[positions], self.sin_signed[positions]  # [n, D]
         x = F.embedding(tokens, self.embed)  # [n, hidden]
@@ -346,12 +343,20 @@ class NativeRunner(Runner):
             v_cache[0, :, S : S + n] = qkv[Hq + Hkv :]
             q = qk[:Hq][None]  # [1, Hq, n, D]
             keys, values = k_cache[:, :, : S + n], v_cache[:, :, : S + n]  # [1, Hkv, S+n, D]
-            if cascade:  # flash over the committed prefix + masked tree block, merged by LSE
+            # GQA in SDPA, the fastest of three on this CPU (2 cores, AMD EPYC with avx512_bf16;
+            # us per call over a 128-slot prefix, target heads 8/2 x 64, 1 thread): unmasked
+            # n=1 -> fold the g query heads sharing a kv head into the query axis (fp32 13.9,
+            # bf16 18.6) over enable_gqa (18.3, 107) and repeat_interleave of k/v (40.5, 120);
+            # masked n=17 -> enable_gqa (fp32 99, bf16 120) over folding with the mask repeated
+            # g times (108, 125) and repeat_interleave (128, 137). scratch_time_native.py --sdpa.
+            if cascade:  # flash over the committed prefix + the masked tree block, merged by LSE
                 c = self.n_committed
                 o = cascade_attention(q, keys, values, c, mask[:, c:], prefix_attention=self.prefix_attention)
-            else:
+            elif mask is None:
                 qg = q.reshape(1, Hkv, g * n, D)  # [1, Hkv, g*n, D]: row j*n + t is head kv*g + j, token t
-                o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=D**-0.5)
+                o = F.scaled_dot_product_attention(qg, keys, values, scale=D**-0.5)
+            else:
+                o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=D**-0.5, enable_gqa=True)
             o = o.view(Hq, n, D).transpose(0, 1).reshape(n, Hq * D)  # [n, Hq*D]
             x = x + F.linear(o, layer.wo, layer.bo)
 
