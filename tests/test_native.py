@@ -8,7 +8,14 @@ import random
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from treespec.backends import native
 from treespec.backends.attention import reference_prefix_attention
@@ -32,11 +39,19 @@ VARIANTS = {
     "head_dim_16": dict(head_dim=16),  # != hidden / heads = 8
     "attention_bias": dict(attention_bias=True),  # llama: q, k, v and o biases
     "qwen2_bias": dict(model_type="qwen2"),  # q, k, v biases, no o bias
+    "mistral": dict(model_type="mistral", sliding_window=None),
+}
+
+
+CLASSES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
 }
 
 
 def build(variant: str, dtype=torch.float32, seed: int = 0, max_positions: int = 512, **overrides):
-    """A random tiny Llama (or Qwen2) with every parameter, biases included, nonzero."""
+    """A random tiny Llama (or Qwen2, Mistral) with every parameter, biases included, nonzero."""
     kw = dict(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -52,9 +67,9 @@ def build(variant: str, dtype=torch.float32, seed: int = 0, max_positions: int =
     )
     kw.update(VARIANTS[variant])
     kw.update(overrides)
-    qwen2 = kw.pop("model_type", "llama") == "qwen2"
+    config_cls, model_cls = CLASSES[kw.pop("model_type", "llama")]
     torch.manual_seed(seed)
-    model = (Qwen2ForCausalLM(Qwen2Config(**kw)) if qwen2 else LlamaForCausalLM(LlamaConfig(**kw))).eval()
+    model = model_cls(config_cls(**kw)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:  # zeros / ones at init: make them matter

@@ -222,10 +222,13 @@ class NativeRunner(Runner):
                     w_down=get(m + "down_proj.weight"),
                 )
             )
-        expected = {"wqkv": ((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden), "embed": (s.vocab, s.hidden)}
-        for name, got in (("wqkv", self.layers[0].wqkv.shape if self.layers else None), ("embed", self.embed.shape)):
-            if got is not None and tuple(got) != expected[name]:
-                raise ValueError(f"weights do not match the config: {name} is {tuple(got)}, expected {expected[name]}")
+        for name, got, want in (
+            ("the embedding", self.embed.shape, (s.vocab, s.hidden)),
+            ("q/k/v projections", self.layers[0].wqkv.shape, ((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden)),
+            ("gate/up projections", self.layers[0].w_gate_up.shape, (2 * s.intermediate, s.hidden)),
+        ):
+            if tuple(got) != want:
+                raise ValueError(f"weights do not match the config: {name} {tuple(got)}, expected {want}")
         self.inv_freq = s.inv_freq().to(self.device)  # [D/2] float32
         # flash-attn serves the committed prefix of tree forwards on CUDA (fp16/bf16); the tree
         # block is a small masked attention merged by log-sum-exp (attention.cascade_attention).
