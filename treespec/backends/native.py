@@ -1,9 +1,10 @@
 """A lean Llama forward over a static KV cache (gpt-fast style): the native backend.
 
-Serves what `LlamaForCausalLM` / `Qwen2ForCausalLM` load (GQA, any head_dim, tied or untied
-embeddings, default or llama3 RoPE, q/k/v biases) with a handful of tensor ops per layer and
-no module stack. Weights come from an HF model (`NativeRunner.from_hf`) or straight from a
-local safetensors checkpoint (`NativeRunner.from_pretrained`, no transformers import).
+Serves what `LlamaForCausalLM`, `Qwen2ForCausalLM` and `MistralForCausalLM` (without a
+sliding window) load: GQA, any head_dim, tied or untied embeddings, default or llama3 RoPE,
+q/k/v(/o) biases; a handful of tensor ops per layer and no module stack. Weights come from an
+HF model (`NativeRunner.from_hf`) or straight from a local safetensors checkpoint
+(`NativeRunner.from_pretrained`, no transformers import).
 Anything else is refused by `unsupported_reason(config)`, so callers fall back to the HF
 runner instead of getting a wrong answer.
 
@@ -152,16 +153,18 @@ class LlamaShape:
 
 @dataclass
 class Layer:
-    """One decoder layer's weights, fused where two matmuls read the same input."""
+    """One decoder layer's weights, fused where two matmuls read the same input. Projections are
+    stored [in, out] (HF's nn.Linear weight transposed) and applied as x @ W: on this CPU's fp32
+    BLAS that is 1.3-1.6x faster per token than F.linear on [out, in] (same speed in bf16)."""
 
     attn_norm: torch.Tensor  # [hidden]
-    wqkv: torch.Tensor  # [(Hq + 2 Hkv) D, hidden]: q, k, v projections stacked
+    wqkv: torch.Tensor  # [hidden, (Hq + 2 Hkv) D]: q, k, v projections side by side
     bqkv: torch.Tensor | None  # [(Hq + 2 Hkv) D] (qwen2, attention_bias)
-    wo: torch.Tensor  # [hidden, Hq D]
+    wo: torch.Tensor  # [Hq D, hidden]
     bo: torch.Tensor | None  # [hidden] (llama attention_bias)
     mlp_norm: torch.Tensor  # [hidden]
-    w_gate_up: torch.Tensor  # [2 I, hidden]: gate and up projections stacked
-    w_down: torch.Tensor  # [hidden, I]
+    w_gate_up: torch.Tensor  # [hidden, 2 I]: gate and up projections side by side
+    w_down: torch.Tensor  # [I, hidden]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -201,11 +204,21 @@ class NativeRunner(Runner):
                 raise ValueError(f"checkpoint lacks the tensor {name!r}")
             return weights[name].to(device=self.device, dtype=dtype)
 
-        def cat(*names: str) -> torch.Tensor:
-            return torch.cat([get(n) for n in names])
+        def transposed(w: torch.Tensor) -> torch.Tensor:  # [out, in] -> [in, out]
+            # float64 (the exactness tests' dtype) keeps HF's storage under a transposed view, so
+            # x @ w is the very BLAS call F.linear makes: bitwise HF even through the float32
+            # RMSNorm statistics, which would amplify any reordered float64 sum to ~1e-8
+            return w.t() if dtype == torch.float64 else w.t().contiguous()
 
-        self.embed = get("model.embed_tokens.weight")  # [V, hidden]
-        self.lm_head = self.embed if s.tied else get("lm_head.weight")  # tied: the same tensor
+        def get_t(name: str) -> torch.Tensor:  # [in, out]
+            return transposed(get(name))
+
+        def cat(*names: str) -> torch.Tensor:  # [in, sum of outs]
+            return transposed(torch.cat([get(n) for n in names]))
+
+        self.lm_head = get_t("model.embed_tokens.weight" if s.tied else "lm_head.weight")  # [hidden, V]
+        # tied: no second copy, tokens are embedded from lm_head's columns (see _embed)
+        self.embed = None if s.tied else get("model.embed_tokens.weight")  # [V, hidden]
         self.norm = get("model.norm.weight")  # [hidden]
         self.layers: list[Layer] = []
         for i in range(s.layers):
@@ -215,17 +228,17 @@ class NativeRunner(Runner):
                     attn_norm=get(f"model.layers.{i}.input_layernorm.weight"),
                     wqkv=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
                     bqkv=cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if s.qkv_bias else None,
-                    wo=get(a + "o_proj.weight"),
+                    wo=get_t(a + "o_proj.weight"),
                     bo=get(a + "o_proj.bias") if s.o_bias else None,
                     mlp_norm=get(f"model.layers.{i}.post_attention_layernorm.weight"),
                     w_gate_up=cat(m + "gate_proj.weight", m + "up_proj.weight"),
-                    w_down=get(m + "down_proj.weight"),
+                    w_down=get_t(m + "down_proj.weight"),
                 )
             )
         for name, got, want in (
-            ("the embedding", self.embed.shape, (s.vocab, s.hidden)),
-            ("q/k/v projections", self.layers[0].wqkv.shape, ((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden)),
-            ("gate/up projections", self.layers[0].w_gate_up.shape, (2 * s.intermediate, s.hidden)),
+            ("the output projection", self.lm_head.shape, (s.hidden, s.vocab)),
+            ("q/k/v projections", self.layers[0].wqkv.shape, (s.hidden, (s.heads + 2 * s.kv_heads) * s.head_dim)),
+            ("gate/up projections", self.layers[0].w_gate_up.shape, (s.hidden, 2 * s.intermediate)),
         ):
             if tuple(got) != want:
                 raise ValueError(f"weights do not match the config: {name} {tuple(got)}, expected {want}")
@@ -292,8 +305,9 @@ class NativeRunner(Runner):
         pos = torch.arange(capacity, device=self.device)
         freqs = pos.float()[:, None] * self.inv_freq[None]  # [cap, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [cap, D]
-        self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
-        self.sin_signed = torch.cat((-self.sin[:, : s.head_dim // 2], self.sin[:, s.head_dim // 2 :]), dim=-1)
+        self.cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)  # [cap, D]
+        half = s.head_dim // 2
+        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # [cap, D], see rotate()
         # per-layer views of the cache, [1, Hkv, cap, D] each: no indexing chain in the hot loop
         self.k_cache, self.v_cache = list(self.kv[:, 0]), list(self.kv[:, 1])
         self.capacity = capacity
@@ -336,11 +350,12 @@ class NativeRunner(Runner):
             cascade = self.flash and self.n_committed > 0
 
         cos, sin = self.cos[positions], self.sin_signed[positions]  # [n, D]
-        x = F.embedding(tokens, self.embed)  # [n, hidden]
+        x = self._embed(tokens)  # [n, hidden]
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
             # attention: fused q/k/v projection, RoPE on q and k together, k and v into the cache
             h = rms_norm(x, layer.attn_norm, s.eps)
-            qkv = F.linear(h, layer.wqkv, layer.bqkv).view(n, Hq + 2 * Hkv, D).transpose(0, 1)  # [Hq+2Hkv, n, D]
+            qkv = h @ layer.wqkv if layer.bqkv is None else torch.addmm(layer.bqkv, h, layer.wqkv)  # [n, (Hq+2Hkv)*D]
+            qkv = qkv.view(n, Hq + 2 * Hkv, D).transpose(0, 1)  # [Hq+2Hkv, n, D]
             qk = rotate(qkv[: Hq + Hkv], cos, sin)  # [Hq+Hkv, n, D]
             k_cache[0, :, S : S + n] = qk[Hq:]
             v_cache[0, :, S : S + n] = qkv[Hq + Hkv :]
@@ -361,16 +376,22 @@ class NativeRunner(Runner):
             else:
                 o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=D**-0.5, enable_gqa=True)
             o = o.view(Hq, n, D).transpose(0, 1).reshape(n, Hq * D)  # [n, Hq*D]
-            x = x + F.linear(o, layer.wo, layer.bo)
+            x = x + (o @ layer.wo if layer.bo is None else torch.addmm(layer.bo, o, layer.wo))
 
             # MLP: fused gate/up projection, SiLU gate, down projection
             h = rms_norm(x, layer.mlp_norm, s.eps)
-            gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)  # [n, I] each
-            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+            gate, up = (h @ layer.w_gate_up).chunk(2, dim=-1)  # [n, I] each
+            x = x + (F.silu(gate) * up) @ layer.w_down
         self.filled = S + n
         if not need_logits:
             return None
-        return F.linear(rms_norm(x, self.norm, s.eps), self.lm_head)  # [n, V]
+        return rms_norm(x, self.norm, s.eps) @ self.lm_head  # [n, V]
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[n] token ids -> [n, hidden]: rows of the embedding, or columns of a tied lm_head."""
+        if self.embed is None:
+            return self.lm_head.index_select(1, tokens).t().contiguous()  # row-major, as BLAS sees HF's
+        return F.embedding(tokens, self.embed)
 
 
 def _read_json(path: Path) -> dict:
