@@ -373,3 +373,23 @@ def test_capacity_growth_matches_hf(monkeypatch):
     # a wide tree at the end: more slots than positions, still fine
     tree = TokenTree([rng.randrange(VOCAB) for _ in range(12)], [-1] + [0] * 11)
     assert max_diff(hf.score(tree), nat.score(tree)) < 1e-4
+
+
+# ---- CUDA (skipped without a GPU) ---------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_matches_hf(dtype):
+    model = build("gqa_tied").to("cuda", dtype)
+    hf, nat = runners(model)
+    assert nat.device.type == "cuda" and nat.kv.is_cuda
+    rng = random.Random(9)
+    prompt = [rng.randrange(VOCAB) for _ in range(20)]
+    for r in (hf, nat):
+        r.prefill(prompt)
+    for _ in range(5):
+        tree = random_tree(rng, 9)
+        a, b = hf.score(tree).float(), nat.score(tree).float()
+        assert (a - b).abs().max() < (1e-4 if dtype == torch.float32 else 0.05 * a.abs().max())
+        chain = random_chain(rng, tree)
+        for r in (hf, nat):
+            r.commit(chain)

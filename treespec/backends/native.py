@@ -254,8 +254,9 @@ class NativeRunner(Runner):
     # ---- constructors ----------------------------------------------------------------------
     @classmethod
     def from_hf(cls, model: torch.nn.Module, dtype: torch.dtype | None = None, device=None) -> NativeRunner:
-        """The weights of an HF `LlamaForCausalLM` / `Qwen2ForCausalLM` (shared, not copied,
-        where no fusion or conversion is needed). dtype/device default to the model's."""
+        """The weights of an HF `LlamaForCausalLM` / `Qwen2ForCausalLM` / `MistralForCausalLM`,
+        copied into the runner's layout (norms and biases shared where dtype and device agree;
+        float64 shares everything). dtype/device default to the model's."""
         from .hf import eos_token_ids
 
         param = next(model.parameters())
