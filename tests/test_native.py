@@ -195,6 +195,13 @@ def test_multi_round_cache_equals_fresh_prefill(variant):
     a, b, h = nat.score(nxt), fresh.score(nxt), hf.score(nxt)
     assert max_diff(a, b) < 1e-5 and max_diff(a, h) < 1e-4
 
+    # a prefill after a committed prefix (the draft catching up): causal after the cache
+    more = [rng.randrange(VOCAB) for _ in range(5)]
+    for r in (hf, nat):
+        r.commit([0])
+        r.prefill(more)
+    assert max_diff(hf.score(nxt), nat.score(nxt)) < 1e-4
+
 
 # ---- 3. drafting level by level == one tree forward -------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
