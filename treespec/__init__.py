@@ -10,7 +10,7 @@
 
 from .config import SamplingConfig, TreeConfig
 from .decoder import SpeculativeDecoder
-from .drafters import Drafter, MergedDrafter, ModelDrafter, NgramDrafter, PromptLookupDrafter
+from .drafters import BigramDrafter, Drafter, MergedDrafter, ModelDrafter, NgramDrafter, PromptLookupDrafter, UnigramDrafter
 from .proposal import DraftTree, Draw, ProposalGroup
 from .rng import Rng, TorchRng
 from .runner import HFRunner, Runner
@@ -19,6 +19,7 @@ from .tree import TokenTree
 from .verify import Walk, verify
 
 __all__ = [
+    "BigramDrafter",
     "DraftTree",
     "Draw",
     "Drafter",
@@ -37,6 +38,7 @@ __all__ = [
     "TokenTree",
     "TorchRng",
     "TreeConfig",
+    "UnigramDrafter",
     "Walk",
     "verify",
 ]

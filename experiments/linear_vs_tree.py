@@ -1,0 +1,188 @@
+#!/usr/bin/env python
+"""Linear vs tree speculation on the bundled pair: a grid, one JSONL row per cell, resumable.
+
+    python experiments/linear_vs_tree.py                       # the committed run
+    python experiments/linear_vs_tree.py --widths 1,2 --depths 2 --n-prompts 1 --max-new-tokens 16 \
+        --out /tmp/smoke.jsonl                                 # a smoke test
+
+Grid: drafter x strategy x width x depth x temperature (plus plain decoding per temperature
+as the baseline: strategy "none"), decoded on held-out prompts (`treespec.zoo.load_prompts`)
+with the same seeds in every cell. A cell already in `--out` (same key) is skipped, so an
+interrupted run continues where it stopped.
+
+Rows:
+  {"kind": "costs", ...}  once: target forward latency t(n) for n tokens (n = draft nodes + 1,
+                          the root) over a cached prefix, median of `--repeats`; c = t_draft /
+                          t_target for one token (Leviathan's c)
+  {"kind": "cell", ...}   per cell: tokens/step, tokens/s, acceptance by depth, nodes per
+                          round, c, t(n)/t(1) at the cell's mean tree size (interpolated)
+
+Only the public API is used: SpeculativeDecoder over HF models loaded here, `generate()` stats.
+`experiments/plot_linear_vs_tree.py` turns the JSONL into plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from treespec import BigramDrafter, GenerationStats, SamplingConfig, SpeculativeDecoder, TreeConfig, UnigramDrafter
+from treespec.zoo import default_pair, load_prompts
+
+COST_SIZES = (1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33, 49, 65, 97)
+
+
+def load_pair():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target_path, draft_path = default_pair()
+    load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, attn_implementation="sdpa").eval()  # noqa: E731
+    return load(target_path), load(draft_path), AutoTokenizer.from_pretrained(target_path)
+
+
+@torch.inference_mode()
+def forward_seconds(model, n_tokens: int, prefix: int = 128, repeats: int = 7) -> float:
+    """Median wall time of one forward of `n_tokens` new tokens over a cached `prefix`."""
+    from transformers import DynamicCache
+
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randint(2, V, (1, prefix), generator=g)
+    new = torch.randint(2, V, (1, n_tokens), generator=g)
+    cache = DynamicCache(config=model.config)
+    model(ctx, past_key_values=cache, use_cache=True)
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        model(new, past_key_values=cache, use_cache=True)
+        dt = time.perf_counter() - t0
+        cache.crop(-n_tokens)
+        if i:  # the first call warms up
+            times.append(dt)
+    return statistics.median(times)
+
+
+def measure_costs(target, draft, repeats: int) -> dict:
+    t = {n: forward_seconds(target, n, repeats=repeats) for n in COST_SIZES}
+    t_draft = forward_seconds(draft, 1, repeats=repeats)
+    return {
+        "kind": "costs",
+        "n_tokens": list(COST_SIZES),
+        "target_seconds": [t[n] for n in COST_SIZES],
+        "t_ratio": [t[n] / t[1] for n in COST_SIZES],
+        "draft_seconds": t_draft,
+        "c": t_draft / t[1],
+        "repeats": repeats,
+        "prefix": 128,
+    }
+
+
+def t_ratio_at(costs: dict, n_tokens: float) -> float:
+    return float(np.interp(n_tokens, costs["n_tokens"], costs["t_ratio"]))
+
+
+def cell_key(row: dict) -> tuple:
+    return (row["drafter"], row["strategy"], row["width"], row["depth"], row["temperature"], row["n_prompts"], row["max_new_tokens"])
+
+
+def run_cell(dec, prompts, cell: dict, seed: int) -> GenerationStats:
+    sampling = SamplingConfig(temperature=cell["temperature"])
+    tree = None if cell["strategy"] == "none" else TreeConfig(width=cell["width"], depth=cell["depth"], strategy=cell["strategy"])
+    total = GenerationStats()
+    for i, ids in enumerate(prompts):
+        out = dec.generate(ids, cell["max_new_tokens"], tree=tree, sampling=sampling, seed=seed + i, ignore_eos=True)
+        total.add(out.stats)
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    floats = lambda s: [float(x) for x in s.split(",") if x]  # noqa: E731
+    strs = lambda s: [x for x in s.split(",") if x]  # noqa: E731
+    ap.add_argument("--widths", type=ints, default=[1, 2, 4])
+    ap.add_argument("--depths", type=ints, default=[2, 4, 6])
+    ap.add_argument("--strategies", type=strs, default=["iid", "without_replacement", "topk"])
+    ap.add_argument("--drafters", type=strs, default=["model", "bigram"], help="model, bigram, unigram (count drafters: iid only)")
+    ap.add_argument("--temperatures", type=floats, default=[0.0, 0.6, 1.0])
+    ap.add_argument("--n-prompts", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=7, help="forward timings per size (median)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=Path("experiments/results/linear_vs_tree.jsonl"))
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    target, draft, tok = load_pair()
+    prompts = [tok(p)["input_ids"] for p in load_prompts(n=args.n_prompts)]
+    decoders = {"model": SpeculativeDecoder(target, draft, tok)}
+    if "bigram" in args.drafters:
+        decoders["bigram"] = SpeculativeDecoder(target, None, tok, drafter=BigramDrafter(width=1))
+    if "unigram" in args.drafters:
+        decoders["unigram"] = SpeculativeDecoder(target, None, tok, drafter=UnigramDrafter(width=1))
+
+    rows = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()] if args.out.exists() else []
+    done = {cell_key(r) for r in rows if r.get("kind") == "cell"}
+    costs = next((r for r in rows if r.get("kind") == "costs"), None)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    fh = args.out.open("a")
+    if costs is None:
+        print("measuring forward costs t(n) ...", file=sys.stderr, flush=True)
+        costs = measure_costs(target, draft, args.repeats)
+        costs["threads"] = args.threads
+        fh.write(json.dumps(costs) + "\n")
+        fh.flush()
+
+    base = dict(n_prompts=args.n_prompts, max_new_tokens=args.max_new_tokens)
+    cells = [dict(drafter="model", strategy="none", width=0, depth=0, temperature=t, **base) for t in args.temperatures]
+    for drafter in args.drafters:
+        for strategy in args.strategies:
+            if drafter != "model" and strategy != "iid":
+                continue
+            for t in args.temperatures:
+                for w in args.widths:
+                    for d in args.depths:
+                        cells.append(dict(drafter=drafter, strategy=strategy, width=w, depth=d, temperature=t, **base))
+    todo = [c for c in cells if cell_key(c) not in done]
+    print(f"{len(cells)} cells, {len(cells) - len(todo)} already in {args.out}", file=sys.stderr, flush=True)
+    for cell in tqdm(todo, desc="cells", unit="cell"):
+        dec = decoders[cell["drafter"]]
+        if cell["drafter"] != "model":
+            dec.drafter.width = cell["width"]
+        s = run_cell(dec, prompts, cell, args.seed)
+        nodes = s.tree_nodes / s.target_steps
+        row = dict(
+            kind="cell",
+            **cell,
+            tokens=s.tokens,
+            target_steps=s.target_steps,
+            tokens_per_step=s.tokens_per_step,
+            tokens_per_second=s.tokens_per_second,
+            acceptance_by_depth=s.acceptance_by_depth,
+            nodes_per_round=nodes,
+            draft_forwards_per_round=s.draft_forwards / s.target_steps,
+            draft_seconds=s.draft_seconds,
+            verify_seconds=s.verify_seconds,
+            decode_seconds=s.total_seconds - s.prefill_seconds,
+            c=costs["c"] if cell["drafter"] == "model" and cell["strategy"] != "none" else 0.0,
+            t_ratio=t_ratio_at(costs, nodes + 1),
+            threads=args.threads,
+            seed=args.seed,
+        )
+        fh.write(json.dumps(row) + "\n")
+        fh.flush()
+    fh.close()
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
