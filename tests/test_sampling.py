@@ -54,15 +54,18 @@ def test_residual():
     r = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
     q = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
     torch.testing.assert_close(residual(r, q), torch.tensor([1.0, 0, 0], dtype=torch.float64))
-    assert residual(r, r.clone()) is r  # zero-probability rejection: keep r
+    torch.testing.assert_close(residual(r, r.clone()), r)  # zero-probability rejection: keep r
+    rows = torch.stack([r, q])  # batched rows: each row its own residual
+    torch.testing.assert_close(residual(rows, torch.stack([q, r])), torch.tensor([[1.0, 0, 0], [0, 2 / 3, 1 / 3]], dtype=torch.float64))
 
 
 def test_remove_token_and_uniform_fallback():
     q = torch.tensor([0.5, 0.5, 0.0, 0.0], dtype=torch.float64)
     torch.testing.assert_close(remove_token(q, 0), torch.tensor([0, 1.0, 0, 0], dtype=torch.float64))
-    drawn = torch.tensor([True, False, False, False])
+    drawn = torch.tensor([False, False, False, False])
     left = remove_token(torch.tensor([1.0, 0, 0, 0], dtype=torch.float64), 0, drawn)
     torch.testing.assert_close(left, torch.tensor([0, 1 / 3, 1 / 3, 1 / 3], dtype=torch.float64))
+    assert drawn.tolist() == [True, False, False, False]  # x recorded as drawn
 
 
 def test_check_finite():

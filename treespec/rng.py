@@ -30,12 +30,22 @@ class Rng(ABC):
         k must not exceed the number of tokens with nonzero probability.
         """
         out: list[int] = []
-        q = probs
+        q, drawn = probs, torch.zeros_like(probs, dtype=torch.bool)
         for _ in range(k):
             (x,) = self.categorical(q)
             out.append(x)
-            q = remove_token(q, x)
+            q = remove_token(q, x, drawn)
         return out
+
+    def first_success(self, probs: torch.Tensor) -> int | None:
+        """Flip independent coins with success probabilities `probs` [k] (any device) in
+        order; the index of the first success, or None. The verification walk uses it for
+        the proposals at one node: one host transfer per node instead of one per proposal.
+        """
+        for i, prob in enumerate(probs.tolist()):
+            if self.bernoulli(prob):
+                return i
+        return None
 
 
 class TorchRng(Rng):
@@ -54,6 +64,13 @@ class TorchRng(Rng):
     def bernoulli(self, prob: float) -> bool:
         u = torch.rand((), generator=self.generator, device=self.generator.device, dtype=torch.float64)
         return bool(u < prob)  # strict: a zero probability never accepts
+
+    def first_success(self, probs: torch.Tensor) -> int | None:
+        # all k coins at once on the device; only the answer crosses to the host
+        u = torch.rand(probs.shape, generator=self.generator, device=self.generator.device, dtype=torch.float64)
+        hit = u.to(probs.device) < probs.double()  # strict: a zero probability never accepts
+        first = int(torch.where(hit.any(), hit.to(torch.int8).argmax(), -1))
+        return None if first < 0 else first
 
     def without_replacement(self, probs: torch.Tensor, k: int) -> list[int]:
         # Gumbel-top-k: the order of argsort(log q + Gumbel) is a sequential draw without

@@ -57,31 +57,27 @@ def probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
 def residual(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """norm(max(r - q, 0)): the target mass not yet covered after rejecting a draw from q.
 
-    If that mass is ~0 the rejection had probability ~0; `r` is returned unchanged.
+    If that mass is ~0 the rejection had probability ~0 and `r` is returned unchanged. Works
+    on `[..., V]` rows and never syncs with the host (the branch is a `torch.where`).
     """
     diff = torch.clamp(r - q, min=0)
-    mass = diff.sum()
-    if mass <= EPS:
-        return r
-    return diff / mass
+    mass = diff.sum(-1, keepdim=True)
+    return torch.where(mass > EPS, diff / mass.clamp_min(EPS), r)
 
 
-def remove_token(q: torch.Tensor, x: int, rejected: torch.Tensor | None = None) -> torch.Tensor:
+def remove_token(q: torch.Tensor, x: int, drawn: torch.Tensor | None = None) -> torch.Tensor:
     """q with token x removed, renormalised: the next draw of a without-replacement sequence.
 
-    If nothing is left, the next draw is uniform over the tokens not yet drawn (`rejected`
-    marks the ones already drawn, x included).
+    If nothing is left, the next draw is uniform over the tokens not yet drawn (`drawn` marks
+    the ones already drawn; x is added to it in place). No host sync.
     """
-    out = q.clone()
-    out[x] = 0
+    if drawn is None:
+        drawn = torch.zeros_like(q, dtype=torch.bool)
+    drawn[x] = True
+    out = q.masked_fill(drawn, 0)
     mass = out.sum()
-    if mass > EPS:
-        return out / mass
-    alive = torch.ones_like(q, dtype=torch.bool) if rejected is None else ~rejected
-    alive[x] = False
-    if not alive.any():
-        raise ValueError("drew more tokens without replacement than the vocabulary holds")
-    return alive.to(q.dtype) / alive.sum()
+    alive = (~drawn).to(q.dtype)
+    return torch.where(mass > EPS, out / mass.clamp_min(EPS), alive / alive.sum())
 
 
 def one_hot(x: int, like: torch.Tensor) -> torch.Tensor:
