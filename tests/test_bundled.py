@@ -17,7 +17,14 @@ GREEDY_ALPHA_FLOOR = 0.55
 @pytest.fixture(scope="module")
 def dec64():
     """float64, so that tree and sequential forwards cannot disagree on an argmax by rounding."""
-    return SpeculativeDecoder.from_pretrained(dtype="float64")
+    return {backend: SpeculativeDecoder.from_pretrained(dtype="float64", backend=backend) for backend in ("native", "hf")}
+
+
+@pytest.fixture(scope="module")
+def hf_target64():
+    from treespec.backends.hf import load_model
+
+    return load_model(default_pair()[0], torch.float64, None)
 
 
 def test_checkpoints_are_shipped_small_and_complete():
@@ -36,15 +43,17 @@ def test_loads_offline_with_a_tokenizer_that_round_trips(monkeypatch):
     text = 'def f(xs):\n    """Sum."""\n    return sum(x * 2 for x in xs)  # é\n'
     ids = dec.tokenizer(text)["input_ids"]
     assert dec.tokenizer.decode(ids) == text
-    assert dec.target_model.config.vocab_size == dec.draft_model.config.vocab_size
+    assert dec.target_runner.vocab_size == dec.draft_runner.vocab_size
     assert dec.eos_token_ids  # EOS comes from the shipped generation config
 
 
-def test_greedy_equals_hf_generate_on_heldout_prompts(dec64):
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_greedy_equals_hf_generate_on_heldout_prompts(dec64, hf_target64, backend):
+    dec64 = dec64[backend]
     for prompt in load_prompts(n=3):
         ids = dec64.tokenizer(prompt)["input_ids"]
         with torch.no_grad():
-            want = dec64.target_model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :].tolist()
+            want = hf_target64.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :].tolist()
         for tree in (TreeConfig(1, 4), TreeConfig(4, 4)):
             out = dec64.generate(ids, 24, tree=tree, sampling=GREEDY)
             assert out.token_ids == want

@@ -60,7 +60,7 @@ def test_empty_text_prompt_with_tokenizer(dec):
         def __call__(self, text, add_special_tokens=True):
             return {"input_ids": [ord(c) % 90 for c in text]}
 
-    d = SpeculativeDecoder(dec.target_model, dec.draft_model, tokenizer=Tok())
+    d = SpeculativeDecoder(dec.target_runner, dec.draft_runner, tokenizer=Tok())
     with pytest.raises(ValueError, match="prompt is empty"):
         d.generate("", 4)
 

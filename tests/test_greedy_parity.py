@@ -56,10 +56,11 @@ def tree_id(tree):
     return f"{tree.strategy}-w{tree.width}-d{tree.depth}{extra}"
 
 
+@pytest.mark.parametrize("backend", ["native", "hf"])
 @pytest.mark.parametrize("tree", TREES, ids=tree_id)
-def test_greedy_equals_hf_generate(pair, tree):
+def test_greedy_equals_hf_generate(pair, tree, backend):
     target, draft = pair
-    dec = SpeculativeDecoder(target, draft)
+    dec = SpeculativeDecoder(target, draft, backend=backend)
     accepted = 0
     for prompt in PROMPTS:
         want = hf_greedy(target, prompt, 40, stop_at_eos=False)

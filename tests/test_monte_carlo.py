@@ -78,11 +78,12 @@ CASES = {  # name: (drafter, tree, sampling)
 }
 
 
+@pytest.mark.parametrize("backend", ["native", "hf"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_sampled_output_matches_target_joint(models, case):
+def test_sampled_output_matches_target_joint(models, case, backend):
     target, draft = models
     drafter, tree, sampling = CASES[case]
-    dec = SpeculativeDecoder(target, draft, drafter=drafter)
+    dec = SpeculativeDecoder(target, draft, drafter=drafter, backend=backend)
     counts, accepted = Counter(), 0
     for seed in range(N):
         out = dec.generate(PROMPT, K, tree=tree, sampling=sampling, seed=seed, ignore_eos=True)

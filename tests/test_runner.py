@@ -1,4 +1,4 @@
-"""HFRunner: the tree forward equals sequential decoding, and compaction keeps the cache exact."""
+"""Both backends: the tree forward equals sequential decoding, and commit keeps the cache exact."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from treespec import HFRunner, SamplingConfig, SpeculativeDecoder, TokenTree, TreeConfig
+from treespec import SamplingConfig, SpeculativeDecoder, TokenTree, TreeConfig
+from treespec.backends import make_runner
+from treespec.backends.hf import HFRunner
+from treespec.backends.native import NativeRunner
 
 from .conftest import VOCAB, tiny_llama
 from .test_tree import trees
@@ -28,6 +31,13 @@ def model(request):
     return MODELS[request.param]()
 
 
+@pytest.fixture(params=["native", "hf"])
+def backend(request, model):
+    if request.param == "native" and model.config._attn_implementation == "eager":
+        pytest.skip("the eager/sdpa distinction is HF's; native has one attention path")
+    return request.param
+
+
 def tol(model) -> float:
     # HF's eager attention takes its softmax in float32 even for float64 models
     return 1e-6 if model.config._attn_implementation == "eager" else 1e-9
@@ -39,73 +49,75 @@ def sequential_logits(model, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens])).logits[0, -1]
 
 
-def feed_tree(runner: HFRunner, tree: TokenTree) -> torch.Tensor:
-    base = runner.n_slots
-    return runner.forward(tree.tokens, [-1] + [base + p for p in tree.parents[1:]])
+def committed_kv(runner) -> list[torch.Tensor]:
+    """Keys and values of the committed slots, per layer ([B, Hkv, C, D] each)."""
+    c = runner.n_committed
+    if isinstance(runner, NativeRunner):
+        assert runner.filled == c
+        return [runner.kv[layer, kv, ..., :c, :] for layer in range(runner.kv.shape[0]) for kv in (0, 1)]
+    assert runner.cache.get_seq_length() == c
+    return [t for layer in runner.cache.layers for t in (layer.keys, layer.values)]
 
 
-def assert_cache_equals_prefill(runner: HFRunner, model) -> None:
-    fresh = HFRunner(model)
+def assert_cache_equals_prefill(runner, model) -> None:
+    fresh = type(runner).from_hf(model) if isinstance(runner, NativeRunner) else HFRunner(model)
     fresh.prefill(runner.committed)
-    assert runner.cache.get_seq_length() == len(runner.committed)
-    for got, want in zip(runner.cache.layers, fresh.cache.layers):
-        torch.testing.assert_close(got.keys, want.keys, rtol=0, atol=tol(model) / 10)
-        torch.testing.assert_close(got.values, want.values, rtol=0, atol=tol(model) / 10)
+    for got, want in zip(committed_kv(runner), committed_kv(fresh), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=tol(model) / 10)
 
 
-def test_tree_logits_equal_each_path_run_sequentially(model):
+def test_tree_logits_equal_each_path_run_sequentially(model, backend):
     tree = TokenTree.from_choices(5, [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [1, 0, 0]], [[9, 4, 77], [30, 2], [51]])
-    runner = HFRunner(model)
+    runner = make_runner(model, backend)
     runner.prefill(PREFIX)
-    logits = feed_tree(runner, tree)
+    logits = runner.score(tree)
     for i in range(len(tree)):
         path_tokens = [tree.tokens[n] for n in tree.path_to(i)]
         torch.testing.assert_close(logits[i], sequential_logits(model, PREFIX + path_tokens), rtol=0, atol=tol(model))
 
 
-def test_tree_built_over_two_forwards(model):
+def test_tree_built_over_two_forwards(model, backend):
     """Level-by-level drafting feeds a tree in several calls; later nodes see earlier pending ones."""
-    runner = HFRunner(model)
+    runner = make_runner(model, backend)
     runner.prefill(PREFIX)
-    base = runner.n_slots
-    root = runner.forward([5], [-1])
-    kids = runner.forward([9, 4], [base, base])
-    grandkids = runner.forward([30, 31, 2], [base + 1, base + 1, base + 2])
+    root = runner.extend([5], [-1])
+    kids = runner.extend([9, 4], [0, 0])
+    grandkids = runner.extend([30, 31, 2], [1, 1, 2])
     torch.testing.assert_close(root[0], sequential_logits(model, PREFIX + [5]), rtol=0, atol=tol(model))
     torch.testing.assert_close(kids[1], sequential_logits(model, PREFIX + [5, 4]), rtol=0, atol=tol(model))
     torch.testing.assert_close(grandkids[1], sequential_logits(model, PREFIX + [5, 9, 31]), rtol=0, atol=tol(model))
     torch.testing.assert_close(grandkids[2], sequential_logits(model, PREFIX + [5, 4, 2]), rtol=0, atol=tol(model))
-    runner.commit([base, base + 1, base + 4])
+    runner.commit([0, 1, 4])
     assert runner.committed == PREFIX + [5, 9, 31]
     assert_cache_equals_prefill(runner, model)
 
 
 @pytest.mark.parametrize("strategy", ["iid", "without_replacement", "topk"])
-def test_cache_after_20_rounds_equals_fresh_prefill(model, strategy):
+def test_cache_after_20_rounds_equals_fresh_prefill(model, strategy, backend):
     draft = tiny_llama(1, hidden=16, layers=1, heads=2, kv_heads=1)
-    dec = SpeculativeDecoder(model, draft)
+    dec = SpeculativeDecoder(model, draft, backend=backend)
     out = dec.generate(PREFIX, 60, tree=TreeConfig(3, 3, strategy), sampling=SamplingConfig(temperature=1.0), seed=0, ignore_eos=True)
     assert out.stats.target_steps >= 20
-    assert dec._target.committed == PREFIX + out.token_ids[:-1]
-    assert_cache_equals_prefill(dec._target, model)
+    assert dec.target_runner.committed == PREFIX + out.token_ids[:-1]
+    assert_cache_equals_prefill(dec.target_runner, model)
     # the draft cache is a (possibly lagging) prefix of the same sequence
-    d = dec._draft
+    d = dec.draft_runner
     assert d.committed == (PREFIX + out.token_ids)[: d.n_committed]
     assert_cache_equals_prefill(d, draft)
 
 
 @given(tree=trees(max_nodes=10), pick=st.integers(0, 10**6), prefix=st.integers(1, 6))
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-def test_compaction_of_any_root_to_node_path(tree, pick, prefix):
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_compaction_of_any_root_to_node_path(tree, pick, prefix, backend):
     model = _shared_model()
-    runner = HFRunner(model)
+    runner = make_runner(model, backend)
     runner.prefill(PREFIX[:prefix])
     tokens = [t % VOCAB for t in tree.tokens]
     tree = TokenTree(tokens, tree.parents)
-    base = runner.n_slots
-    feed_tree(runner, tree)
+    runner.score(tree)
     path = tree.path_to(pick % len(tree))
-    runner.commit([base + n for n in path])
+    runner.commit(path)
     assert runner.committed == PREFIX[:prefix] + [tokens[n] for n in path]
     assert_cache_equals_prefill(runner, model)
 
@@ -138,7 +150,6 @@ def test_attention_that_ignores_4d_masks_is_rejected(impl):
 def test_commit_rejects_a_non_chain():
     runner = HFRunner(_shared_model())
     runner.prefill(PREFIX)
-    base = runner.n_slots
-    feed_tree(runner, TokenTree([1, 2, 3], [-1, 0, 0]))
+    runner.score(TokenTree([1, 2, 3], [-1, 0, 0]))
     with pytest.raises(ValueError, match="chain"):
-        runner.commit([base, base + 1, base + 2])
+        runner.commit([0, 1, 2])

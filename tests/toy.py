@@ -20,7 +20,7 @@ import torch
 
 from treespec.config import SamplingConfig
 from treespec.rng import Rng
-from treespec.runner import Runner
+from treespec.backends.base import Runner
 from treespec.sampling import probs
 
 
@@ -58,13 +58,14 @@ class TableModel:
 class TableRunner(Runner):
     def __init__(self, model: TableModel, max_positions: int | None = None, eos_token_ids=()):
         self.model, self.vocab_size, self.max_positions = model, model.vocab_size, max_positions
-        self.eos_token_ids = set(eos_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
         super().__init__()
 
     def _reset_cache(self) -> None:
         self.slots: list[int] = []  # token of every cache slot
 
-    def _forward(self, tokens, positions, visible):
+    def _forward(self, tokens, positions, visible, need_logits):
+        tokens, positions = tokens.tolist(), positions.tolist()
         n, s = len(tokens), len(self.slots)
         if visible is None:  # prefill: causal
             visible = torch.ones(n, s + n, dtype=torch.bool).tril(s)
@@ -77,11 +78,14 @@ class TableRunner(Runner):
             assert visible[i, s + i], "a node must see itself"
             rows.append(self.model.logits(ctx))
         self.slots = all_tokens
-        return torch.stack(rows)  # [n, V]
+        return torch.stack(rows) if need_logits else None  # [n, V]
 
-    def _keep(self, slots):
+    def _keep(self, nodes):
         c = self.n_committed
-        self.slots = self.slots[:c] + [self.slots[s] for s in slots]
+        self.slots = self.slots[:c] + [self.slots[c + n] for n in nodes]
+
+    def _truncate(self, n_slots):
+        self.slots = self.slots[:n_slots]
 
 
 class ScriptRng(Rng):

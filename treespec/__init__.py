@@ -13,7 +13,8 @@ from .decoder import SpeculativeDecoder
 from .drafters import BigramDrafter, Drafter, MergedDrafter, ModelDrafter, NgramDrafter, PromptLookupDrafter, UnigramDrafter
 from .proposal import DraftTree, Draw, ProposalGroup
 from .rng import Rng, TorchRng
-from .runner import HFRunner, Runner
+from .backends import Runner
+from .backends.hf import HFRunner
 from .stats import GenerationOutput, GenerationStats
 from .tree import TokenTree
 from .verify import Walk, verify

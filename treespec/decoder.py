@@ -1,30 +1,32 @@
 """The decode loop: propose, score, verify, commit.
 
-    prefill(prompt)                        target cache holds all but the last committed token
+    prefill(prompt)                           target cache holds all but the last committed token
     while not done:
-        draft = drafter.propose(context)   DraftTree rooted at the last committed token
-        logits = target.forward(draft)     ONE target forward over every node (tree mask)
-        walk = verify(draft, logits)       accepted path + one correction/bonus token
-        commit(walk)                       keep the accepted cache slots, drop the rest
+        draft = drafter.propose(context)      DraftTree rooted at the last committed token
+        logits = target.score(draft.tree)     ONE target forward over every node (tree mask)
+        walk = verify(draft, logits)          accepted path + one correction/bonus token
+        target.commit(walk.path)              keep the accepted nodes' cache, drop the rest
+
+Models run behind `treespec.backends`: the decoder sees `Runner`s only (no transformers
+import here). Statistics live in `GenerationStats.record_round`, token emission (length
+limit, EOS, streaming) in `OutputBuilder`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from .backends import BACKENDS, Runner, auto_dtype, make_runner
 from .config import SamplingConfig, TreeConfig
 from .drafters import Drafter, MergedDrafter, ModelDrafter, NgramDrafter, PromptLookupDrafter
 from .proposal import DraftTree
 from .rng import Rng, TorchRng
-from .runner import HFRunner, Runner
-from .stats import GenerationOutput, GenerationStats, TokenSource
+from .stats import GenerationOutput, GenerationStats, OnTokens, OutputBuilder
 from .verify import verify
-
-OnTokens = Callable[[list[int], list[TokenSource]], None]
 
 
 class SpeculativeDecoder:
@@ -40,39 +42,47 @@ class SpeculativeDecoder:
       "lookup"  `PromptLookupDrafter(width)`: continuations of earlier matches in the context
       "merged"  the draft model's tree and the n-gram tree merged into one
       a `Drafter` instance: used as it is; `TreeConfig.depth` still caps each round's depth
+
+    `backend` runs HF models: "native" (treespec's static-cache Llama forward), "hf" (the
+    model's own modules over a DynamicCache) or "auto": native where the architecture is
+    supported, else hf with a one-line notice. Runners are used as given.
     """
 
     DRAFTERS = ("model", "ngram", "lookup", "merged")
 
-    def __init__(self, target, draft=None, tokenizer=None, drafter: str | Drafter = "model"):
+    def __init__(self, target, draft=None, tokenizer=None, drafter: str | Drafter = "model", backend: str = "auto"):
         if not isinstance(drafter, Drafter) and drafter not in self.DRAFTERS:
             raise ValueError(f"drafter must be one of {', '.join(self.DRAFTERS)} or a Drafter, got {drafter!r}")
-        self.drafter = drafter
-        self.target_model, self.draft_model, self.tokenizer = target, draft, tokenizer
-        self._target = target if isinstance(target, Runner) else HFRunner(target)
-        self._draft = None if draft is None else draft if isinstance(draft, Runner) else HFRunner(draft)
-        if self._draft is not None and self._draft.vocab_size != self._target.vocab_size:
+        if target is None:
+            raise ValueError("target is None; pass a Hugging Face causal LM or a treespec Runner")
+        self.drafter, self.tokenizer = drafter, tokenizer
+        self.target_runner: Runner = make_runner(target, backend)
+        self.draft_runner: Runner | None = None if draft is None else make_runner(draft, backend)
+        if self.draft_runner is not None and self.draft_runner.vocab_size != self.target_runner.vocab_size:
             raise ValueError(
-                f"draft and target vocabularies differ ({self._draft.vocab_size} vs "
-                f"{self._target.vocab_size} tokens); speculative decoding needs one shared tokenizer"
+                f"draft and target vocabularies differ ({self.draft_runner.vocab_size} vs "
+                f"{self.target_runner.vocab_size} tokens); speculative decoding needs one shared tokenizer"
             )
-        self.eos_token_ids = _eos_token_ids(target)
+        self.eos_token_ids = set(self.target_runner.eos_token_ids)
 
     @classmethod
     def from_pretrained(
         cls,
         target: str | Path | None = None,
         draft: str | Path | None = None,
-        dtype: torch.dtype | str | None = None,
+        dtype: torch.dtype | str = "auto",
         device: torch.device | str | None = None,
-        attn_implementation: str = "sdpa",
+        backend: str = "auto",
         drafter: str | Drafter = "model",
     ) -> SpeculativeDecoder:
-        """Load target, draft and the target's tokenizer from HF ids or local directories.
+        """Load target, draft and the target's tokenizer from local directories or HF ids.
 
-        With no arguments, loads the bundled pair (see `treespec.zoo`).
+        With no arguments, loads the bundled pair (see `treespec.zoo`). `dtype="auto"` is
+        bf16 on CUDA or on a CPU with AMX, else fp32; `device` defaults to the CPU.
+        `backend="native"` (or "auto" on a supported checkpoint) reads the weights straight
+        from safetensors without building the HF model.
         """
-        from transformers import AutoTokenizer
+        from .backends import hf
 
         if target is None and draft is None:
             from .zoo import default_pair
@@ -80,12 +90,12 @@ class SpeculativeDecoder:
             target, draft = default_pair()
         if target is None:
             raise ValueError("pass target= (an HF id or a local model directory) along with draft=")
-        models = [_load_model(p, dtype, device, attn_implementation) if p is not None else None for p in (target, draft)]
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(target))
-        except (OSError, ValueError):
-            tokenizer = None  # token-id prompts still work
-        return cls(models[0], models[1], tokenizer, drafter=drafter)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        device = torch.device("cpu" if device is None else device)
+        dtype = _resolve_dtype(dtype, device)
+        runners = [None if p is None else _load_runner(p, dtype, device, backend) for p in (target, draft)]
+        return cls(runners[0], runners[1], hf.load_tokenizer(target), drafter=drafter)
 
     def generate(
         self,
@@ -107,66 +117,40 @@ class SpeculativeDecoder:
         (the exactness tests pass one that enumerates every outcome).
         """
         ids = self._check(prompt, max_new_tokens, tree, sampling)
-        t_start = time.perf_counter()
-        stats = GenerationStats()
-        if rng is None:
-            rng = TorchRng(seed, getattr(self._target, "device", "cpu"))
-        target = self._target
+        clock = time.perf_counter
+        t_start = clock()
+        stats, out = GenerationStats(), OutputBuilder(max_new_tokens, set() if ignore_eos else self.eos_token_ids, on_tokens)
+        rng = TorchRng(seed, self.target_runner.device) if rng is None else rng
+        target, drafter = self.target_runner, None if tree is None else self._drafter(tree)
         target.reset()
         target.prefill(ids[:-1])
-        drafter = None
-        if tree is not None:
-            drafter = self._drafter(tree)
+        if drafter is not None:
             drafter.start(ids, sampling, rng)
-        stats.prefill_seconds = time.perf_counter() - t_start
-        draft_forwards0 = self._draft.forwards if self._draft is not None else 0
+        draft_forwards0 = self.draft_runner.forwards if self.draft_runner is not None else 0
+        stats.prefill_seconds = clock() - t_start
 
-        context, out, sources = list(ids), [], []
-        finish = "length"
-        eos = set() if ignore_eos else self.eos_token_ids
-        while len(out) < max_new_tokens:
-            # 1. propose: never deeper than the tokens still wanted (a round emits <= depth + 1)
-            t0 = time.perf_counter()
-            depth = 0 if drafter is None else min(tree.max_depth, max_new_tokens - len(out) - 1)
+        context = list(ids)
+        while not out.done:
+            t0 = clock()
+            # 1. propose, never deeper than the tokens still wanted (a round emits <= depth + 1)
+            depth = 0 if drafter is None else min(tree.max_depth, out.remaining - 1)
             draft = drafter.propose(context, depth) if depth else DraftTree.root_only(context[-1])
-            t1 = time.perf_counter()
+            t1 = clock()
             # 2. score every node in one target forward; 3. verify; 4. commit the accepted path
-            base = target.n_slots
-            logits = target.forward(draft.tree.tokens, [-1] + [base + p for p in draft.tree.parents[1:]])
-            walk = verify(draft, logits, sampling, rng)
-            target.commit([base + n for n in walk.path])
-            t2 = time.perf_counter()
+            walk = verify(draft, target.score(draft.tree), sampling, rng)
+            target.commit(walk.path)
+            t2 = clock()
             if depth:
                 drafter.observe(draft, walk)
-            t3 = time.perf_counter()
-            stats.draft_seconds += (t1 - t0) + (t3 - t2)
-            stats.verify_seconds += t2 - t1
-            stats.target_steps += 1
-            stats.tree_nodes += len(draft.tree) - 1
-            tree_depths = draft.tree.depths
-            stats.record_walk([tree_depths[n] for n in walk.path if draft.groups_at(n)], len(walk.path) - 1)
+            stats.record_round(draft, walk, draft_seconds=(t1 - t0) + (clock() - t2), verify_seconds=t2 - t1)
+            context += out.add(walk.emitted(draft), walk.kind)
 
-            new = walk.emitted(draft)
-            kinds: list[TokenSource] = ["accepted"] * (len(new) - 1) + [walk.kind]
-            new, kinds = new[: max_new_tokens - len(out)], kinds[: max_new_tokens - len(out)]
-            for i, t in enumerate(new):
-                if t in eos:
-                    new, kinds, finish = new[: i + 1], kinds[: i + 1], "eos"
-                    break
-            out += new
-            sources += kinds
-            context += new
-            if on_tokens is not None:
-                on_tokens(new, kinds)
-            if finish == "eos":
-                break
-
-        stats.tokens = len(out)
-        if self._draft is not None:
-            stats.draft_forwards = self._draft.forwards - draft_forwards0
-        stats.total_seconds = time.perf_counter() - t_start
-        text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else None
-        return GenerationOutput(token_ids=out, sources=sources, stats=stats, text=text, finish_reason=finish)
+        stats.tokens = len(out.token_ids)
+        if self.draft_runner is not None:
+            stats.draft_forwards = self.draft_runner.forwards - draft_forwards0
+        stats.total_seconds = clock() - t_start
+        text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True) if self.tokenizer is not None else None
+        return GenerationOutput(out.token_ids, out.sources, stats, text, out.finish_reason)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _drafter(self, tree: TreeConfig) -> Drafter:
@@ -176,12 +160,12 @@ class SpeculativeDecoder:
             return NgramDrafter(tree.width)
         if self.drafter == "lookup":
             return PromptLookupDrafter(tree.width)
-        if self._draft is None:
+        if self.draft_runner is None:
             raise ValueError(
                 f"drafter={self.drafter!r} needs a draft model; pass draft=..., use drafter='ngram' or "
                 f"'lookup', or tree=None for plain decoding"
             )
-        model = ModelDrafter(self._draft, tree)
+        model = ModelDrafter(self.draft_runner, tree)
         return model if self.drafter == "model" else MergedDrafter([model, NgramDrafter(tree.width)])
 
     def _check(self, prompt, max_new_tokens, tree, sampling) -> list[int]:
@@ -199,10 +183,10 @@ class SpeculativeDecoder:
             ids = [int(t) for t in prompt]
         if not ids or (isinstance(prompt, str) and not prompt):
             raise ValueError("the prompt is empty; give at least one token")
-        bad = [t for t in ids if not 0 <= t < self._target.vocab_size]
+        bad = [t for t in ids if not 0 <= t < self.target_runner.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self._target.vocab_size})")
-        for name, run in (("target", self._target), ("draft", self._draft if tree is not None else None)):
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.target_runner.vocab_size})")
+        for name, run in (("target", self.target_runner), ("draft", self.draft_runner if tree is not None else None)):
             limit = getattr(run, "max_positions", None)
             if limit is not None and len(ids) + max_new_tokens > limit:
                 raise ValueError(
@@ -212,38 +196,34 @@ class SpeculativeDecoder:
         return ids
 
 
-def _eos_token_ids(model) -> set[int]:
-    """EOS ids from the model's generation config (falling back to its config)."""
-    for cfg in (getattr(model, "generation_config", None), getattr(model, "config", None), model):
-        eos = getattr(cfg, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(cfg, "eos_token_ids", None)
-        if eos is not None:
-            return {int(e) for e in ([eos] if isinstance(eos, int) else eos)}
-    return set()
+def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return auto_dtype(device)
+    if not isinstance(dtype, str) or not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use 'auto', 'float32' or 'bfloat16'")
+    return getattr(torch, dtype)
 
 
-def _load_model(path, dtype, device, attn_implementation):
-    from transformers import AutoModelForCausalLM
+def _load_runner(path, dtype: torch.dtype, device: torch.device, backend: str) -> Runner:
+    """A runner for the checkpoint at `path`: native straight from safetensors when the
+    backend allows it and the directory holds a supported checkpoint, else through HF."""
+    from .backends import hf
 
-    if isinstance(dtype, str):
-        if not isinstance(getattr(torch, dtype, None), torch.dtype):
-            raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'float32' or 'bfloat16'")
-        dtype = getattr(torch, dtype)
-    local = Path(path).expanduser()
-    if isinstance(path, Path) or str(path).startswith((".", "/", "~")) or local.exists():
-        if not (local / "config.json").is_file():
-            raise ValueError(f"no model at {str(path)!r}: expected a directory with config.json and weights")
-        path = local
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=dtype if dtype is not None else torch.float32, attn_implementation=attn_implementation
-        )
-    except (OSError, ValueError) as e:
-        raise ValueError(
-            f"cannot load a causal LM from {str(path)!r}: {str(e).splitlines()[0]} "
-            f"(give a local directory with config.json and weights, or a hub id that is cached)"
-        ) from e
-    if device is not None:
-        model = model.to(device)
-    return model.eval()
+    local = hf.resolve_path(path)
+    if backend != "hf" and isinstance(local, Path):
+        from .backends.native import NativeRunner, unsupported_reason
+
+        import json
+
+        try:
+            config = json.loads((local / "config.json").read_text())
+        except ValueError as e:
+            raise ValueError(f"{local / 'config.json'} is not valid JSON: {e}") from e
+        reason = unsupported_reason(config)
+        if reason is None:
+            return NativeRunner.from_pretrained(local, dtype=dtype, device=device)
+        if backend == "native":
+            raise ValueError(f"the native backend cannot run {str(path)!r}: {reason}; use backend='hf'")
+    return make_runner(hf.load_model(local, dtype, device), backend)

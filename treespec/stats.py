@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from .proposal import DraftTree
+    from .verify import Walk
 
 # How an emitted token was produced:
 #   accepted   - a draft token the target accepted
@@ -47,6 +52,15 @@ class GenerationStats:
         t = self.total_seconds - self.prefill_seconds
         return self.tokens / t if t > 0 else 0.0
 
+    def record_round(self, draft: DraftTree, walk: Walk, draft_seconds: float, verify_seconds: float) -> None:
+        """One round: a target forward over `draft`, verified into `walk`."""
+        self.target_steps += 1
+        self.tree_nodes += len(draft.tree) - 1
+        self.draft_seconds += draft_seconds
+        self.verify_seconds += verify_seconds
+        depths = draft.tree.depths
+        self.record_walk([depths[n] for n in walk.path if draft.groups_at(n)], len(walk.path) - 1)
+
     def record_walk(self, depths_with_proposals: list[int], accepted: int) -> None:
         """One round: the walk stood at depths 0..len-1 with proposals and accepted `accepted` tokens."""
         n = max(len(depths_with_proposals), accepted)  # both lists stay the same length
@@ -71,6 +85,44 @@ def _add_by_depth(total: list[int], counts: list[int]) -> None:
     total.extend([0] * (len(counts) - len(total)))
     for d, c in enumerate(counts):
         total[d] += c
+
+
+OnTokens = Callable[[list[int], list[TokenSource]], None]
+
+
+class OutputBuilder:
+    """Collects a sequence's new tokens round by round: the length limit, EOS, streaming."""
+
+    def __init__(self, max_new_tokens: int, eos_token_ids: set[int] | frozenset[int], on_tokens: OnTokens | None = None):
+        self.max_new_tokens, self.eos, self.on_tokens = max_new_tokens, eos_token_ids, on_tokens
+        self.token_ids: list[int] = []
+        self.sources: list[TokenSource] = []
+        self.finish_reason: Literal["eos", "length"] | None = None
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.token_ids)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, tokens: list[int], last_kind: TokenSource) -> list[int]:
+        """Append a round's tokens (accepted drafts, then one `last_kind` token), cut at the
+        limit or at the first EOS; returns the tokens actually kept."""
+        kinds: list[TokenSource] = ["accepted"] * (len(tokens) - 1) + [last_kind]
+        n = min(len(tokens), self.remaining)
+        eos_at = next((i for i, t in enumerate(tokens[:n]) if t in self.eos), None)
+        if eos_at is not None:
+            n, self.finish_reason = eos_at + 1, "eos"
+        elif n == self.remaining:
+            self.finish_reason = "length"
+        kept = tokens[:n]
+        self.token_ids += kept
+        self.sources += kinds[:n]
+        if self.on_tokens is not None:
+            self.on_tokens(kept, kinds[:n])
+        return kept
 
 
 @dataclass

@@ -23,7 +23,7 @@ import torch
 from ..config import SamplingConfig, TreeConfig
 from ..proposal import DraftTree, Draw, ProposalGroup
 from ..rng import Rng
-from ..runner import Runner
+from ..backends.base import Runner
 from ..sampling import check_finite, probs
 from ..tree import TokenTree
 from ..verify import Walk
@@ -36,7 +36,7 @@ class _Node:
     parent: int  # node index, -1 for the root
     log_score: float  # draft log-probability of the path from the root (for ranking)
     count: int = 1  # i.i.d. strategy: sampled sequences passing through this node
-    slot: int | None = None  # draft cache slot, once fed
+    pending: int | None = None  # pending index in the draft runner, once fed
     q: torch.Tensor | None = None  # [V] sampling distribution at this node, once fed
     score: torch.Tensor | None = None  # [V] probabilities used to rank children, once fed
     shape_id: int = 0  # "sequoia": the node of the TreeShape this node stands for
@@ -63,11 +63,10 @@ class ModelDrafter(Drafter):
             raise RuntimeError("draft cache is out of sync with the committed tokens")
         # 1. catch up on committed tokens the draft never fed; the last one is the root
         chain = list(context[run.n_committed :])
-        base = run.n_slots
-        logits = run.forward(chain, [-1] + list(range(base, base + len(chain) - 1)))
-        self._chain_slots = list(range(base, base + len(chain)))
+        logits = run.extend(chain, list(range(-1, len(chain) - 1)))  # pending nodes 0 .. len-1
+        self._chain = list(range(len(chain)))
         nodes = [_Node(token=chain[-1], parent=-1, log_score=0.0)]
-        self._attach(nodes[0], self._chain_slots[-1], logits[-1])
+        self._attach([nodes[0]], self._chain[-1], logits[-1:])
 
         groups: list[ProposalGroup] = []
         frontier = [0]
@@ -78,10 +77,9 @@ class ModelDrafter(Drafter):
             if d == depth or not frontier:
                 break
             # 3. one draft forward over the whole next frontier
-            logits = run.forward([nodes[n].token for n in frontier], [nodes[nodes[n].parent].slot for n in frontier])
-            slot0 = run.n_slots - len(frontier)
-            for i, n in enumerate(frontier):
-                self._attach(nodes[n], slot0 + i, logits[i])
+            first = run.n_pending
+            logits = run.extend([nodes[n].token for n in frontier], [nodes[nodes[n].parent].pending for n in frontier])
+            self._attach([nodes[n] for n in frontier], first, logits)
 
         if self.config.strategy == "dynamic":
             nodes, groups = self._prune(nodes, groups, self.config.node_budget)
@@ -90,12 +88,12 @@ class ModelDrafter(Drafter):
         return DraftTree(tree, tuple(groups))
 
     def observe(self, draft: DraftTree, walk: Walk) -> None:
-        slots = list(self._chain_slots)
+        keep = list(self._chain)
         for n in walk.path[1:]:
-            if self._nodes[n].slot is None:
+            if self._nodes[n].pending is None:
                 break  # an accepted leaf the draft never fed: caught up next round
-            slots.append(self._nodes[n].slot)
-        self.runner.commit(slots)
+            keep.append(self._nodes[n].pending)
+        self.runner.commit(keep)
         self._adapt_depth(walk)
 
     def _adapt_depth(self, walk: Walk) -> None:
@@ -111,12 +109,15 @@ class ModelDrafter(Drafter):
         self.depth = max(cfg.depth_min, min(cfg.depth_max, self.depth)) if cfg.adaptive else cfg.depth
 
     # ---- helpers ---------------------------------------------------------------------------
-    def _attach(self, node: _Node, slot: int, logits: torch.Tensor) -> None:
+    def _attach(self, fed: list[_Node], first: int, logits: torch.Tensor) -> None:
+        """Give the nodes of one draft forward (pending indices first, first+1, ...) their
+        q and ranking scores: one batched transform over `logits` [n, V]."""
         check_finite(logits, "draft")
-        node.slot = slot
-        node.q = probs(logits, self.sampling)
+        q = probs(logits, self.sampling)  # [n, V]
         # rank by the sampling distribution; at temperature 0 (one-hot q) by the plain softmax
-        node.score = torch.softmax(logits.double(), -1) if self.sampling.greedy else node.q
+        score = torch.softmax(logits.double(), -1) if self.sampling.greedy else q
+        for i, node in enumerate(fed):
+            node.pending, node.q, node.score = first + i, q[i], score[i]
 
     @staticmethod
     def _add(nodes: list[_Node], parent: int, token: int) -> int:
