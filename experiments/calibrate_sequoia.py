@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from treespec import DraftTree, Draw, ProposalGroup, SamplingConfig, SpeculativeDecoder, TokenTree, TorchRng, verify
-from treespec.bench import forward_latency
+from treespec.bench import forward_seconds
 from treespec.sampling import probs
 from treespec.sequoia import optimal_shape
 from treespec.zoo import load_prompts
@@ -44,6 +44,15 @@ def positional_acceptance(p: torch.Tensor, q: torch.Tensor, k: int, trials: int,
         if len(walk.path) > 1:
             hits[walk.path[1] - 1] += 1
     return [h / trials for h in hits]
+
+
+def chain_logits(runner, ids: list[int], cont: list[int]) -> torch.Tensor:
+    """Next-token logits [len(cont), V] at the positions that predict each token of `cont`."""
+    runner.reset()
+    runner.prefill(ids[:-1])
+    logits = runner.extend([ids[-1]] + cont[:-1], list(range(-1, len(cont) - 1)))
+    runner.commit([])
+    return logits
 
 
 def main() -> None:
@@ -74,10 +83,9 @@ def main() -> None:
     for i, prompt in enumerate(prompts):
         ids = dec.tokenizer(prompt)["input_ids"]
         cont = dec.generate(ids, args.positions, tree=None, sampling=sampling, seed=args.seed + i, ignore_eos=True).token_ids
-        seq = torch.tensor([ids + cont])
         with torch.inference_mode():
-            pl = dec.target_model(seq).logits[0, len(ids) - 1 : -1]  # [positions, V]
-            ql = dec.draft_model(seq).logits[0, len(ids) - 1 : -1]
+            pl = chain_logits(dec.target_runner, ids, cont)  # [positions, V]
+            ql = chain_logits(dec.draft_runner, ids, cont)
         for t in range(pl.shape[0]):
             if sampling.greedy:
                 order = torch.argsort(ql[t], descending=True)[: args.max_children].tolist()
@@ -90,9 +98,9 @@ def main() -> None:
 
     K = args.max_children
     acceptance = [statistics.fmean(a[k] if k < len(a) else 0.0 for a in per_position) for k in range(K)]
-    t1 = forward_latency(dec.target_model)
-    verify_cost = [forward_latency(dec.target_model, n_nodes=n + 1) / t1 for n in range(args.nodes + 1)]
-    draft_cost = forward_latency(dec.draft_model) / t1
+    t1 = forward_seconds(dec.target_runner)
+    verify_cost = [forward_seconds(dec.target_runner, n + 1) / t1 for n in range(args.nodes + 1)]
+    draft_cost = forward_seconds(dec.draft_runner) / t1
 
     shapes = {}
     for n in range(1, args.nodes + 1):

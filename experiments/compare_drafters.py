@@ -74,7 +74,7 @@ def main() -> None:
     cfgs = configs(args)
     if args.only:
         cfgs = {k: v for k, v in cfgs.items() if k in args.only.split(",")}
-    decoders = {name: SpeculativeDecoder(base.target_model, base.draft_model, base.tokenizer, drafter=d) for name, (d, _) in cfgs.items()}
+    decoders = {name: SpeculativeDecoder(base.target_runner, base.draft_runner, base.tokenizer, drafter=d) for name, (d, _) in cfgs.items()}
 
     tps = {name: [] for name in cfgs}  # tokens/s of every run
     totals = {name: GenerationStats() for name in cfgs}  # pooled over prompts

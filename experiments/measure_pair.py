@@ -28,12 +28,20 @@ def alpha(dec: SpeculativeDecoder, prompts: list[str], sampling: SamplingConfig,
     for i, prompt in enumerate(prompts):
         ids = dec.tokenizer(prompt)["input_ids"]
         cont = dec.generate(ids, n_tokens, tree=None, sampling=sampling, seed=i, ignore_eos=True).token_ids
-        seq = torch.tensor([ids + cont])
         with torch.inference_mode():
-            p = probs(dec.target_model(seq).logits[0, len(ids) - 1 : -1], sampling)
-            q = probs(dec.draft_model(seq).logits[0, len(ids) - 1 : -1], sampling)
+            p = probs(chain_logits(dec.target_runner, ids, cont), sampling)
+            q = probs(chain_logits(dec.draft_runner, ids, cont), sampling)
         values += torch.minimum(p, q).sum(-1).tolist()
     return statistics.fmean(values)
+
+
+def chain_logits(runner, ids: list[int], cont: list[int]) -> torch.Tensor:
+    """Next-token logits [len(cont), V] at the positions that predict each token of `cont`."""
+    runner.reset()
+    runner.prefill(ids[:-1])
+    logits = runner.extend([ids[-1]] + cont[:-1], list(range(-1, len(cont) - 1)))
+    runner.commit([])
+    return logits
 
 
 def main() -> None:

@@ -34,11 +34,13 @@ def test_tiny_bench_writes_json(capsys, tmp_path):
     args = ["bench", "--n-prompts", "1", "--repeats", "1", "--max-new-tokens", "8", "--json", str(out_json)]
     assert main(args) == 0
     printed = capsys.readouterr().out
-    for method in ("hf", "hf-assisted", "autoregressive", "linear", "tree"):
+    treespec_methods = {f"{m}[{b}]" for m in ("autoregressive", "linear", "tree") for b in ("native", "hf")}
+    for method in {"hf", "hf-assisted"} | treespec_methods:
         assert method in printed
     data = json.loads(out_json.read_text())
-    assert {m["method"] for m in data["methods"]} == {"hf", "hf-assisted", "autoregressive", "linear", "tree"}
-    assert data["cost"]["c"] > 0
+    assert {m["method"] for m in data["methods"]} == {"hf", "hf-assisted"} | treespec_methods
+    for backend in ("native", "hf"):
+        assert data["cost"][backend]["c"] > 0
 
 
 @pytest.mark.parametrize(

@@ -2,15 +2,17 @@
 
 Methods (all on the same target/draft, same prompts, same max_new_tokens):
 
-    hf            target.generate()                         plain HF decoding
-    hf-assisted   target.generate(assistant_model=draft)    HF's linear speculative decoding
-    autoregressive  treespec, tree=None                     the in-library baseline
-    linear        treespec, TreeConfig(width=1, depth)
-    tree          treespec, TreeConfig(width, depth, strategy)
+    hf              target.generate()                         plain HF decoding
+    hf-assisted     target.generate(assistant_model=draft)    HF's linear speculative decoding
+    autoregressive  treespec, tree=None                       the in-library baseline
+    linear          treespec, TreeConfig(width=1, depth)
+    tree            treespec, TreeConfig(width, depth, strategy)
 
-Runs are interleaved (repeat -> prompt -> method) so that slow drifts of the machine hit
-every method alike; each method's tokens/s is the median over its runs. The function returns
-numbers; the CLI prints them and writes JSON.
+treespec methods run once per backend ("linear[native]", "linear[hf]", ...). Runs are
+interleaved (repeat -> prompt -> method) so that slow drifts of the machine hit every method
+alike; each method's tokens/s is the median over its runs. Forward costs are measured through
+the runners (synchronising on CUDA): t(1), t(n)/t(1), c = t_draft(1)/t_target(1), and the
+floor: weight bytes / measured memory bandwidth, as a ratio to the measured t(1).
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .backends import Runner
 from .config import SamplingConfig, TreeConfig
 from .decoder import SpeculativeDecoder
 from .stats import GenerationStats
+from .tree import TokenTree
 
 METHODS = ("hf", "hf-assisted", "autoregressive", "linear", "tree")
 
@@ -41,86 +45,124 @@ class MethodResult:
 @dataclass
 class BenchResult:
     config: dict  # what was run (models, dtype, tree, sampling, sizes)
-    cost: dict  # c = t_draft / t_target and t(n)/t(1), measured per forward
+    cost: dict  # per backend: t(1), t(n)/t(1), c = t_draft/t_target, floor (see measure_costs)
     methods: list[MethodResult]
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
-def forward_latency(model, prefix_len: int = 128, n_nodes: int = 1, repeats: int = 10) -> float:
-    """Median seconds of one cached forward of `n_nodes` tokens after a `prefix_len` prefix."""
-    from transformers import DynamicCache
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
-    ids = torch.randint(0, model.config.vocab_size, (1, prefix_len + n_nodes), device=model.device)
+
+def forward_seconds(runner: Runner, n_nodes: int = 1, prefix_len: int = 128, repeats: int = 20) -> float:
+    """Median seconds of one `score()` of an `n_nodes` tree after a `prefix_len` prefix."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, runner.vocab_size, (prefix_len + n_nodes,), generator=g).tolist()
+    tree = TokenTree(tokens[prefix_len:], [-1] + [0] * (n_nodes - 1))  # the root and n-1 children
+    runner.reset()
+    runner.prefill(tokens[:prefix_len])
     times = []
-    with torch.inference_mode():
-        for _ in range(repeats):
-            cache = DynamicCache(config=model.config)
-            model(ids[:, :prefix_len], past_key_values=cache, use_cache=True)
-            t0 = time.perf_counter()
-            model(ids[:, prefix_len:], past_key_values=cache, use_cache=True)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    for _ in range(repeats + 2):  # two warm-up calls
+        _sync(runner.device)
+        t0 = time.perf_counter()
+        runner.score(tree)
+        _sync(runner.device)
+        times.append(time.perf_counter() - t0)
+        runner.commit([])
+    return statistics.median(times[2:])
+
+
+def memory_bandwidth(device: torch.device, mbytes: int = 256, repeats: int = 10) -> float:
+    """Bytes/s of a large device copy (read + write), median of `repeats`."""
+    x = torch.empty(mbytes * 2**20 // 4, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        y.copy_(x)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * x.numel() * 4 / statistics.median(times)
+
+
+def measure_costs(target: Runner, draft: Runner | None, n_nodes: int, weight_bytes: int) -> dict:
+    """t(1), t(n)/t(1), c and the bandwidth floor of one backend's runners."""
+    t1 = forward_seconds(target)
+    cost = {"t_target_1_s": t1, f"t_target_{n_nodes}_s": forward_seconds(target, n_nodes)}
+    cost[f"t({n_nodes})/t(1)"] = cost[f"t_target_{n_nodes}_s"] / t1
+    if draft is not None:
+        cost["t_draft_1_s"] = forward_seconds(draft)
+        cost["c"] = cost["t_draft_1_s"] / t1
+    floor = weight_bytes / memory_bandwidth(target.device)
+    cost["floor_s"], cost["floor/t(1)"] = floor, floor / t1
+    return cost
 
 
 def run_bench(
-    dec: SpeculativeDecoder,
+    target,
+    draft,
+    tokenizer,
     prompts: Sequence[str],
     max_new_tokens: int,
     tree: TreeConfig,
     sampling: SamplingConfig,
     repeats: int = 3,
     methods: Sequence[str] = METHODS,
+    backends: Sequence[str] = ("native", "hf"),
+    drafter: str = "model",
     progress: Callable[[str], None] | None = None,
     config: dict | None = None,
 ) -> BenchResult:
+    """Benchmark HF causal LMs `target` and `draft` (HF generate runs them directly; treespec
+    wraps them once per backend)."""
     unknown = set(methods) - set(METHODS)
     if unknown:
         raise ValueError(f"unknown bench methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
-    target, draft, tok = dec.target_model, dec.draft_model, dec.tokenizer
-    if tok is None:
+    if tokenizer is None:
         raise ValueError("bench needs a tokenizer for its text prompts")
-    encoded = [tok(p, return_tensors="pt")["input_ids"].to(target.device) for p in prompts]
+    decoders = {b: SpeculativeDecoder(target, draft, tokenizer, drafter=drafter, backend=b) for b in backends}
+    encoded = [tokenizer(p, return_tensors="pt")["input_ids"].to(target.device) for p in prompts]
     trees = {"autoregressive": None, "linear": TreeConfig(1, tree.depth, tree.strategy), "tree": tree}
-    hf_kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id or 0)
+    hf_kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id or 0)
     if sampling.greedy:
         hf_kwargs.update(do_sample=False)
     else:
         hf_kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p)
 
-    runs: dict[str, list[float]] = {m: [] for m in methods}
-    totals = {m: GenerationStats() for m in methods}  # treespec methods: pooled over runs
+    names = [m for m in methods if m.startswith("hf")] + [f"{m}[{b}]" for b in backends for m in methods if not m.startswith("hf")]
+    runs: dict[str, list[float]] = {m: [] for m in names}
+    totals = {m: GenerationStats() for m in names}  # treespec methods: pooled over runs
     for rep in range(repeats):
         for i, ids in enumerate(encoded):
-            for m in methods:
+            for name in names:
                 if progress:
-                    progress(f"repeat {rep + 1}/{repeats} prompt {i + 1}/{len(encoded)} {m}")
-                if m.startswith("hf"):
-                    extra = {"assistant_model": draft} if m == "hf-assisted" else {}
-                    torch.manual_seed(rep * 1000 + i)
+                    progress(f"repeat {rep + 1}/{repeats} prompt {i + 1}/{len(encoded)} {name}")
+                seed = rep * 1000 + i
+                if name.startswith("hf"):
+                    extra = {"assistant_model": draft} if name == "hf-assisted" else {}
+                    torch.manual_seed(seed)
                     t0 = time.perf_counter()
                     with torch.inference_mode():
                         out = target.generate(ids, **hf_kwargs, **extra)
-                    dt = time.perf_counter() - t0
-                    runs[m].append((out.shape[1] - ids.shape[1]) / dt)
+                    _sync(target.device)
+                    runs[name].append((out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0))
                 else:
-                    out = dec.generate(ids[0].tolist(), max_new_tokens, tree=trees[m], sampling=sampling, seed=rep * 1000 + i, ignore_eos=True)
-                    runs[m].append(out.stats.tokens / out.stats.total_seconds)
-                    totals[m].add(out.stats)
+                    method, backend = name[:-1].split("[")
+                    out = decoders[backend].generate(ids[0].tolist(), max_new_tokens, tree=trees[method], sampling=sampling, seed=seed, ignore_eos=True)
+                    runs[name].append(out.stats.tokens / out.stats.total_seconds)
+                    totals[name].add(out.stats)
     results = []
-    for m in methods:
-        r = MethodResult(m, statistics.median(runs[m]), runs=runs[m])
-        if not m.startswith("hf"):
-            r.tokens_per_step = totals[m].tokens_per_step
-            r.acceptance_by_depth = totals[m].acceptance_by_depth
+    for name in names:
+        r = MethodResult(name, statistics.median(runs[name]), runs=runs[name])
+        if not name.startswith("hf"):
+            r.tokens_per_step = totals[name].tokens_per_step
+            r.acceptance_by_depth = totals[name].acceptance_by_depth
         results.append(r)
+    weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     n_tree = 1 + tree.width * tree.depth
-    cost = {
-        "t_target_s": forward_latency(target),
-        "t_draft_s": forward_latency(draft),
-        f"t_target_{n_tree}_nodes_s": forward_latency(target, n_nodes=n_tree),
-    }
-    cost["c"] = cost["t_draft_s"] / cost["t_target_s"]
-    cost[f"t({n_tree})/t(1)"] = cost[f"t_target_{n_tree}_nodes_s"] / cost["t_target_s"]
+    cost = {b: measure_costs(d.target_runner, d.draft_runner, n_tree, weight_bytes) for b, d in decoders.items()}
     return BenchResult(config=dict(config or {}), cost=cost, methods=results)

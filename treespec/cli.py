@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 from .config import STRATEGIES, SamplingConfig, TreeConfig
 
 COLOURS = {"accepted": "\033[32m", "correction": "\033[33m", "bonus": "\033[36m"}  # green, yellow, cyan
@@ -28,8 +30,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models (default: the bundled pycode pair)")
     g.add_argument("--target", help="target model: HF id or local directory")
     g.add_argument("--draft", help="draft model: HF id or local directory")
-    g.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
+    g.add_argument("--dtype", default="auto", help="auto (default: bf16 on CUDA or an AMX CPU, else fp32), float32, bfloat16")
     g.add_argument("--device", default=None, help="torch device (default: cpu)")
+    g.add_argument("--backend", default="auto", choices=("auto", "native", "hf"),
+                   help="auto (default): treespec's native forward where supported, else HF; bench: both")
 
 
 def _add_decode_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -81,13 +85,13 @@ def _bench_methods():
 
 def _configs(args) -> tuple[TreeConfig, SamplingConfig]:
     try:
-        shape = None
+        shape, strategy, depth = None, args.strategy, args.depth
         if args.shape is not None:
             from .sequoia import TreeShape
 
             shape = TreeShape.load(args.shape)
-            args.strategy, args.depth = "sequoia", max(1, shape.depth)
-        tree = TreeConfig(width=args.width, depth=args.depth, strategy=args.strategy, budget=args.budget,
+            strategy, depth = "sequoia", max(1, shape.depth)
+        tree = TreeConfig(width=args.width, depth=depth, strategy=strategy, budget=args.budget,
                           adaptive=args.adaptive, depth_max=args.depth_max, shape=shape)
         sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     except ValueError as e:
@@ -101,7 +105,8 @@ def _load(args):
     if (args.target is None) != (args.draft is None):
         raise CliError("give --target and --draft together (or neither, for the bundled pair)")
     return SpeculativeDecoder.from_pretrained(
-        target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, drafter=args.drafter
+        target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, backend=args.backend,
+        drafter=args.drafter,
     )
 
 
@@ -155,38 +160,44 @@ def cmd_bench(args) -> None:
     if args.repeats < 1 or args.n_prompts < 1:
         raise CliError("--repeats and --n-prompts must be >= 1")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    dec = _load(args)
+    if not args.json.resolve().parent.is_dir():
+        raise CliError(f"--json {args.json}: directory {args.json.resolve().parent} does not exist")
+    if (args.target is None) != (args.draft is None):
+        raise CliError("give --target and --draft together (or neither, for the bundled pair)")
+    from .backends import auto_dtype, hf
+    from .decoder import _resolve_dtype
+    from .zoo import default_pair
+
+    paths = (args.target, args.draft) if args.target is not None else default_pair()
+    device = torch.device(args.device or "cpu")
+    dtype = _resolve_dtype(args.dtype, device)
+    target, draft = (hf.load_model(p, dtype, device) for p in paths)
+    backends = ("native", "hf") if args.backend == "auto" else (args.backend,)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
-    config["n_prompts"] = len(prompts)
-    result = run_bench(dec, prompts, args.max_new_tokens, tree, sampling, args.repeats, methods,
+    config.update(n_prompts=len(prompts), dtype=str(dtype).removeprefix("torch."), auto_dtype=str(auto_dtype(device)))
+    result = run_bench(target, draft, hf.load_tokenizer(paths[0]), prompts, args.max_new_tokens, tree, sampling,
+                       args.repeats, methods, backends, drafter=args.drafter,
                        progress=lambda msg: print(f"\r\033[K{msg}", end="", file=sys.stderr), config=config)
     print("\r\033[K", end="", file=sys.stderr)
     base = next((r.tokens_per_second for r in result.methods if r.method == "hf"), None)
-    print(f"{'method':<16}{'tokens/s':>10}{'speedup':>9}{'tokens/step':>13}  acceptance by depth")
+    print(f"{'method':<24}{'tokens/s':>10}{'speedup':>9}{'tokens/step':>13}  acceptance by depth")
     for r in result.methods:
         speed = f"{r.tokens_per_second / base:.2f}x" if base else "-"
         tps = f"{r.tokens_per_step:.2f}" if r.tokens_per_step is not None else "-"
         acc = " ".join(f"{a:.2f}" for a in r.acceptance_by_depth or [])
-        print(f"{r.method:<16}{r.tokens_per_second:>10.1f}{speed:>9}{tps:>13}  {acc}")
-    print("cost: " + ", ".join(f"{k}={v:.4g}" for k, v in result.cost.items()))
+        print(f"{r.method:<24}{r.tokens_per_second:>10.1f}{speed:>9}{tps:>13}  {acc}")
+    for backend, cost in result.cost.items():
+        print(f"cost [{backend}]: " + ", ".join(f"{k}={v:.4g}" for k, v in cost.items()))
     args.json.write_text(json.dumps(result.to_json(), indent=2))
     print(f"wrote {args.json}")
-
-
-def _quiet_transformers() -> None:
-    """Progress bars and advisory warnings from transformers would interleave with the output."""
-    from huggingface_hub.utils import logging as hub_logging
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
-    hub_logging.set_verbosity_error()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # usage errors exit 2 with argparse's one-line message
-    _quiet_transformers()
+    from .backends.hf import quiet_transformers
+
+    quiet_transformers()
     try:
         {"generate": cmd_generate, "bench": cmd_bench}[args.command](args)
     except (CliError, ValueError) as e:
