@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Linear vs tree speculation on the bundled pair: a grid, one JSONL row per cell, resumable.
 
-    python experiments/linear_vs_tree.py                       # the committed run
+    python experiments/linear_vs_tree.py --backend hf          # the committed linear_vs_tree.jsonl
+    python experiments/linear_vs_tree.py --backend native --dtype bfloat16 --threads 2 \
+        --drafters model --temperatures 0,1 --out experiments/results/defaults_sweep.jsonl
     python experiments/linear_vs_tree.py --widths 1,2 --depths 2 --n-prompts 1 --max-new-tokens 16 \
         --out /tmp/smoke.jsonl                                 # a smoke test
 
@@ -17,7 +19,9 @@ Rows:
   {"kind": "cell", ...}   per cell: tokens/step, tokens/s, acceptance by depth, nodes per
                           round, c, t(n)/t(1) at the cell's mean tree size (interpolated)
 
-Only the public API is used: SpeculativeDecoder over HF models loaded here, `generate()` stats.
+Only the public API is used: `SpeculativeDecoder.from_pretrained(dtype=, backend=)`, costs
+through its runners (`treespec.bench.forward_seconds`), `generate()` stats. Every row records
+its backend, dtype and thread count.
 `experiments/plot_linear_vs_tree.py` turns the JSONL into plots.
 """
 
@@ -25,9 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -35,44 +37,16 @@ import torch
 from tqdm import tqdm
 
 from treespec import BigramDrafter, GenerationStats, SamplingConfig, SpeculativeDecoder, TreeConfig, UnigramDrafter
-from treespec.zoo import default_pair, load_prompts
+from treespec.bench import forward_seconds
+from treespec.zoo import load_prompts
 
 COST_SIZES = (1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33, 49, 65, 97)
 
 
-def load_pair():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    target_path, draft_path = default_pair()
-    load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, attn_implementation="sdpa").eval()  # noqa: E731
-    return load(target_path), load(draft_path), AutoTokenizer.from_pretrained(target_path)
-
-
-@torch.inference_mode()
-def forward_seconds(model, n_tokens: int, prefix: int = 128, repeats: int = 7) -> float:
-    """Median wall time of one forward of `n_tokens` new tokens over a cached `prefix`."""
-    from transformers import DynamicCache
-
-    V = model.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    ctx = torch.randint(2, V, (1, prefix), generator=g)
-    new = torch.randint(2, V, (1, n_tokens), generator=g)
-    cache = DynamicCache(config=model.config)
-    model(ctx, past_key_values=cache, use_cache=True)
-    times = []
-    for i in range(repeats + 1):
-        t0 = time.perf_counter()
-        model(new, past_key_values=cache, use_cache=True)
-        dt = time.perf_counter() - t0
-        cache.crop(-n_tokens)
-        if i:  # the first call warms up
-            times.append(dt)
-    return statistics.median(times)
-
-
-def measure_costs(target, draft, repeats: int) -> dict:
-    t = {n: forward_seconds(target, n, repeats=repeats) for n in COST_SIZES}
-    t_draft = forward_seconds(draft, 1, repeats=repeats)
+def measure_costs(dec: SpeculativeDecoder, repeats: int) -> dict:
+    """Target t(n) over a cached 128-token prefix and the draft's t(1), through the runners."""
+    t = {n: forward_seconds(dec.target_runner, n, repeats=repeats) for n in COST_SIZES}
+    t_draft = forward_seconds(dec.draft_runner, 1, repeats=repeats)
     return {
         "kind": "costs",
         "n_tokens": list(COST_SIZES),
@@ -118,13 +92,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=7, help="forward timings per size (median)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--backend", default="auto", choices=("auto", "native", "hf"))
+    ap.add_argument("--dtype", default="float32", help="float32 (the committed run), bfloat16 or auto")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/linear_vs_tree.jsonl"))
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
-    target, draft, tok = load_pair()
+    model = SpeculativeDecoder.from_pretrained(dtype=args.dtype, backend=args.backend)
+    target, tok = model.target_runner, model.tokenizer
     prompts = [tok(p)["input_ids"] for p in load_prompts(n=args.n_prompts)]
-    decoders = {"model": SpeculativeDecoder(target, draft, tok)}
+    decoders = {"model": model}
     if "bigram" in args.drafters:
         decoders["bigram"] = SpeculativeDecoder(target, None, tok, drafter=BigramDrafter(width=1))
     if "unigram" in args.drafters:
@@ -137,8 +114,8 @@ def main() -> None:
     fh = args.out.open("a")
     if costs is None:
         print("measuring forward costs t(n) ...", file=sys.stderr, flush=True)
-        costs = measure_costs(target, draft, args.repeats)
-        costs["threads"] = args.threads
+        costs = measure_costs(model, args.repeats)
+        costs.update(threads=args.threads, backend=type(target).__name__, dtype=str(target.dtype))
         fh.write(json.dumps(costs) + "\n")
         fh.flush()
 
@@ -176,6 +153,8 @@ def main() -> None:
             c=costs["c"] if cell["drafter"] == "model" and cell["strategy"] != "none" else 0.0,
             t_ratio=t_ratio_at(costs, nodes + 1),
             threads=args.threads,
+            backend=type(target).__name__,
+            dtype=str(target.dtype),
             seed=args.seed,
         )
         fh.write(json.dumps(row) + "\n")
