@@ -153,3 +153,37 @@ def test_commit_rejects_a_non_chain():
     runner.score(TokenTree([1, 2, 3], [-1, 0, 0]))
     with pytest.raises(ValueError, match="chain"):
         runner.commit([0, 1, 2])
+
+
+# ---- choosing a backend ----------------------------------------------------------------------
+def test_make_runner_picks_native_and_falls_back_to_hf_with_a_notice(capsys):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    assert isinstance(make_runner(tiny_llama(0)), NativeRunner)
+    assert isinstance(make_runner(tiny_llama(0), "hf"), HFRunner)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=VOCAB)).eval()
+    assert isinstance(make_runner(gpt2, "auto"), HFRunner)
+    notice = capsys.readouterr().err.strip().splitlines()
+    assert len(notice) == 1 and "native backend unsupported" in notice[0] and "gpt2" in notice[0]
+    with pytest.raises(ValueError, match="native backend cannot run this model.*use backend='hf'"):
+        make_runner(gpt2, "native")
+    with pytest.raises(ValueError, match="backend must be one of auto, native, hf"):
+        make_runner(tiny_llama(0), "vllm")
+    with pytest.raises(ValueError, match="expected a Hugging Face causal LM or a treespec Runner"):
+        make_runner("meta-llama/Llama-3.2-1B")
+
+
+@pytest.mark.parametrize(
+    "flags,want",
+    [("fpu sse avx512f avx512_bf16", torch.bfloat16), ("fpu amx_bf16 amx_tile", torch.bfloat16), ("fpu sse avx2", torch.float32)],
+)
+def test_auto_dtype_follows_the_cpu_flags(monkeypatch, tmp_path, flags, want):
+    from treespec import backends
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    read = backends.cpu_bf16_flags
+    monkeypatch.setattr(backends, "cpu_bf16_flags", lambda: read(str(cpuinfo)))
+    assert backends.auto_dtype("cpu") == want
+    assert backends.auto_dtype("cuda") == torch.bfloat16  # no device is touched
+    assert read("/nonexistent") == set()

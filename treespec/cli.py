@@ -164,7 +164,7 @@ def cmd_bench(args) -> None:
         raise CliError(f"--json {args.json}: directory {args.json.resolve().parent} does not exist")
     if (args.target is None) != (args.draft is None):
         raise CliError("give --target and --draft together (or neither, for the bundled pair)")
-    from .backends import auto_dtype, hf
+    from .backends import auto_dtype, cpu_bf16_flags, hf
     from .decoder import _resolve_dtype
     from .zoo import default_pair
 
@@ -174,7 +174,8 @@ def cmd_bench(args) -> None:
     target, draft = (hf.load_model(p, dtype, device) for p in paths)
     backends = ("native", "hf") if args.backend == "auto" else (args.backend,)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
-    config.update(n_prompts=len(prompts), dtype=str(dtype).removeprefix("torch."), auto_dtype=str(auto_dtype(device)))
+    config.update(n_prompts=len(prompts), dtype=str(dtype).removeprefix("torch."), auto_dtype=str(auto_dtype(device)),
+                  cpu_bf16_flags=sorted(cpu_bf16_flags()), threads=torch.get_num_threads(), torch=torch.__version__)
     result = run_bench(target, draft, hf.load_tokenizer(paths[0]), prompts, args.max_new_tokens, tree, sampling,
                        args.repeats, methods, backends, drafter=args.drafter,
                        progress=lambda msg: print(f"\r\033[K{msg}", end="", file=sys.stderr), config=config)
