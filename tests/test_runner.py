@@ -185,5 +185,6 @@ def test_auto_dtype_follows_the_cpu_flags(monkeypatch, tmp_path, flags, want):
     read = backends.cpu_bf16_flags
     monkeypatch.setattr(backends, "cpu_bf16_flags", lambda: read(str(cpuinfo)))
     assert backends.auto_dtype("cpu") == want
-    assert backends.auto_dtype("cuda") == torch.bfloat16  # no device is touched
+    assert backends.auto_dtype("cpu", "draft") == torch.float32  # a small draft is op-bound on CPU
+    assert backends.auto_dtype("cuda") == backends.auto_dtype("cuda", "draft") == torch.bfloat16  # no device is touched
     assert read("/nonexistent") == set()

@@ -30,7 +30,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models (default: the bundled pycode pair)")
     g.add_argument("--target", help="target model: HF id or local directory")
     g.add_argument("--draft", help="draft model: HF id or local directory")
-    g.add_argument("--dtype", default="auto", help="auto (default: bf16 on CUDA or an AMX CPU, else fp32), float32, bfloat16")
+    g.add_argument("--dtype", default="auto",
+                   help="auto (default: bf16 on CUDA; on CPU bf16 target with AMX/AVX512-BF16 and fp32 draft), float32, bfloat16")
+    g.add_argument("--draft-dtype", default=None, help="the draft's dtype (default: as --dtype)")
     g.add_argument("--device", default=None, help="torch device (default: cpu)")
     g.add_argument("--backend", default="auto", choices=("auto", "native", "hf"),
                    help="auto (default): treespec's native forward where supported, else HF; bench: both")
@@ -105,7 +107,7 @@ def _load(args):
     if (args.target is None) != (args.draft is None):
         raise CliError("give --target and --draft together (or neither, for the bundled pair)")
     return SpeculativeDecoder.from_pretrained(
-        target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, backend=args.backend,
+        target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, backend=args.backend, draft_dtype=args.draft_dtype,
         drafter=args.drafter,
     )
 
@@ -164,17 +166,19 @@ def cmd_bench(args) -> None:
         raise CliError(f"--json {args.json}: directory {args.json.resolve().parent} does not exist")
     if (args.target is None) != (args.draft is None):
         raise CliError("give --target and --draft together (or neither, for the bundled pair)")
-    from .backends import auto_dtype, cpu_bf16_flags, hf
+    from .backends import cpu_bf16_flags, hf
     from .decoder import _resolve_dtype
     from .zoo import default_pair
 
     paths = (args.target, args.draft) if args.target is not None else default_pair()
     device = torch.device(args.device or "cpu")
-    dtype = _resolve_dtype(args.dtype, device)
-    target, draft = (hf.load_model(p, dtype, device) for p in paths)
+    dtype = _resolve_dtype(args.dtype, device, "target")
+    draft_dtype = _resolve_dtype(args.dtype if args.draft_dtype is None else args.draft_dtype, device, "draft")
+    target, draft = hf.load_model(paths[0], dtype, device), hf.load_model(paths[1], draft_dtype, device)
     backends = ("native", "hf") if args.backend == "auto" else (args.backend,)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
-    config.update(n_prompts=len(prompts), dtype=str(dtype).removeprefix("torch."), auto_dtype=str(auto_dtype(device)),
+    config.update(n_prompts=len(prompts), dtype=str(dtype).removeprefix("torch."),
+                  draft_dtype=str(draft_dtype).removeprefix("torch."),
                   cpu_bf16_flags=sorted(cpu_bf16_flags()), threads=torch.get_num_threads(), torch=torch.__version__)
     result = run_bench(target, draft, hf.load_tokenizer(paths[0]), prompts, args.max_new_tokens, tree, sampling,
                        args.repeats, methods, backends, drafter=args.drafter,

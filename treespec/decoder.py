@@ -74,11 +74,14 @@ class SpeculativeDecoder:
         device: torch.device | str | None = None,
         backend: str = "auto",
         drafter: str | Drafter = "model",
+        draft_dtype: torch.dtype | str | None = None,
     ) -> SpeculativeDecoder:
         """Load target, draft and the target's tokenizer from local directories or HF ids.
 
         With no arguments, loads the bundled pair (see `treespec.zoo`). `dtype="auto"` is
-        bf16 on CUDA or on a CPU with AMX, else fp32; `device` defaults to the CPU.
+        bf16 on CUDA; on a CPU, bf16 for the target where the CPU has AMX or AVX512-BF16 and
+        fp32 for the draft (`treespec.backends.auto_dtype` has the measurements).
+        `draft_dtype` overrides the draft's (default: `dtype`). `device` defaults to the CPU.
         `backend="native"` (or "auto" on a supported checkpoint) reads the weights straight
         from safetensors without building the HF model.
         """
@@ -93,8 +96,8 @@ class SpeculativeDecoder:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         device = torch.device("cpu" if device is None else device)
-        dtype = _resolve_dtype(dtype, device)
-        runners = [None if p is None else _load_runner(p, dtype, device, backend) for p in (target, draft)]
+        dtypes = (_resolve_dtype(dtype, device, "target"), _resolve_dtype(dtype if draft_dtype is None else draft_dtype, device, "draft"))
+        runners = [None if p is None else _load_runner(p, t, device, backend) for p, t in zip((target, draft), dtypes)]
         return cls(runners[0], runners[1], hf.load_tokenizer(target), drafter=drafter)
 
     def generate(
@@ -196,11 +199,11 @@ class SpeculativeDecoder:
         return ids
 
 
-def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+def _resolve_dtype(dtype, device: torch.device, role: str = "target") -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return auto_dtype(device)
+        return auto_dtype(device, role)
     if not isinstance(dtype, str) or not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}; use 'auto', 'float32' or 'bfloat16'")
     return getattr(torch, dtype)
