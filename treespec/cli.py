@@ -1,6 +1,6 @@
 """The `treespec` command: generate text with tree speculation, or benchmark it.
 
-    treespec generate "def quicksort(xs):" --width 4 --depth 4 --show-tree
+    treespec generate "def quicksort(xs):" --width 2 --depth 4 --show-tree
     treespec bench --max-new-tokens 64 --repeats 3 --json bench.json
 
 Both default to the bundled pair (treespec/zoo/pycode). Errors are one line on stderr and
@@ -38,10 +38,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto (default): treespec's native forward where supported, else HF; bench: both")
 
 
-def _add_decode_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+def _add_decode_args(p: argparse.ArgumentParser, max_new_tokens: int, width: int = TreeConfig.width) -> None:
     g = p.add_argument_group("speculation and sampling")
-    g.add_argument("--width", type=int, default=4, help="tree width; 1 = linear speculation (default 4)")
-    g.add_argument("--depth", type=int, default=4, help="draft tokens per branch (default 4)")
+    g.add_argument("--width", type=int, default=width, help=f"tree width; 1 = linear speculation (default {width})")
+    g.add_argument("--depth", type=int, default=TreeConfig.depth, help=f"draft tokens per branch (default {TreeConfig.depth})")
     g.add_argument("--strategy", default="iid", choices=STRATEGIES, help="tree construction (default iid)")
     g.add_argument("--budget", type=int, default=None, help="strategy dynamic: draft nodes kept per round")
     g.add_argument("--adaptive", default=None, choices=("hf", "entropy"), help="adapt the depth between rounds")
@@ -68,13 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_decode_args(gen, max_new_tokens=128)
     _add_model_args(gen)
 
-    bench = sub.add_parser("bench", help="compare treespec with HF generate() on a prompt set")
+    bench = sub.add_parser("bench", help="compare treespec with HF generate() on a prompt set",
+                           description="The 'tree' rows use --width/--depth/--strategy; the 'linear' rows a chain of the same depth.")
     bench.add_argument("--prompts", type=Path, help="JSON list of prompts (default: bundled held-out prompts)")
     bench.add_argument("--n-prompts", type=int, default=8, help="use the first N prompts (default 8)")
     bench.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
     bench.add_argument("--methods", default=",".join(_bench_methods()), help="comma-separated subset")
     bench.add_argument("--json", type=Path, default=Path("treespec-bench.json"), help="where to write results")
-    _add_decode_args(bench, max_new_tokens=64)
+    _add_decode_args(bench, max_new_tokens=64, width=2)
     _add_model_args(bench)
     return parser
 

@@ -79,8 +79,11 @@ class TreeConfig:
     in order (the zero-temperature limit of Gumbel-top-k), "topk" is unchanged.
     """
 
+    # The default (a chain of 6) had the best tokens/s across T=0 and T=1 on the bundled pair
+    # (experiments/pick_default_tree.py; README "Defaults"): trees buy tokens/step but not
+    # tokens/s on a 2-core CPU. Measure your own pair and hardware.
     width: int = 1  # branching: sequences ("iid") or children per node / beam size
-    depth: int = 4  # draft tokens per branch; a round emits between 1 and depth + 1 tokens
+    depth: int = 6  # draft tokens per branch; a round emits between 1 and depth + 1 tokens
     strategy: Strategy = "iid"  # see the class docstring
     budget: int | None = None  # "dynamic": draft nodes kept per round (default width * depth)
     adaptive: str | None = None  # None (fixed depth), "hf" or "entropy"
