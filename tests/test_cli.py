@@ -9,6 +9,7 @@ import subprocess
 import pytest
 
 from treespec.cli import main
+from treespec.sequoia import TreeShape
 
 
 def test_generate_streams_text(capsys):
@@ -41,6 +42,17 @@ def test_tiny_bench_writes_json(capsys, tmp_path):
     assert {m["method"] for m in data["methods"]} == {"hf", "hf-assisted"} | treespec_methods
     for backend in ("native", "hf"):
         assert data["cost"][backend]["c"] > 0
+
+
+def test_bench_with_a_sequoia_shape(capsys, tmp_path):
+    shape = tmp_path / "shape.json"
+    TreeShape((-1, 0, 0, 1)).save(shape)
+    args = ["bench", "--n-prompts", "1", "--repeats", "1", "--max-new-tokens", "6", "--shape", str(shape),
+            "--methods", "linear,tree", "--backend", "native", "--json", str(tmp_path / "b.json")]
+    assert main(args) == 0
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert {m["method"] for m in data["methods"]} == {"linear[native]", "tree[native]"}
+    assert data["config"]["shape"] == str(shape)
 
 
 @pytest.mark.parametrize(

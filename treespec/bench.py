@@ -126,7 +126,9 @@ def run_bench(
         raise ValueError("bench needs a tokenizer for its text prompts")
     decoders = {b: SpeculativeDecoder(target, draft, tokenizer, drafter=drafter, backend=b) for b in backends}
     encoded = [tokenizer(p, return_tensors="pt")["input_ids"].to(target.device) for p in prompts]
-    trees = {"autoregressive": None, "linear": TreeConfig(1, tree.depth, tree.strategy), "tree": tree}
+    # linear: a chain of the tree's depth (a Sequoia shape's chain is its depth, drafted i.i.d.)
+    linear = TreeConfig(1, tree.depth, "iid" if tree.strategy in ("sequoia", "dynamic") else tree.strategy)
+    trees = {"autoregressive": None, "linear": linear, "tree": tree}
     hf_kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id or 0)
     if sampling.greedy:
         hf_kwargs.update(do_sample=False)
