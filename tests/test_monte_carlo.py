@@ -105,3 +105,14 @@ def test_gumbel_top_k_is_sequential_sampling_without_replacement():
     rng, n = TorchRng(0), 8000
     counts = Counter(tuple(rng.without_replacement(q, 2)) for _ in range(n))
     assert chi2_pvalue(counts, exact, n) > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_torch_rng_categorical_draws_from_probs(dtype):
+    q = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.15, 0.05, 0.0], dtype=dtype)  # zeros inside and at the end
+    rng, n = TorchRng(1), 8000
+    draws = rng.categorical(q, n // 2) + [t for _ in range(n // 2) for t in rng.categorical(q)]
+    counts = Counter((t,) for t in draws)
+    assert not {0, 2, 6} & {t for (t,) in counts}  # zero probability: never drawn
+    assert chi2_pvalue(counts, {(i,): float(p) for i, p in enumerate(q) if p > 0}, n) > 1e-3
+    assert chi2_pvalue(counts, {(1,): 0.4, (3,): 0.4, (4,): 0.15, (5,): 0.05}, n) < 1e-3  # power
