@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -65,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--plain", action="store_true", help="no speculation: plain autoregressive decoding")
     gen.add_argument("--ignore-eos", action="store_true", help="decode exactly --max-new-tokens tokens")
     gen.add_argument("--show-tree", action="store_true", help="colour tokens by origin and print statistics")
+    gen.add_argument("--color", default="auto", choices=("auto", "always", "never"),
+                     help="--show-tree colours: auto (default) = only on a terminal and without NO_COLOR set")
     _add_decode_args(gen, max_new_tokens=128)
     _add_model_args(gen)
 
@@ -112,9 +116,37 @@ def _load(args):
     )
 
 
+def use_colour(choice: str = "auto", stream=None) -> bool:
+    """Colour codes only where a person reads them: a terminal, and NO_COLOR unset
+    (https://no-color.org); "always"/"never" override both."""
+    if choice != "auto":
+        return choice == "always"
+    stream = sys.stdout if stream is None else stream
+    return bool(getattr(stream, "isatty", lambda: False)()) and not os.environ.get("NO_COLOR")
+
+
+def _check_writable(path: Path, flag: str) -> None:
+    """Fail before a long run, not after it, if `path` cannot be written."""
+    if path.is_dir():
+        raise CliError(f"{flag} {path} is a directory; give a file name")
+    parent = path.resolve().parent
+    if not parent.is_dir():
+        raise CliError(f"{flag} {path}: directory {parent} does not exist")
+    try:
+        if path.exists():
+            with open(path, "a"):
+                pass
+        else:
+            with tempfile.NamedTemporaryFile(dir=parent, prefix=".treespec-write-test-"):
+                pass
+    except OSError as e:
+        raise CliError(f"{flag} {path} is not writable ({e.strerror or e}); choose another path") from None
+
+
 def cmd_generate(args) -> None:
     tree, sampling = _configs(args)
     dec = _load(args)
+    colour = args.show_tree and use_colour(args.color)
     if dec.tokenizer is None:
         raise CliError(f"no tokenizer found next to the target model {args.target!r}")
     ids: list[int] = []
@@ -126,7 +158,7 @@ def cmd_generate(args) -> None:
             ids.append(t)
             text = dec.tokenizer.decode(ids, skip_special_tokens=True)
             piece, shown = text[len(shown) :], text
-            sys.stdout.write(f"{COLOURS[src]}{piece}{RESET}" if args.show_tree else piece)
+            sys.stdout.write(f"{COLOURS[src]}{piece}{RESET}" if colour else piece)
         sys.stdout.flush()
 
     sys.stdout.write(args.prompt)
@@ -142,8 +174,12 @@ def cmd_generate(args) -> None:
     sys.stdout.write("\n")
     if args.show_tree:
         s = out.stats
-        legend = " ".join(f"{COLOURS[k]}{k}{RESET}" for k in COLOURS)
-        print(f"\n[{legend}]")
+        if colour:
+            legend = " ".join(f"{COLOURS[k]}{k}{RESET}" for k in COLOURS)
+            print(f"\n[{legend}]")
+        else:
+            print()
+        print("token sources: " + ", ".join(f"{k} {out.sources.count(k)}" for k in COLOURS))
         print(f"tokens {s.tokens} in {s.target_steps} target steps: {s.tokens_per_step:.2f} tokens/step, "
               f"{s.tokens_per_second:.1f} tokens/s ({out.finish_reason})")
         if s.acceptance_by_depth:
@@ -162,28 +198,30 @@ def cmd_bench(args) -> None:
     if args.repeats < 1 or args.n_prompts < 1:
         raise CliError("--repeats and --n-prompts must be >= 1")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if not args.json.resolve().parent.is_dir():
-        raise CliError(f"--json {args.json}: directory {args.json.resolve().parent} does not exist")
+    _check_writable(args.json, "--json")
     if (args.target is None) != (args.draft is None):
         raise CliError("give --target and --draft together (or neither, for the bundled pair)")
     from .backends import cpu_bf16_flags, hf
-    from .decoder import _resolve_dtype
+    from .decoder import _resolve_dtype, resolve_device
     from .zoo import default_pair
 
     paths = (args.target, args.draft) if args.target is not None else default_pair()
-    device = torch.device(args.device or "cpu")
+    device = resolve_device(args.device)
     dtype = _resolve_dtype(args.dtype, device, "target")
     draft_dtype = _resolve_dtype(args.dtype if args.draft_dtype is None else args.draft_dtype, device, "draft")
     target, draft = hf.load_model(paths[0], dtype, device), hf.load_model(paths[1], draft_dtype, device)
     backends = ("native", "hf") if args.backend == "auto" else (args.backend,)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
+    # a progress line redrawn in place: terminal control codes, so only on a terminal
+    progress = (lambda msg: print(f"\r\033[K{msg}", end="", file=sys.stderr)) if use_colour("auto", sys.stderr) else None
     config.update(n_prompts=len(prompts), dtype=str(dtype).removeprefix("torch."),
                   draft_dtype=str(draft_dtype).removeprefix("torch."),
                   cpu_bf16_flags=sorted(cpu_bf16_flags()), threads=torch.get_num_threads(), torch=torch.__version__)
     result = run_bench(target, draft, hf.load_tokenizer(paths[0]), prompts, args.max_new_tokens, tree, sampling,
                        args.repeats, methods, backends, drafter=args.drafter,
-                       progress=lambda msg: print(f"\r\033[K{msg}", end="", file=sys.stderr), config=config)
-    print("\r\033[K", end="", file=sys.stderr)
+                       progress=progress, config=config)
+    if progress is not None:
+        print("\r\033[K", end="", file=sys.stderr)
     base = next((r.tokens_per_second for r in result.methods if r.method == "hf"), None)
     print(f"{'method':<24}{'tokens/s':>10}{'speedup':>9}{'tokens/step':>13}  acceptance by depth")
     for r in result.methods:

@@ -14,6 +14,8 @@ limit, EOS, streaming) in `OutputBuilder`.
 
 from __future__ import annotations
 
+import numbers
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,6 +57,17 @@ class SpeculativeDecoder:
             raise ValueError(f"drafter must be one of {', '.join(self.DRAFTERS)} or a Drafter, got {drafter!r}")
         if target is None:
             raise ValueError("target is None; pass a Hugging Face causal LM or a treespec Runner")
+        for name, model in (("target", target), ("draft", draft)):
+            if isinstance(model, (str, os.PathLike)):
+                raise ValueError(
+                    f"{name} is a path ({str(model)!r}), not a model; SpeculativeDecoder() takes loaded models: "
+                    f"use SpeculativeDecoder.from_pretrained(target=..., draft=...) to load from paths or hub ids"
+                )
+        if isinstance(tokenizer, (str, os.PathLike)):
+            raise ValueError(
+                f"tokenizer is a path ({str(tokenizer)!r}); pass a loaded tokenizer "
+                f"(transformers.AutoTokenizer.from_pretrained(path)) or use SpeculativeDecoder.from_pretrained"
+            )
         self.drafter, self.tokenizer = drafter, tokenizer
         self.target_runner: Runner = make_runner(target, backend)
         self.draft_runner: Runner | None = None if draft is None else make_runner(draft, backend)
@@ -87,6 +100,12 @@ class SpeculativeDecoder:
         """
         from .backends import hf
 
+        for name, path in (("target", target), ("draft", draft)):
+            if path is not None and not isinstance(path, (str, os.PathLike)):
+                raise ValueError(
+                    f"from_pretrained() takes paths or hub ids, got a {type(path).__name__} for {name}; "
+                    f"pass loaded models to SpeculativeDecoder(target, draft, tokenizer) instead"
+                )
         if target is None and draft is None:
             from .zoo import default_pair
 
@@ -95,7 +114,7 @@ class SpeculativeDecoder:
             raise ValueError("pass target= (an HF id or a local model directory) along with draft=")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-        device = torch.device("cpu" if device is None else device)
+        device = resolve_device(device)
         dtypes = (_resolve_dtype(dtype, device, "target"), _resolve_dtype(dtype if draft_dtype is None else draft_dtype, device, "draft"))
         runners = [None if p is None else _load_runner(p, t, device, backend) for p, t in zip((target, draft), dtypes)]
         return cls(runners[0], runners[1], hf.load_tokenizer(target), drafter=drafter)
@@ -120,6 +139,7 @@ class SpeculativeDecoder:
         (the exactness tests pass one that enumerates every outcome).
         """
         ids = self._check(prompt, max_new_tokens, tree, sampling)
+        _check_seed(seed)
         clock = time.perf_counter
         t_start = clock()
         stats, out = GenerationStats(), OutputBuilder(max_new_tokens, set() if ignore_eos else self.eos_token_ids, on_tokens)
@@ -183,13 +203,15 @@ class SpeculativeDecoder:
                 raise ValueError("a text prompt needs a tokenizer; pass tokenizer=... or a list of token ids")
             ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         else:
-            ids = [int(t) for t in prompt]
+            ids = _token_ids(prompt)
         if not ids or (isinstance(prompt, str) and not prompt):
             raise ValueError("the prompt is empty; give at least one token")
         bad = [t for t in ids if not 0 <= t < self.target_runner.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.target_runner.vocab_size})")
-        for name, run in (("target", self.target_runner), ("draft", self.draft_runner if tree is not None else None)):
+        # the draft model's positions matter only to drafters that run it
+        uses_draft = tree is not None and not isinstance(self.drafter, Drafter) and self.drafter in ("model", "merged")
+        for name, run in (("target", self.target_runner), ("draft", self.draft_runner if uses_draft else None)):
             limit = getattr(run, "max_positions", None)
             if limit is not None and len(ids) + max_new_tokens > limit:
                 raise ValueError(
@@ -197,6 +219,66 @@ class SpeculativeDecoder:
                     f"model's {limit} positions; shorten the prompt or lower max_new_tokens"
                 )
         return ids
+
+
+def _token_ids(prompt) -> list[int]:
+    """A prompt given as token ids, as a list of Python ints; anything else is refused, never
+    converted (bytes, floats, bools and strings are mistakes, not token ids)."""
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise ValueError("the prompt is bytes; pass text (str) or a list of int token ids")
+    if isinstance(prompt, torch.Tensor) or hasattr(prompt, "dtype"):  # a torch or numpy array
+        shape, dtype = tuple(prompt.shape), str(prompt.dtype)
+        if len(shape) != 1:
+            raise ValueError(f"a prompt tensor must be 1-D token ids, got shape {shape}; pass input_ids[0]")
+        integer = (not prompt.dtype.is_floating_point and not prompt.dtype.is_complex and prompt.dtype != torch.bool
+                   if isinstance(prompt, torch.Tensor) else getattr(prompt.dtype, "kind", "") in ("i", "u"))
+        if not integer:
+            raise ValueError(f"prompt token ids must be integers, got an array of {dtype}")
+        return [int(t) for t in prompt.tolist()]
+    try:
+        items = list(prompt)
+    except TypeError:
+        raise ValueError(f"the prompt must be text or a list of int token ids, got {type(prompt).__name__}") from None
+    for t in items:
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+            raise ValueError(
+                f"prompt token ids must be ints, got {t!r} ({type(t).__name__}); pass ints "
+                f"(not floats, bools or strings), or the prompt as text"
+            )
+    return [int(t) for t in items]
+
+
+def _check_seed(seed) -> None:
+    if seed is None:
+        return
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be None or an integer in [0, 2**64), got {seed!r}")
+
+
+def resolve_device(device) -> torch.device:
+    """`device` (None = CPU) as a torch.device that exists on this machine, or a ValueError
+    saying which devices do."""
+    if device is None:
+        return torch.device("cpu")
+    if not isinstance(device, (str, torch.device)) and not (isinstance(device, int) and not isinstance(device, bool)):
+        raise ValueError(f"device must be a string like 'cpu' or 'cuda:0', got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"unknown device {device!r}; use 'cpu', 'cuda' or 'cuda:N' (or 'mps' on a Mac)") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "meta":
+        raise ValueError("device 'meta' holds no weights; use 'cpu' or 'cuda'")
+    backend = getattr(torch, dev.type, None) if dev.type != "mps" else getattr(torch.backends, "mps", None)
+    available = getattr(backend, "is_available", None)
+    if available is None or not available():
+        raise ValueError(f"device {device!r} is not available on this machine (torch {torch.__version__}); use device='cpu'")
+    count = getattr(backend, "device_count", None)
+    n = count() if count is not None else 1
+    if dev.index is not None and dev.index >= n:
+        raise ValueError(f"device {device!r} is not available: this machine has {n} {dev.type} device(s), {dev.type}:0 .. {dev.type}:{n - 1}")
+    return dev
 
 
 def _resolve_dtype(dtype, device: torch.device, role: str = "target") -> torch.dtype:
