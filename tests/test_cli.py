@@ -73,6 +73,7 @@ def test_tiny_bench_writes_json(capsys, tmp_path):
         (["bench", "--json", "/"], "is a directory"),
         (["bench", "--json", "/nonexistent/dir/b.json"], "directory /nonexistent/dir does not exist"),
         (["bench", "--device", "npu"], "unknown device 'npu'"),
+        (["bench", "--methods", "tree,medusa"], "--methods: unknown ['medusa']"),
         (["generate", "x", "--device", "npu"], "unknown device 'npu'"),
         (["generate", "x", "--seed", "-1"], "seed must be None or an integer in [0, 2**64)"),
         (["generate", "x", "--seed", str(2**64)], "seed must be None or an integer in [0, 2**64)"),

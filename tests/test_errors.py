@@ -187,6 +187,10 @@ BAD_INPUTS = [
     ("int as draft", lambda dec, tmp: SpeculativeDecoder(dec.target_runner, 3), "expected a Hugging Face causal LM or a treespec Runner, got int"),
     ("path as tokenizer", lambda dec, tmp: SpeculativeDecoder(dec.target_runner, tokenizer="tok/"), "tokenizer is a path"),
     ("model to from_pretrained", lambda dec, tmp: SpeculativeDecoder.from_pretrained(target=dec.target_runner, draft=None), "takes paths or hub ids"),
+    ("on_tokens not callable", _gen(on_tokens="print"), "on_tokens must be a function"),
+    ("rng not an Rng", _gen(rng=42), "rng must be a treespec.rng.Rng"),
+    ("ema_beta a string", lambda dec, tmp: TreeConfig(adaptive="entropy", ema_beta="0.5"), "ema_beta must be in"),
+    ("unknown drafter to from_pretrained", _from_pretrained(drafter="eagle"), "drafter must be one of"),
     # devices that do not exist here
     ("device npu", _from_pretrained(device="npu"), "unknown device 'npu'"),
     ("device foo:0", _from_pretrained(device="foo:0"), "unknown device 'foo:0'"),

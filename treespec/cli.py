@@ -198,6 +198,9 @@ def cmd_bench(args) -> None:
     if args.repeats < 1 or args.n_prompts < 1:
         raise CliError("--repeats and --n-prompts must be >= 1")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(methods) - set(_bench_methods()))
+    if unknown or not methods:
+        raise CliError(f"--methods: unknown {unknown or 'empty list'}; choose from {','.join(_bench_methods())}")
     _check_writable(args.json, "--json")
     if (args.target is None) != (args.draft is None):
         raise CliError("give --target and --draft together (or neither, for the bundled pair)")

@@ -123,7 +123,8 @@ class TreeConfig:
             raise ValueError(
                 f"adaptive depth needs depth_min <= depth <= depth_max, got {self.depth_min}, {self.depth}, {self.depth_max}"
             )
-        if not 0 <= self.ema_beta < 1:
+        b = self.ema_beta
+        if not isinstance(b, (int, float)) or isinstance(b, bool) or not 0 <= b < 1:
             raise ValueError(f"TreeConfig.ema_beta must be in [0, 1), got {self.ema_beta!r}")
         if self.max_nodes > MAX_TREE_NODES:
             depth = f"depth_max={self.depth_max}" if self.adaptive else f"depth={self.depth}"

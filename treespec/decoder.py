@@ -106,6 +106,8 @@ class SpeculativeDecoder:
                     f"from_pretrained() takes paths or hub ids, got a {type(path).__name__} for {name}; "
                     f"pass loaded models to SpeculativeDecoder(target, draft, tokenizer) instead"
                 )
+        if not isinstance(drafter, Drafter) and drafter not in cls.DRAFTERS:
+            raise ValueError(f"drafter must be one of {', '.join(cls.DRAFTERS)} or a Drafter, got {drafter!r}")
         if target is None and draft is None:
             from .zoo import default_pair
 
@@ -140,6 +142,10 @@ class SpeculativeDecoder:
         """
         ids = self._check(prompt, max_new_tokens, tree, sampling)
         _check_seed(seed)
+        if on_tokens is not None and not callable(on_tokens):
+            raise ValueError(f"on_tokens must be a function (ids, sources) -> None, got {type(on_tokens).__name__}")
+        if rng is not None and not isinstance(rng, Rng):
+            raise ValueError(f"rng must be a treespec.rng.Rng, got {type(rng).__name__}; pass seed= for a seeded run")
         clock = time.perf_counter
         t_start = clock()
         stats, out = GenerationStats(), OutputBuilder(max_new_tokens, set() if ignore_eos else self.eos_token_ids, on_tokens)
