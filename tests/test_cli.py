@@ -22,6 +22,7 @@ def test_generate_show_tree_colours_tokens_and_prints_stats(capsys):
     out = capsys.readouterr().out
     assert "\033[32m" in out or "\033[36m" in out  # accepted (green) or bonus (cyan) tokens
     assert "tokens/step" in out and "acceptance by depth" in out and "tokens/s" in out
+    assert "acceptance rate" in out and "mean accepted length" in out
 
 
 @pytest.mark.parametrize("tty,no_color,colour", [(False, None, False), (True, "1", False), (True, None, True)])
@@ -56,6 +57,9 @@ def test_tiny_bench_writes_json(capsys, tmp_path):
     assert {m["method"] for m in data["methods"]} == {"hf", "hf-assisted"} | treespec_methods
     for backend in ("native", "hf"):
         assert data["cost"][backend]["c"] > 0
+    for m in data["methods"]:
+        if m["method"].startswith(("linear", "tree")):
+            assert 0 < m["acceptance_rate"] <= 1 and m["mean_accepted_length"] > 0 and m["draft_forwards"] > 0
 
 
 @pytest.mark.parametrize(

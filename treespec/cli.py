@@ -182,6 +182,9 @@ def cmd_generate(args) -> None:
         print("token sources: " + ", ".join(f"{k} {out.sources.count(k)}" for k in COLOURS))
         print(f"tokens {s.tokens} in {s.target_steps} target steps: {s.tokens_per_step:.2f} tokens/step, "
               f"{s.tokens_per_second:.1f} tokens/s ({out.finish_reason})")
+        if s.tree_nodes:
+            print(f"acceptance rate {s.acceptance_rate:.2f} ({s.accepted_tokens} of {s.tree_nodes} drafted tokens), "
+                  f"mean accepted length {s.mean_accepted_length:.2f} per step")
         if s.acceptance_by_depth:
             print("acceptance by depth: " + " ".join(f"d{d + 1}={a:.2f}" for d, a in enumerate(s.acceptance_by_depth)))
         print(f"time: draft {s.draft_seconds:.2f}s, verify {s.verify_seconds:.2f}s, prefill {s.prefill_seconds:.2f}s, "
@@ -226,12 +229,14 @@ def cmd_bench(args) -> None:
     if progress is not None:
         print("\r\033[K", end="", file=sys.stderr)
     base = next((r.tokens_per_second for r in result.methods if r.method == "hf"), None)
-    print(f"{'method':<24}{'tokens/s':>10}{'speedup':>9}{'tokens/step':>13}  acceptance by depth")
+    print(f"{'method':<24}{'tokens/s':>10}{'speedup':>9}{'tokens/step':>13}{'accept':>8}{'acc.len':>9}  acceptance by depth")
     for r in result.methods:
         speed = f"{r.tokens_per_second / base:.2f}x" if base else "-"
         tps = f"{r.tokens_per_step:.2f}" if r.tokens_per_step is not None else "-"
+        rate = f"{r.acceptance_rate:.2f}" if r.acceptance_rate else "-"
+        length = f"{r.mean_accepted_length:.2f}" if r.acceptance_rate else "-"
         acc = " ".join(f"{a:.2f}" for a in r.acceptance_by_depth or [])
-        print(f"{r.method:<24}{r.tokens_per_second:>10.1f}{speed:>9}{tps:>13}  {acc}")
+        print(f"{r.method:<24}{r.tokens_per_second:>10.1f}{speed:>9}{tps:>13}{rate:>8}{length:>9}  {acc}")
     for backend, cost in result.cost.items():
         print(f"cost [{backend}]: " + ", ".join(f"{k}={v:.4g}" for k, v in cost.items()))
     args.json.write_text(json.dumps(result.to_json(), indent=2))

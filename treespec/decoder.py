@@ -155,7 +155,8 @@ class SpeculativeDecoder:
         target.prefill(ids[:-1])
         if drafter is not None:
             drafter.start(ids, sampling, rng)
-        draft_forwards0 = self.draft_runner.forwards if self.draft_runner is not None else 0
+        draft_runners = [] if drafter is None else drafter.runners()  # counted for every drafter
+        draft_forwards0 = sum(r.forwards for r in draft_runners)
         stats.prefill_seconds = clock() - t_start
 
         context = list(ids)
@@ -175,8 +176,7 @@ class SpeculativeDecoder:
             context += out.add(walk.emitted(draft), walk.kind)
 
         stats.tokens = len(out.token_ids)
-        if self.draft_runner is not None:
-            stats.draft_forwards = self.draft_runner.forwards - draft_forwards0
+        stats.draft_forwards = sum(r.forwards for r in draft_runners) - draft_forwards0
         stats.total_seconds = clock() - t_start
         text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True) if self.tokenizer is not None else None
         return GenerationOutput(out.token_ids, out.sources, stats, text, out.finish_reason)

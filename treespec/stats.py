@@ -38,6 +38,24 @@ class GenerationStats:
         return self.tokens / self.target_steps if self.target_steps else 0.0
 
     @property
+    def accepted_tokens(self) -> int:
+        """Draft tokens the target accepted, summed over rounds (correction/bonus excluded)."""
+        return sum(self.accepted_by_depth)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / drafted tokens (vLLM's draft acceptance rate). Drafted
+        tokens = draft tree nodes sent to the target (`tree_nodes`: for a width-w tree every
+        node counts, so trees have lower rates than chains at equal tokens/step)."""
+        return self.accepted_tokens / self.tree_nodes if self.tree_nodes else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Accepted draft tokens per round (target step), correction/bonus token excluded.
+        vLLM's "mean acceptance length" counts that token too: it is 1 + this."""
+        return self.accepted_tokens / self.target_steps if self.target_steps else 0.0
+
+    @property
     def acceptance_by_depth(self) -> list[float]:
         """P(accept a draft token at depth d | the walk stood at depth d-1 with proposals)."""
         return [a / t if t else 0.0 for a, t in zip(self.accepted_by_depth, self.attempted_by_depth)]
