@@ -40,6 +40,15 @@ def test_show_tree_colours_only_on_a_terminal_without_no_color(capsys, monkeypat
     assert "token sources: accepted" in out and "tokens/step" in out
 
 
+def test_generate_stop_strings(capsys):
+    prompt = "def quicksort(xs):"
+    assert main(["generate", prompt, "--max-new-tokens", "48", "--stop", "\\n", "--stop", "zzzz", "--show-tree"]) == 0
+    out = capsys.readouterr().out
+    generated = out[len(prompt) :].split("\ntoken sources")[0]
+    assert "(stop)" in out and generated.count("\n") <= 3  # the stop "\n", maybe an overhang, the final newline
+    assert main(["generate", prompt, "--max-new-tokens", "8", "--stop-id", "0", "--stop-id", "5"]) == 0
+
+
 @pytest.mark.parametrize("extra", [["--drafter", "ngram"], ["--drafter", "merged"], ["--strategy", "dynamic", "--budget", "8"], ["--adaptive", "hf"], ["--plain"]])
 def test_generate_options(capsys, extra):
     assert main(["generate", "class Foo:\n    def __init__(self):\n", "--max-new-tokens", "12", *extra]) == 0

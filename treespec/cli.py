@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--plain", action="store_true", help="no speculation: plain autoregressive decoding")
     gen.add_argument("--ignore-eos", action="store_true", help="decode exactly --max-new-tokens tokens")
     gen.add_argument("--show-tree", action="store_true", help="colour tokens by origin and print statistics")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="stop after the token that completes TEXT (repeatable; backslash escapes such as \\n work)")
+    gen.add_argument("--stop-id", action="append", default=[], type=int, metavar="ID",
+                     help="stop after token id ID (repeatable)")
     gen.add_argument("--color", default="auto", choices=("auto", "always", "never"),
                      help="--show-tree colours: auto (default) = only on a terminal and without NO_COLOR set")
     _add_decode_args(gen, max_new_tokens=128)
@@ -143,6 +147,14 @@ def _check_writable(path: Path, flag: str) -> None:
         raise CliError(f"{flag} {path} is not writable ({e.strerror or e}); choose another path") from None
 
 
+def _unescape(text: str) -> str:
+    """Backslash escapes typed on a command line ("\\n", "\\t", "\\x41") as the characters."""
+    try:
+        return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError as e:
+        raise CliError(f"--stop {text!r}: bad backslash escape ({e.reason})") from None
+
+
 def cmd_generate(args) -> None:
     tree, sampling = _configs(args)
     dec = _load(args)
@@ -170,6 +182,7 @@ def cmd_generate(args) -> None:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
         on_tokens=on_tokens,
+        stop=[_unescape(x) for x in args.stop] + args.stop_id or None,
     )
     sys.stdout.write("\n")
     if args.show_tree:

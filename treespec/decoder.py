@@ -27,7 +27,7 @@ from .config import SamplingConfig, TreeConfig
 from .drafters import Drafter, MergedDrafter, ModelDrafter, NgramDrafter, PromptLookupDrafter
 from .proposal import DraftTree
 from .rng import Rng, TorchRng
-from .stats import GenerationOutput, GenerationStats, OnTokens, OutputBuilder
+from .stats import GenerationOutput, GenerationStats, OnTokens, OutputBuilder, StopMatcher
 from .verify import verify
 
 
@@ -131,6 +131,7 @@ class SpeculativeDecoder:
         ignore_eos: bool = False,
         on_tokens: OnTokens | None = None,
         rng: Rng | None = None,
+        stop: str | int | Sequence[str | int] | None = None,
     ) -> GenerationOutput:
         """Generate up to `max_new_tokens` tokens after `prompt` (text or token ids).
 
@@ -139,16 +140,25 @@ class SpeculativeDecoder:
         (at temperature 0: exactly its greedy output). `on_tokens(ids, sources)` is called
         with each round's new tokens, for streaming. `rng` replaces the seeded `TorchRng`
         (the exactness tests pass one that enumerates every outcome).
+
+        `stop`: stop strings and/or stop token ids. Generation ends at the token that
+        completes a stop string (matched on the decoded generated text, across rounds) or at
+        a stop id; that token is kept (Hugging Face's `stop_strings` semantics: the text may
+        run past the stop string by the rest of that token), `finish_reason="stop"`, and
+        `on_tokens` never sees a token past it.
         """
         ids = self._check(prompt, max_new_tokens, tree, sampling)
         _check_seed(seed)
+        stopper = self._stop_matcher(stop)
         if on_tokens is not None and not callable(on_tokens):
             raise ValueError(f"on_tokens must be a function (ids, sources) -> None, got {type(on_tokens).__name__}")
         if rng is not None and not isinstance(rng, Rng):
             raise ValueError(f"rng must be a treespec.rng.Rng, got {type(rng).__name__}; pass seed= for a seeded run")
         clock = time.perf_counter
         t_start = clock()
-        stats, out = GenerationStats(), OutputBuilder(max_new_tokens, set() if ignore_eos else self.eos_token_ids, on_tokens)
+        stats, out = GenerationStats(), OutputBuilder(
+            max_new_tokens, set() if ignore_eos else self.eos_token_ids, on_tokens, stopper
+        )
         rng = TorchRng(seed, self.target_runner.device) if rng is None else rng
         target, drafter = self.target_runner, None if tree is None else self._drafter(tree)
         target.reset()
@@ -179,7 +189,7 @@ class SpeculativeDecoder:
         stats.draft_forwards = sum(r.forwards for r in draft_runners) - draft_forwards0
         stats.total_seconds = clock() - t_start
         text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True) if self.tokenizer is not None else None
-        return GenerationOutput(out.token_ids, out.sources, stats, text, out.finish_reason)
+        return GenerationOutput(out.token_ids, out.sources, stats, text, out.finish_reason, out.stop_match)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _drafter(self, tree: TreeConfig) -> Drafter:
@@ -196,6 +206,30 @@ class SpeculativeDecoder:
             )
         model = ModelDrafter(self.draft_runner, tree)
         return model if self.drafter == "model" else MergedDrafter([model, NgramDrafter(tree.width)])
+
+    def _stop_matcher(self, stop) -> StopMatcher | None:
+        if stop is None:
+            return None
+        items = [stop] if isinstance(stop, (str, int)) else stop
+        try:
+            items = list(items)
+        except TypeError:
+            raise ValueError(f"stop must be a string, a token id or a list of them, got {type(stop).__name__}") from None
+        strings, ids = [], set()
+        for x in items:
+            if isinstance(x, str):
+                if not x:
+                    raise ValueError("stop strings must not be empty")
+                strings.append(x)
+            elif isinstance(x, numbers.Integral) and not isinstance(x, bool):
+                if not 0 <= x < self.target_runner.vocab_size:
+                    raise ValueError(f"stop token id {x} is outside the vocabulary [0, {self.target_runner.vocab_size})")
+                ids.add(int(x))
+            else:
+                raise ValueError(f"stop entries must be strings or int token ids, got {x!r} ({type(x).__name__})")
+        if strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to decode the output; pass tokenizer=... or stop token ids")
+        return StopMatcher(strings, ids, self.tokenizer) if strings or ids else None
 
     def _check(self, prompt, max_new_tokens, tree, sampling) -> list[int]:
         if not isinstance(sampling, SamplingConfig):
