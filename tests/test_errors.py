@@ -60,6 +60,9 @@ def test_empty_text_prompt_with_tokenizer(dec):
         def __call__(self, text, add_special_tokens=True):
             return {"input_ids": [ord(c) % 90 for c in text]}
 
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(i) for i in ids)
+
     d = SpeculativeDecoder(dec.target_runner, dec.draft_runner, tokenizer=Tok())
     with pytest.raises(ValueError, match="prompt is empty"):
         d.generate("", 4)
@@ -185,6 +188,7 @@ BAD_INPUTS = [
     ("path as draft", lambda dec, tmp: SpeculativeDecoder(dec.target_runner, tmp), r"draft is a path .*from_pretrained"),
     ("None as target", lambda dec, tmp: SpeculativeDecoder(None, dec.draft_runner), "target is None"),
     ("int as draft", lambda dec, tmp: SpeculativeDecoder(dec.target_runner, 3), "expected a Hugging Face causal LM or a treespec Runner, got int"),
+    ("tokenizer without decode", lambda dec, tmp: SpeculativeDecoder(dec.target_runner, tokenizer=len), "tokenizer must be a Hugging Face tokenizer"),
     ("path as tokenizer", lambda dec, tmp: SpeculativeDecoder(dec.target_runner, tokenizer="tok/"), "tokenizer is a path"),
     ("model to from_pretrained", lambda dec, tmp: SpeculativeDecoder.from_pretrained(target=dec.target_runner, draft=None), "takes paths or hub ids"),
     ("on_tokens not callable", _gen(on_tokens="print"), "on_tokens must be a function"),

@@ -29,6 +29,7 @@ from .proposal import DraftTree
 from .rng import Rng, TorchRng
 from .stats import GenerationOutput, GenerationStats, OnTokens, OutputBuilder, StopMatcher
 from .verify import verify
+from .vocab import compare_tokenizers, shared_support
 
 
 class SpeculativeDecoder:
@@ -52,7 +53,9 @@ class SpeculativeDecoder:
 
     DRAFTERS = ("model", "ngram", "lookup", "merged")
 
-    def __init__(self, target, draft=None, tokenizer=None, drafter: str | Drafter = "model", backend: str = "auto"):
+    def __init__(
+        self, target, draft=None, tokenizer=None, drafter: str | Drafter = "model", backend: str = "auto", draft_tokenizer=None
+    ):
         if not isinstance(drafter, Drafter) and drafter not in self.DRAFTERS:
             raise ValueError(f"drafter must be one of {', '.join(self.DRAFTERS)} or a Drafter, got {drafter!r}")
         if target is None:
@@ -68,14 +71,20 @@ class SpeculativeDecoder:
                 f"tokenizer is a path ({str(tokenizer)!r}); pass a loaded tokenizer "
                 f"(transformers.AutoTokenizer.from_pretrained(path)) or use SpeculativeDecoder.from_pretrained"
             )
+        if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+            raise ValueError(
+                f"tokenizer must be a Hugging Face tokenizer (callable, with decode()), got {type(tokenizer).__name__}"
+            )
         self.drafter, self.tokenizer = drafter, tokenizer
         self.target_runner: Runner = make_runner(target, backend)
         self.draft_runner: Runner | None = None if draft is None else make_runner(draft, backend)
-        if self.draft_runner is not None and self.draft_runner.vocab_size != self.target_runner.vocab_size:
-            raise ValueError(
-                f"draft and target vocabularies differ ({self.draft_runner.vocab_size} vs "
-                f"{self.target_runner.vocab_size} tokens); speculative decoding needs one shared tokenizer"
-            )
+        self.vocab_size = self.target_runner.vocab_size  # q is a distribution over the target's rows
+        compare_tokenizers(tokenizer, draft_tokenizer)
+        # ids q may put mass on: the real tokens both models know (padding rows excluded)
+        self.draft_support = (
+            None if self.draft_runner is None
+            else shared_support(self.vocab_size, self.draft_runner.vocab_size, tokenizer if tokenizer is not None else draft_tokenizer)
+        )
         self.eos_token_ids = set(self.target_runner.eos_token_ids)
 
     @classmethod
@@ -119,7 +128,8 @@ class SpeculativeDecoder:
         device = resolve_device(device)
         dtypes = (_resolve_dtype(dtype, device, "target"), _resolve_dtype(dtype if draft_dtype is None else draft_dtype, device, "draft"))
         runners = [None if p is None else _load_runner(p, t, device, backend) for p, t in zip((target, draft), dtypes)]
-        return cls(runners[0], runners[1], hf.load_tokenizer(target), drafter=drafter)
+        draft_tokenizer = None if draft is None else hf.load_tokenizer(draft)
+        return cls(runners[0], runners[1], hf.load_tokenizer(target), drafter=drafter, draft_tokenizer=draft_tokenizer)
 
     def generate(
         self,
@@ -175,6 +185,8 @@ class SpeculativeDecoder:
             # 1. propose, never deeper than the tokens still wanted (a round emits <= depth + 1)
             depth = 0 if drafter is None else min(tree.max_depth, out.remaining - 1)
             draft = drafter.propose(context, depth) if depth else DraftTree.root_only(context[-1])
+            if depth:
+                self._check_draft(draft, context, drafter)
             t1 = clock()
             # 2. score every node in one target forward; 3. verify; 4. commit the accepted path
             walk = verify(draft, target.score(draft.tree), sampling, rng)
@@ -204,8 +216,24 @@ class SpeculativeDecoder:
                 f"drafter={self.drafter!r} needs a draft model; pass draft=..., use drafter='ngram' or "
                 f"'lookup', or tree=None for plain decoding"
             )
-        model = ModelDrafter(self.draft_runner, tree)
+        model = ModelDrafter(self.draft_runner, tree, vocab_size=self.vocab_size, support=self.draft_support)
         return model if self.drafter == "model" else MergedDrafter([model, NgramDrafter(tree.width)])
+
+    def _check_draft(self, draft: DraftTree, context: list[int], drafter: Drafter) -> None:
+        """A drafter's tree must fit the target: rooted at the last committed token, token ids
+        and q inside the target's vocabulary (custom drafters are checked like built-in ones)."""
+        name, tokens, V = type(drafter).__name__, draft.tree.tokens, self.vocab_size
+        if tokens[0] != context[-1]:
+            raise ValueError(f"{name} proposed a tree rooted at token {tokens[0]}, not at the last committed token {context[-1]}")
+        if max(tokens) >= V:
+            bad = sorted({t for t in tokens if t >= V})
+            raise ValueError(f"{name} proposed token ids {bad[:5]} outside the target's vocabulary [0, {V})")
+        for g in draft.groups:
+            if g.q is not None and g.q.shape[-1] != V:
+                raise ValueError(
+                    f"{name} proposed from a q over {g.q.shape[-1]} tokens, but the target's vocabulary has {V}; "
+                    f"give q one entry per target token id"
+                )
 
     def _stop_matcher(self, stop) -> StopMatcher | None:
         if stop is None:
