@@ -95,6 +95,7 @@ def test_generate_stops_at_a_stop_id_at_the_same_token_as_plain_decoding(dec, tr
         ([True], "stop entries must be strings or int token ids"),
         ([10**6], "outside the vocabulary"),
         (object(), "stop must be a string, a token id or a list"),
+        (b"\n", "stop is bytes"),
     ],
 )
 def test_bad_stop(dec, stop, match):

@@ -238,7 +238,9 @@ class SpeculativeDecoder:
     def _stop_matcher(self, stop) -> StopMatcher | None:
         if stop is None:
             return None
-        items = [stop] if isinstance(stop, (str, int)) else stop
+        if isinstance(stop, (bytes, bytearray, memoryview)):
+            raise ValueError("stop is bytes; pass stop strings as str (or token ids as ints)")
+        items = [stop] if isinstance(stop, (str, numbers.Integral)) else stop
         try:
             items = list(items)
         except TypeError:
