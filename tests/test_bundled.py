@@ -67,3 +67,37 @@ def test_greedy_acceptance_is_above_the_measured_floor():
         accepted += s.accepted_by_depth[0] if s.accepted_by_depth else 0
         attempted += s.attempted_by_depth[0] if s.attempted_by_depth else 0
     assert accepted / attempted >= GREEDY_ALPHA_FLOOR
+
+
+def _stop_across_rounds(dec, ids, tree, n):
+    """A stop string that spans the boundary between two rounds of a greedy run: the last
+    characters of one round and the first of the next, occurring nowhere earlier."""
+    rounds: list[list[int]] = []
+    out = dec.generate(ids, n, tree=tree, sampling=GREEDY, on_tokens=lambda t, s: rounds.append(list(t)))
+    text, prompt, done = out.text, dec.tokenizer.decode(ids), []
+    for r in rounds[:-1]:
+        done += r
+        b = len(dec.tokenizer.decode(done, skip_special_tokens=True))
+        stop = text[b - 4 : b + 3]
+        if b >= 4 and b + 3 <= len(text) and text.find(stop) == b - 4 and (prompt + text).find(stop) == len(prompt) + b - 4:
+            return stop
+    pytest.skip("no round boundary with a usable stop string")
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_stop_strings_spanning_rounds_stop_where_hf_generate_stops(dec64, hf_target64, backend):
+    """HF generate(stop_strings=...): the token completing the stop string is kept."""
+    dec = dec64[backend]
+    tree = TreeConfig(2, 4)
+    for prompt in load_prompts(n=2):
+        ids = dec.tokenizer(prompt)["input_ids"]
+        stop = _stop_across_rounds(dec, ids, tree, 48)
+        with torch.no_grad():
+            want = hf_target64.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, stop_strings=[stop], tokenizer=dec.tokenizer)
+        want = want[0, len(ids) :].tolist()
+        streamed: list[int] = []
+        out = dec.generate(ids, 48, tree=tree, sampling=GREEDY, stop=[stop, "no such text \x00"], on_tokens=lambda t, s: streamed.extend(t))
+        assert out.token_ids == want and streamed == want
+        assert out.text == dec.tokenizer.decode(want, skip_special_tokens=True) and stop in out.text
+        assert out.finish_reason == "stop" and out.stop == stop
+        assert stop not in dec.tokenizer.decode(out.token_ids[:-1])  # the last token completes it

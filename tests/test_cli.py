@@ -19,10 +19,35 @@ def test_generate_streams_text(capsys):
 
 
 def test_generate_show_tree_colours_tokens_and_prints_stats(capsys):
-    assert main(["generate", "import os\n", "--max-new-tokens", "24", "--show-tree", "--temperature", "0.8", "--top-p", "0.95", "--seed", "1"]) == 0
+    assert main(["generate", "import os\n", "--max-new-tokens", "24", "--show-tree", "--temperature", "0.8", "--top-p", "0.95", "--seed", "1", "--color", "always"]) == 0
     out = capsys.readouterr().out
     assert "\033[32m" in out or "\033[36m" in out  # accepted (green) or bonus (cyan) tokens
     assert "tokens/step" in out and "acceptance by depth" in out and "tokens/s" in out
+    assert "acceptance rate" in out and "mean accepted length" in out
+
+
+@pytest.mark.parametrize("tty,no_color,colour", [(False, None, False), (True, "1", False), (True, None, True)])
+def test_show_tree_colours_only_on_a_terminal_without_no_color(capsys, monkeypatch, tty, no_color, colour):
+    import sys
+
+    if no_color is None:
+        monkeypatch.delenv("NO_COLOR", raising=False)
+    else:
+        monkeypatch.setenv("NO_COLOR", no_color)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: tty, raising=False)
+    assert main(["generate", "import os\n", "--max-new-tokens", "8", "--show-tree"]) == 0
+    out = capsys.readouterr().out
+    assert ("\033[" in out) == colour
+    assert "token sources: accepted" in out and "tokens/step" in out
+
+
+def test_generate_stop_strings(capsys):
+    prompt = "def quicksort(xs):"
+    assert main(["generate", prompt, "--max-new-tokens", "48", "--stop", "\\n", "--stop", "zzzz", "--show-tree"]) == 0
+    out = capsys.readouterr().out
+    generated = out[len(prompt) :].split("\ntoken sources")[0]
+    assert "(stop)" in out and generated.count("\n") <= 3  # the stop "\n", maybe an overhang, the final newline
+    assert main(["generate", prompt, "--max-new-tokens", "8", "--stop-id", "0", "--stop-id", "5"]) == 0
 
 
 @pytest.mark.parametrize("extra", [["--drafter", "ngram"], ["--drafter", "merged"], ["--strategy", "dynamic", "--budget", "8"], ["--adaptive", "hf"], ["--plain"]])
@@ -42,6 +67,9 @@ def test_tiny_bench_writes_json(capsys, tmp_path):
     assert {m["method"] for m in data["methods"]} == {"hf", "hf-assisted"} | treespec_methods
     for backend in ("native", "hf"):
         assert data["cost"][backend]["c"] > 0
+    for m in data["methods"]:
+        if m["method"].startswith(("linear", "tree")):
+            assert 0 < m["acceptance_rate"] <= 1 and m["mean_accepted_length"] > 0 and m["draft_forwards"] > 0
 
 
 def test_bench_with_a_sequoia_shape(capsys, tmp_path):
@@ -66,6 +94,17 @@ def test_bench_with_a_sequoia_shape(capsys, tmp_path):
         (["generate", "x", "--strategy", "sequoia"], "shape is required"),
         (["generate", "x", "--shape", "/nonexistent.json"], "cannot read a tree shape"),
         (["bench", "--prompts", "/nonexistent.json"], "cannot read prompts"),
+        (["bench", "--json", "/proc/treespec-bench.json"], "--json /proc/treespec-bench.json is not writable"),
+        (["bench", "--json", "/"], "is a directory"),
+        (["bench", "--json", "/nonexistent/dir/b.json"], "directory /nonexistent/dir does not exist"),
+        (["bench", "--device", "npu"], "unknown device 'npu'"),
+        (["bench", "--methods", "tree,medusa"], "--methods: unknown ['medusa']"),
+        (["generate", "x", "--device", "npu"], "unknown device 'npu'"),
+        (["generate", "x", "--seed", "-1"], "seed must be None or an integer in [0, 2**64)"),
+        (["generate", "x", "--seed", str(2**64)], "seed must be None or an integer in [0, 2**64)"),
+        (["generate", "x", "--width", "100000"], "the limit is 1024"),
+        (["generate", "x", "--temperature", "1e-40"], "so small that logits / temperature overflows"),
+        (["generate", "x", "--target", "models/llama/3b", "--draft", "models/llama/1b"], "no model at 'models/llama/3b'"),
     ],
 )
 def test_user_errors_are_one_line_with_exit_code_2(capsys, args, message):

@@ -39,6 +39,9 @@ class MethodResult:
     tokens_per_second: float  # median over runs of (new tokens / wall seconds)
     tokens_per_step: float | None = None  # treespec only: total tokens / total target forwards
     acceptance_by_depth: list[float] | None = None  # treespec only, pooled over runs
+    acceptance_rate: float | None = None  # treespec only: accepted draft tokens / drafted tokens, pooled
+    mean_accepted_length: float | None = None  # treespec only: accepted draft tokens per target step
+    draft_forwards: int | None = None  # treespec only: draft model forwards, summed over runs
     runs: list[float] = field(default_factory=list)  # tokens/s of every run
 
 
@@ -163,6 +166,9 @@ def run_bench(
         if not name.startswith("hf"):
             r.tokens_per_step = totals[name].tokens_per_step
             r.acceptance_by_depth = totals[name].acceptance_by_depth
+            r.acceptance_rate = totals[name].acceptance_rate
+            r.mean_accepted_length = totals[name].mean_accepted_length
+            r.draft_forwards = totals[name].draft_forwards
         results.append(r)
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     n_tree = 1 + tree.width * tree.depth

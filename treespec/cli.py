@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -65,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--plain", action="store_true", help="no speculation: plain autoregressive decoding")
     gen.add_argument("--ignore-eos", action="store_true", help="decode exactly --max-new-tokens tokens")
     gen.add_argument("--show-tree", action="store_true", help="colour tokens by origin and print statistics")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="stop after the token that completes TEXT (repeatable; backslash escapes such as \\n work)")
+    gen.add_argument("--stop-id", action="append", default=[], type=int, metavar="ID",
+                     help="stop after token id ID (repeatable)")
+    gen.add_argument("--color", default="auto", choices=("auto", "always", "never"),
+                     help="--show-tree colours: auto (default) = only on a terminal and without NO_COLOR set")
     _add_decode_args(gen, max_new_tokens=128)
     _add_model_args(gen)
 
@@ -113,9 +121,45 @@ def _load(args):
     )
 
 
+def use_colour(choice: str = "auto", stream=None) -> bool:
+    """Colour codes only where a person reads them: a terminal, and NO_COLOR unset
+    (https://no-color.org); "always"/"never" override both."""
+    if choice != "auto":
+        return choice == "always"
+    stream = sys.stdout if stream is None else stream
+    return bool(getattr(stream, "isatty", lambda: False)()) and not os.environ.get("NO_COLOR")
+
+
+def _check_writable(path: Path, flag: str) -> None:
+    """Fail before a long run, not after it, if `path` cannot be written."""
+    if path.is_dir():
+        raise CliError(f"{flag} {path} is a directory; give a file name")
+    parent = path.resolve().parent
+    if not parent.is_dir():
+        raise CliError(f"{flag} {path}: directory {parent} does not exist")
+    try:
+        if path.exists():
+            with open(path, "a"):
+                pass
+        else:
+            with tempfile.NamedTemporaryFile(dir=parent, prefix=".treespec-write-test-"):
+                pass
+    except OSError as e:
+        raise CliError(f"{flag} {path} is not writable ({e.strerror or e}); choose another path") from None
+
+
+def _unescape(text: str) -> str:
+    """Backslash escapes typed on a command line ("\\n", "\\t", "\\x41") as the characters."""
+    try:
+        return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError as e:
+        raise CliError(f"--stop {text!r}: bad backslash escape ({e.reason})") from None
+
+
 def cmd_generate(args) -> None:
     tree, sampling = _configs(args)
     dec = _load(args)
+    colour = args.show_tree and use_colour(args.color)
     if dec.tokenizer is None:
         raise CliError(f"no tokenizer found next to the target model {args.target!r}")
     ids: list[int] = []
@@ -127,7 +171,7 @@ def cmd_generate(args) -> None:
             ids.append(t)
             text = dec.tokenizer.decode(ids, skip_special_tokens=True)
             piece, shown = text[len(shown) :], text
-            sys.stdout.write(f"{COLOURS[src]}{piece}{RESET}" if args.show_tree else piece)
+            sys.stdout.write(f"{COLOURS[src]}{piece}{RESET}" if colour else piece)
         sys.stdout.flush()
 
     sys.stdout.write(args.prompt)
@@ -139,14 +183,22 @@ def cmd_generate(args) -> None:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
         on_tokens=on_tokens,
+        stop=[_unescape(x) for x in args.stop] + args.stop_id or None,
     )
     sys.stdout.write("\n")
     if args.show_tree:
         s = out.stats
-        legend = " ".join(f"{COLOURS[k]}{k}{RESET}" for k in COLOURS)
-        print(f"\n[{legend}]")
+        if colour:
+            legend = " ".join(f"{COLOURS[k]}{k}{RESET}" for k in COLOURS)
+            print(f"\n[{legend}]")
+        else:
+            print()
+        print("token sources: " + ", ".join(f"{k} {out.sources.count(k)}" for k in COLOURS))
         print(f"tokens {s.tokens} in {s.target_steps} target steps: {s.tokens_per_step:.2f} tokens/step, "
               f"{s.tokens_per_second:.1f} tokens/s ({out.finish_reason})")
+        if s.tree_nodes:
+            print(f"acceptance rate {s.acceptance_rate:.2f} ({s.accepted_tokens} of {s.tree_nodes} drafted tokens), "
+                  f"mean accepted length {s.mean_accepted_length:.2f} per step")
         if s.acceptance_by_depth:
             print("acceptance by depth: " + " ".join(f"d{d + 1}={a:.2f}" for d, a in enumerate(s.acceptance_by_depth)))
         print(f"time: draft {s.draft_seconds:.2f}s, verify {s.verify_seconds:.2f}s, prefill {s.prefill_seconds:.2f}s, "
@@ -163,35 +215,42 @@ def cmd_bench(args) -> None:
     if args.repeats < 1 or args.n_prompts < 1:
         raise CliError("--repeats and --n-prompts must be >= 1")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if not args.json.resolve().parent.is_dir():
-        raise CliError(f"--json {args.json}: directory {args.json.resolve().parent} does not exist")
+    unknown = sorted(set(methods) - set(_bench_methods()))
+    if unknown or not methods:
+        raise CliError(f"--methods: unknown {unknown or 'empty list'}; choose from {','.join(_bench_methods())}")
+    _check_writable(args.json, "--json")
     if (args.target is None) != (args.draft is None):
         raise CliError("give --target and --draft together (or neither, for the bundled pair)")
     from .backends import cpu_bf16_flags, hf
-    from .decoder import _resolve_dtype
+    from .decoder import _resolve_dtype, resolve_device
     from .zoo import default_pair
 
     paths = (args.target, args.draft) if args.target is not None else default_pair()
-    device = torch.device(args.device or "cpu")
+    device = resolve_device(args.device)
     dtype = _resolve_dtype(args.dtype, device, "target")
     draft_dtype = _resolve_dtype(args.dtype if args.draft_dtype is None else args.draft_dtype, device, "draft")
     target, draft = hf.load_model(paths[0], dtype, device), hf.load_model(paths[1], draft_dtype, device)
     backends = ("native", "hf") if args.backend == "auto" else (args.backend,)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
+    # a progress line redrawn in place: terminal control codes, so only on a terminal
+    progress = (lambda msg: print(f"\r\033[K{msg}", end="", file=sys.stderr)) if use_colour("auto", sys.stderr) else None
     config.update(n_prompts=len(prompts), dtype=str(dtype).removeprefix("torch."),
                   draft_dtype=str(draft_dtype).removeprefix("torch."),
                   cpu_bf16_flags=sorted(cpu_bf16_flags()), threads=torch.get_num_threads(), torch=torch.__version__)
     result = run_bench(target, draft, hf.load_tokenizer(paths[0]), prompts, args.max_new_tokens, tree, sampling,
                        args.repeats, methods, backends, drafter=args.drafter,
-                       progress=lambda msg: print(f"\r\033[K{msg}", end="", file=sys.stderr), config=config)
-    print("\r\033[K", end="", file=sys.stderr)
+                       progress=progress, config=config)
+    if progress is not None:
+        print("\r\033[K", end="", file=sys.stderr)
     base = next((r.tokens_per_second for r in result.methods if r.method == "hf"), None)
-    print(f"{'method':<24}{'tokens/s':>10}{'speedup':>9}{'tokens/step':>13}  acceptance by depth")
+    print(f"{'method':<24}{'tokens/s':>10}{'speedup':>9}{'tokens/step':>13}{'accept':>8}{'acc.len':>9}  acceptance by depth")
     for r in result.methods:
         speed = f"{r.tokens_per_second / base:.2f}x" if base else "-"
         tps = f"{r.tokens_per_step:.2f}" if r.tokens_per_step is not None else "-"
+        rate = f"{r.acceptance_rate:.2f}" if r.acceptance_rate else "-"
+        length = f"{r.mean_accepted_length:.2f}" if r.acceptance_rate else "-"
         acc = " ".join(f"{a:.2f}" for a in r.acceptance_by_depth or [])
-        print(f"{r.method:<24}{r.tokens_per_second:>10.1f}{speed:>9}{tps:>13}  {acc}")
+        print(f"{r.method:<24}{r.tokens_per_second:>10.1f}{speed:>9}{tps:>13}{rate:>8}{length:>9}  {acc}")
     for backend, cost in result.cost.items():
         print(f"cost [{backend}]: " + ", ".join(f"{k}={v:.4g}" for k, v in cost.items()))
     args.json.write_text(json.dumps(result.to_json(), indent=2))

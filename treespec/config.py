@@ -14,6 +14,14 @@ Strategy = Literal["iid", "without_replacement", "topk", "dynamic", "sequoia"]
 STRATEGIES: tuple[str, ...] = ("iid", "without_replacement", "topk", "dynamic", "sequoia")
 ADAPTIVE: tuple[str, ...] = ("hf", "entropy")
 
+# The most draft nodes one round may hold. The target scores every node in one forward
+# ([nodes, vocab] logits: 1024 x 128256 fp32 is 0.5 GB), so a larger tree is rejected up
+# front instead of hanging or allocating gigabytes mid-generation.
+MAX_TREE_NODES = 1024
+# Below this, logits / temperature overflows float32 for ordinary logit magnitudes
+# (|logit| ~ 1e2: 1e2 / 1e-37 = inf) and the softmax turns into NaN. Use 0 for greedy.
+MIN_TEMPERATURE = 1e-6
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -28,6 +36,11 @@ class SamplingConfig:
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
             raise ValueError(
                 f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}"
+            )
+        if 0 < t < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature {t!r} is so small that logits / temperature overflows; use temperature=0 "
+                f"for greedy decoding or a value >= {MIN_TEMPERATURE:g}"
             )
         if self.top_k is not None and (
             not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0
@@ -113,13 +126,34 @@ class TreeConfig:
             raise ValueError(
                 f"adaptive depth needs depth_min <= depth <= depth_max, got {self.depth_min}, {self.depth}, {self.depth_max}"
             )
-        if not 0 <= self.ema_beta < 1:
+        b = self.ema_beta
+        if not isinstance(b, (int, float)) or isinstance(b, bool) or not 0 <= b < 1:
             raise ValueError(f"TreeConfig.ema_beta must be in [0, 1), got {self.ema_beta!r}")
+        if self.max_nodes > MAX_TREE_NODES:
+            depth = f"depth_max={self.depth_max}" if self.adaptive else f"depth={self.depth}"
+            depth += f", budget={self.budget}" if self.budget is not None else ""
+            raise ValueError(
+                f"TreeConfig(width={self.width}, {depth}, strategy={self.strategy!r}) drafts up to "
+                f"{self.max_nodes} nodes per round; the limit is {MAX_TREE_NODES} "
+                f"(treespec.config.MAX_TREE_NODES): lower width, depth or budget"
+            )
 
     @property
     def max_depth(self) -> int:
         """The deepest a round can go."""
         return self.depth if self.adaptive is None else self.depth_max
+
+    @property
+    def max_nodes(self) -> int:
+        """The most draft nodes a round can hold (root excluded); for "dynamic", the nodes
+        drafted before the `budget` cut, which the draft model scores."""
+        w, d = self.width, self.max_depth
+        if self.strategy == "sequoia":
+            return getattr(self.shape, "n_nodes", 0)
+        if self.strategy in ("without_replacement", "dynamic"):
+            n = w + (d - 1) * w * w
+            return max(n, self.budget or 0)
+        return w * d
 
     @property
     def node_budget(self) -> int:

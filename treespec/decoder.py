@@ -14,6 +14,8 @@ limit, EOS, streaming) in `OutputBuilder`.
 
 from __future__ import annotations
 
+import numbers
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,8 +27,9 @@ from .config import SamplingConfig, TreeConfig
 from .drafters import Drafter, MergedDrafter, ModelDrafter, NgramDrafter, PromptLookupDrafter
 from .proposal import DraftTree
 from .rng import Rng, TorchRng
-from .stats import GenerationOutput, GenerationStats, OnTokens, OutputBuilder
+from .stats import GenerationOutput, GenerationStats, OnTokens, OutputBuilder, StopMatcher
 from .verify import verify
+from .vocab import compare_tokenizers, shared_support
 
 
 class SpeculativeDecoder:
@@ -50,19 +53,38 @@ class SpeculativeDecoder:
 
     DRAFTERS = ("model", "ngram", "lookup", "merged")
 
-    def __init__(self, target, draft=None, tokenizer=None, drafter: str | Drafter = "model", backend: str = "auto"):
+    def __init__(
+        self, target, draft=None, tokenizer=None, drafter: str | Drafter = "model", backend: str = "auto", draft_tokenizer=None
+    ):
         if not isinstance(drafter, Drafter) and drafter not in self.DRAFTERS:
             raise ValueError(f"drafter must be one of {', '.join(self.DRAFTERS)} or a Drafter, got {drafter!r}")
         if target is None:
             raise ValueError("target is None; pass a Hugging Face causal LM or a treespec Runner")
+        for name, model in (("target", target), ("draft", draft)):
+            if isinstance(model, (str, os.PathLike)):
+                raise ValueError(
+                    f"{name} is a path ({str(model)!r}), not a model; SpeculativeDecoder() takes loaded models: "
+                    f"use SpeculativeDecoder.from_pretrained(target=..., draft=...) to load from paths or hub ids"
+                )
+        if isinstance(tokenizer, (str, os.PathLike)):
+            raise ValueError(
+                f"tokenizer is a path ({str(tokenizer)!r}); pass a loaded tokenizer "
+                f"(transformers.AutoTokenizer.from_pretrained(path)) or use SpeculativeDecoder.from_pretrained"
+            )
+        if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+            raise ValueError(
+                f"tokenizer must be a Hugging Face tokenizer (callable, with decode()), got {type(tokenizer).__name__}"
+            )
         self.drafter, self.tokenizer = drafter, tokenizer
         self.target_runner: Runner = make_runner(target, backend)
         self.draft_runner: Runner | None = None if draft is None else make_runner(draft, backend)
-        if self.draft_runner is not None and self.draft_runner.vocab_size != self.target_runner.vocab_size:
-            raise ValueError(
-                f"draft and target vocabularies differ ({self.draft_runner.vocab_size} vs "
-                f"{self.target_runner.vocab_size} tokens); speculative decoding needs one shared tokenizer"
-            )
+        self.vocab_size = self.target_runner.vocab_size  # q is a distribution over the target's rows
+        compare_tokenizers(tokenizer, draft_tokenizer)
+        # ids q may put mass on: the real tokens both models know (padding rows excluded)
+        self.draft_support = (
+            None if self.draft_runner is None
+            else shared_support(self.vocab_size, self.draft_runner.vocab_size, tokenizer if tokenizer is not None else draft_tokenizer)
+        )
         self.eos_token_ids = set(self.target_runner.eos_token_ids)
 
     @classmethod
@@ -87,6 +109,14 @@ class SpeculativeDecoder:
         """
         from .backends import hf
 
+        for name, path in (("target", target), ("draft", draft)):
+            if path is not None and not isinstance(path, (str, os.PathLike)):
+                raise ValueError(
+                    f"from_pretrained() takes paths or hub ids, got a {type(path).__name__} for {name}; "
+                    f"pass loaded models to SpeculativeDecoder(target, draft, tokenizer) instead"
+                )
+        if not isinstance(drafter, Drafter) and drafter not in cls.DRAFTERS:
+            raise ValueError(f"drafter must be one of {', '.join(cls.DRAFTERS)} or a Drafter, got {drafter!r}")
         if target is None and draft is None:
             from .zoo import default_pair
 
@@ -95,10 +125,11 @@ class SpeculativeDecoder:
             raise ValueError("pass target= (an HF id or a local model directory) along with draft=")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-        device = torch.device("cpu" if device is None else device)
+        device = resolve_device(device)
         dtypes = (_resolve_dtype(dtype, device, "target"), _resolve_dtype(dtype if draft_dtype is None else draft_dtype, device, "draft"))
         runners = [None if p is None else _load_runner(p, t, device, backend) for p, t in zip((target, draft), dtypes)]
-        return cls(runners[0], runners[1], hf.load_tokenizer(target), drafter=drafter)
+        draft_tokenizer = None if draft is None else hf.load_tokenizer(draft)
+        return cls(runners[0], runners[1], hf.load_tokenizer(target), drafter=drafter, draft_tokenizer=draft_tokenizer)
 
     def generate(
         self,
@@ -110,6 +141,7 @@ class SpeculativeDecoder:
         ignore_eos: bool = False,
         on_tokens: OnTokens | None = None,
         rng: Rng | None = None,
+        stop: str | int | Sequence[str | int] | None = None,
     ) -> GenerationOutput:
         """Generate up to `max_new_tokens` tokens after `prompt` (text or token ids).
 
@@ -118,18 +150,33 @@ class SpeculativeDecoder:
         (at temperature 0: exactly its greedy output). `on_tokens(ids, sources)` is called
         with each round's new tokens, for streaming. `rng` replaces the seeded `TorchRng`
         (the exactness tests pass one that enumerates every outcome).
+
+        `stop`: stop strings and/or stop token ids. Generation ends at the token that
+        completes a stop string (matched on the decoded generated text, across rounds) or at
+        a stop id; that token is kept (Hugging Face's `stop_strings` semantics: the text may
+        run past the stop string by the rest of that token), `finish_reason="stop"`, and
+        `on_tokens` never sees a token past it.
         """
         ids = self._check(prompt, max_new_tokens, tree, sampling)
+        _check_seed(seed)
+        stopper = self._stop_matcher(stop)
+        if on_tokens is not None and not callable(on_tokens):
+            raise ValueError(f"on_tokens must be a function (ids, sources) -> None, got {type(on_tokens).__name__}")
+        if rng is not None and not isinstance(rng, Rng):
+            raise ValueError(f"rng must be a treespec.rng.Rng, got {type(rng).__name__}; pass seed= for a seeded run")
         clock = time.perf_counter
         t_start = clock()
-        stats, out = GenerationStats(), OutputBuilder(max_new_tokens, set() if ignore_eos else self.eos_token_ids, on_tokens)
+        stats, out = GenerationStats(), OutputBuilder(
+            max_new_tokens, set() if ignore_eos else self.eos_token_ids, on_tokens, stopper
+        )
         rng = TorchRng(seed, self.target_runner.device) if rng is None else rng
         target, drafter = self.target_runner, None if tree is None else self._drafter(tree)
         target.reset()
         target.prefill(ids[:-1])
         if drafter is not None:
             drafter.start(ids, sampling, rng)
-        draft_forwards0 = self.draft_runner.forwards if self.draft_runner is not None else 0
+        draft_runners = [] if drafter is None else drafter.runners()  # counted for every drafter
+        draft_forwards0 = sum(r.forwards for r in draft_runners)
         stats.prefill_seconds = clock() - t_start
 
         context = list(ids)
@@ -138,6 +185,8 @@ class SpeculativeDecoder:
             # 1. propose, never deeper than the tokens still wanted (a round emits <= depth + 1)
             depth = 0 if drafter is None else min(tree.max_depth, out.remaining - 1)
             draft = drafter.propose(context, depth) if depth else DraftTree.root_only(context[-1])
+            if depth:
+                self._check_draft(draft, context, drafter)
             t1 = clock()
             # 2. score every node in one target forward; 3. verify; 4. commit the accepted path
             walk = verify(draft, target.score(draft.tree), sampling, rng)
@@ -149,11 +198,10 @@ class SpeculativeDecoder:
             context += out.add(walk.emitted(draft), walk.kind)
 
         stats.tokens = len(out.token_ids)
-        if self.draft_runner is not None:
-            stats.draft_forwards = self.draft_runner.forwards - draft_forwards0
+        stats.draft_forwards = sum(r.forwards for r in draft_runners) - draft_forwards0
         stats.total_seconds = clock() - t_start
         text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True) if self.tokenizer is not None else None
-        return GenerationOutput(out.token_ids, out.sources, stats, text, out.finish_reason)
+        return GenerationOutput(out.token_ids, out.sources, stats, text, out.finish_reason, out.stop_match)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _drafter(self, tree: TreeConfig) -> Drafter:
@@ -168,8 +216,50 @@ class SpeculativeDecoder:
                 f"drafter={self.drafter!r} needs a draft model; pass draft=..., use drafter='ngram' or "
                 f"'lookup', or tree=None for plain decoding"
             )
-        model = ModelDrafter(self.draft_runner, tree)
+        model = ModelDrafter(self.draft_runner, tree, vocab_size=self.vocab_size, support=self.draft_support)
         return model if self.drafter == "model" else MergedDrafter([model, NgramDrafter(tree.width)])
+
+    def _check_draft(self, draft: DraftTree, context: list[int], drafter: Drafter) -> None:
+        """A drafter's tree must fit the target: rooted at the last committed token, token ids
+        and q inside the target's vocabulary (custom drafters are checked like built-in ones)."""
+        name, tokens, V = type(drafter).__name__, draft.tree.tokens, self.vocab_size
+        if tokens[0] != context[-1]:
+            raise ValueError(f"{name} proposed a tree rooted at token {tokens[0]}, not at the last committed token {context[-1]}")
+        if max(tokens) >= V:
+            bad = sorted({t for t in tokens if t >= V})
+            raise ValueError(f"{name} proposed token ids {bad[:5]} outside the target's vocabulary [0, {V})")
+        for g in draft.groups:
+            if g.q is not None and g.q.shape[-1] != V:
+                raise ValueError(
+                    f"{name} proposed from a q over {g.q.shape[-1]} tokens, but the target's vocabulary has {V}; "
+                    f"give q one entry per target token id"
+                )
+
+    def _stop_matcher(self, stop) -> StopMatcher | None:
+        if stop is None:
+            return None
+        if isinstance(stop, (bytes, bytearray, memoryview)):
+            raise ValueError("stop is bytes; pass stop strings as str (or token ids as ints)")
+        items = [stop] if isinstance(stop, (str, numbers.Integral)) else stop
+        try:
+            items = list(items)
+        except TypeError:
+            raise ValueError(f"stop must be a string, a token id or a list of them, got {type(stop).__name__}") from None
+        strings, ids = [], set()
+        for x in items:
+            if isinstance(x, str):
+                if not x:
+                    raise ValueError("stop strings must not be empty")
+                strings.append(x)
+            elif isinstance(x, numbers.Integral) and not isinstance(x, bool):
+                if not 0 <= x < self.target_runner.vocab_size:
+                    raise ValueError(f"stop token id {x} is outside the vocabulary [0, {self.target_runner.vocab_size})")
+                ids.add(int(x))
+            else:
+                raise ValueError(f"stop entries must be strings or int token ids, got {x!r} ({type(x).__name__})")
+        if strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to decode the output; pass tokenizer=... or stop token ids")
+        return StopMatcher(strings, ids, self.tokenizer) if strings or ids else None
 
     def _check(self, prompt, max_new_tokens, tree, sampling) -> list[int]:
         if not isinstance(sampling, SamplingConfig):
@@ -183,13 +273,15 @@ class SpeculativeDecoder:
                 raise ValueError("a text prompt needs a tokenizer; pass tokenizer=... or a list of token ids")
             ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         else:
-            ids = [int(t) for t in prompt]
+            ids = _token_ids(prompt)
         if not ids or (isinstance(prompt, str) and not prompt):
             raise ValueError("the prompt is empty; give at least one token")
         bad = [t for t in ids if not 0 <= t < self.target_runner.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.target_runner.vocab_size})")
-        for name, run in (("target", self.target_runner), ("draft", self.draft_runner if tree is not None else None)):
+        # the draft model's positions matter only to drafters that run it
+        uses_draft = tree is not None and not isinstance(self.drafter, Drafter) and self.drafter in ("model", "merged")
+        for name, run in (("target", self.target_runner), ("draft", self.draft_runner if uses_draft else None)):
             limit = getattr(run, "max_positions", None)
             if limit is not None and len(ids) + max_new_tokens > limit:
                 raise ValueError(
@@ -197,6 +289,66 @@ class SpeculativeDecoder:
                     f"model's {limit} positions; shorten the prompt or lower max_new_tokens"
                 )
         return ids
+
+
+def _token_ids(prompt) -> list[int]:
+    """A prompt given as token ids, as a list of Python ints; anything else is refused, never
+    converted (bytes, floats, bools and strings are mistakes, not token ids)."""
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise ValueError("the prompt is bytes; pass text (str) or a list of int token ids")
+    if isinstance(prompt, torch.Tensor) or hasattr(prompt, "dtype"):  # a torch or numpy array
+        shape, dtype = tuple(prompt.shape), str(prompt.dtype)
+        if len(shape) != 1:
+            raise ValueError(f"a prompt tensor must be 1-D token ids, got shape {shape}; pass input_ids[0]")
+        integer = (not prompt.dtype.is_floating_point and not prompt.dtype.is_complex and prompt.dtype != torch.bool
+                   if isinstance(prompt, torch.Tensor) else getattr(prompt.dtype, "kind", "") in ("i", "u"))
+        if not integer:
+            raise ValueError(f"prompt token ids must be integers, got an array of {dtype}")
+        return [int(t) for t in prompt.tolist()]
+    try:
+        items = list(prompt)
+    except TypeError:
+        raise ValueError(f"the prompt must be text or a list of int token ids, got {type(prompt).__name__}") from None
+    for t in items:
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+            raise ValueError(
+                f"prompt token ids must be ints, got {t!r} ({type(t).__name__}); pass ints "
+                f"(not floats, bools or strings), or the prompt as text"
+            )
+    return [int(t) for t in items]
+
+
+def _check_seed(seed) -> None:
+    if seed is None:
+        return
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be None or an integer in [0, 2**64), got {seed!r}")
+
+
+def resolve_device(device) -> torch.device:
+    """`device` (None = CPU) as a torch.device that exists on this machine, or a ValueError
+    saying which devices do."""
+    if device is None:
+        return torch.device("cpu")
+    if not isinstance(device, (str, torch.device)) and not (isinstance(device, int) and not isinstance(device, bool)):
+        raise ValueError(f"device must be a string like 'cpu' or 'cuda:0', got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"unknown device {device!r}; use 'cpu', 'cuda' or 'cuda:N' (or 'mps' on a Mac)") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "meta":
+        raise ValueError("device 'meta' holds no weights; use 'cpu' or 'cuda'")
+    backend = getattr(torch, dev.type, None) if dev.type != "mps" else getattr(torch.backends, "mps", None)
+    available = getattr(backend, "is_available", None)
+    if available is None or not available():
+        raise ValueError(f"device {device!r} is not available on this machine (torch {torch.__version__}); use device='cpu'")
+    count = getattr(backend, "device_count", None)
+    n = count() if count is not None else 1
+    if dev.index is not None and dev.index >= n:
+        raise ValueError(f"device {device!r} is not available: this machine has {n} {dev.type} device(s), {dev.type}:0 .. {dev.type}:{n - 1}")
+    return dev
 
 
 def _resolve_dtype(dtype, device: torch.device, role: str = "target") -> torch.dtype:

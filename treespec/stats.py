@@ -38,6 +38,24 @@ class GenerationStats:
         return self.tokens / self.target_steps if self.target_steps else 0.0
 
     @property
+    def accepted_tokens(self) -> int:
+        """Draft tokens the target accepted, summed over rounds (correction/bonus excluded)."""
+        return sum(self.accepted_by_depth)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / drafted tokens (vLLM's draft acceptance rate). Drafted
+        tokens = draft tree nodes sent to the target (`tree_nodes`: for a width-w tree every
+        node counts, so trees have lower rates than chains at equal tokens/step)."""
+        return self.accepted_tokens / self.tree_nodes if self.tree_nodes else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Accepted draft tokens per round (target step), correction/bonus token excluded.
+        vLLM's "mean acceptance length" counts that token too: it is 1 + this."""
+        return self.accepted_tokens / self.target_steps if self.target_steps else 0.0
+
+    @property
     def acceptance_by_depth(self) -> list[float]:
         """P(accept a draft token at depth d | the walk stood at depth d-1 with proposals)."""
         return [a / t if t else 0.0 for a, t in zip(self.accepted_by_depth, self.attempted_by_depth)]
@@ -88,16 +106,61 @@ def _add_by_depth(total: list[int], counts: list[int]) -> None:
 
 
 OnTokens = Callable[[list[int], list[TokenSource]], None]
+FinishReason = Literal["eos", "length", "stop"]
+
+
+class StopMatcher:
+    """Stop strings and stop token ids, checked after every emitted token.
+
+    Semantics are Hugging Face's `generate(stop_strings=...)`: generation ends at the token
+    that *completes* a stop string, and that token is kept, so the text ends with the stop
+    string or runs past it by the rest of that token (e.g. stop "\n\n" completed by a token
+    "\n\n\n"). Strings are matched on the decoded generated text (prompt excluded), so a stop
+    string may span tokens accepted in different rounds. A stop token id ends generation at
+    that token, kept, like EOS.
+    """
+
+    def __init__(self, strings: list[str], token_ids: set[int], tokenizer=None):
+        self.strings, self.token_ids, self.tokenizer = strings, token_ids, tokenizer
+        self.longest = max((len(x) for x in strings), default=0)
+
+    def match(self, ids: list[int]) -> str | int | None:
+        """The stop string or id that the last of `ids` (the generated tokens) completes."""
+        if ids[-1] in self.token_ids:
+            return ids[-1]
+        if not self.strings:
+            return None
+        # decode a tail long enough to hold any stop string overlapping the last token, plus a
+        # margin for a character cut at the window's start (byte-level tokens)
+        need = self.longest + len(self._decode(ids[-1:])) + 8
+        w = min(len(ids), self.longest + 8)
+        while True:
+            text = self._decode(ids[-w:])
+            if len(text) >= need or w == len(ids):
+                break
+            w = min(len(ids), 2 * w)
+        return next((x for x in self.strings if x in text), None)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 class OutputBuilder:
-    """Collects a sequence's new tokens round by round: the length limit, EOS, streaming."""
+    """Collects a sequence's new tokens round by round: the length limit, EOS, stop strings
+    and stop ids (`StopMatcher`), streaming. Nothing past a stop reaches `on_tokens`."""
 
-    def __init__(self, max_new_tokens: int, eos_token_ids: set[int] | frozenset[int], on_tokens: OnTokens | None = None):
-        self.max_new_tokens, self.eos, self.on_tokens = max_new_tokens, eos_token_ids, on_tokens
+    def __init__(
+        self,
+        max_new_tokens: int,
+        eos_token_ids: set[int] | frozenset[int],
+        on_tokens: OnTokens | None = None,
+        stop: StopMatcher | None = None,
+    ):
+        self.max_new_tokens, self.eos, self.on_tokens, self.stop = max_new_tokens, eos_token_ids, on_tokens, stop
         self.token_ids: list[int] = []
         self.sources: list[TokenSource] = []
-        self.finish_reason: Literal["eos", "length"] | None = None
+        self.finish_reason: FinishReason | None = None
+        self.stop_match: str | int | None = None  # the stop string or id that ended generation
 
     @property
     def remaining(self) -> int:
@@ -112,16 +175,23 @@ class OutputBuilder:
         limit or at the first EOS; returns the tokens actually kept."""
         kinds: list[TokenSource] = ["accepted"] * (len(tokens) - 1) + [last_kind]
         n = min(len(tokens), self.remaining)
-        eos_at = next((i for i, t in enumerate(tokens[:n]) if t in self.eos), None)
-        if eos_at is not None:
-            n, self.finish_reason = eos_at + 1, "eos"
-        elif n == self.remaining:
+        start = len(self.token_ids)
+        for t, kind in zip(tokens[:n], kinds):
+            self.token_ids.append(t)
+            self.sources.append(kind)
+            if t in self.eos:
+                self.finish_reason = "eos"
+                break
+            if self.stop is not None:
+                self.stop_match = self.stop.match(self.token_ids)
+                if self.stop_match is not None:
+                    self.finish_reason = "stop"
+                    break
+        if self.finish_reason is None and len(self.token_ids) == self.max_new_tokens:
             self.finish_reason = "length"
-        kept = tokens[:n]
-        self.token_ids += kept
-        self.sources += kinds[:n]
+        kept = self.token_ids[start:]
         if self.on_tokens is not None:
-            self.on_tokens(kept, kinds[:n])
+            self.on_tokens(kept, self.sources[start:])
         return kept
 
 
@@ -131,4 +201,5 @@ class GenerationOutput:
     sources: list[TokenSource]  # how each generated token was produced
     stats: GenerationStats
     text: str | None = None  # decoded token_ids, when a tokenizer is known
-    finish_reason: Literal["eos", "length"] = "length"
+    finish_reason: FinishReason = "length"  # "stop": a stop string or id (see StopMatcher)
+    stop: str | int | None = None  # the stop string or stop token id that ended generation

@@ -6,6 +6,8 @@ native backend works from safetensors without it.
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import torch
@@ -96,14 +98,38 @@ def is_hf_model(model) -> bool:
     return isinstance(model, torch.nn.Module) and hasattr(model, "config") and hasattr(model, "generate")
 
 
+# what a Hugging Face hub id looks like: "name" or "org/name"
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+
+
 def resolve_path(path) -> str | Path:
-    """A local directory (checked for config.json) or, otherwise, a hub id as given."""
-    local = Path(path).expanduser()
-    if isinstance(path, Path) or str(path).startswith((".", "/", "~")) or local.exists():
-        if not (local / "config.json").is_file():
-            raise ValueError(f"no model at {str(path)!r}: expected a directory with config.json and weights")
-        return local
-    return str(path)
+    """A local directory (checked for config.json) or, otherwise, a hub id as given.
+
+    A string is a local path when it is a `Path`, starts with ".", "/" or "~", exists, cannot
+    be a hub id ("name" or "org/name") or starts with a directory that exists here
+    ("models/llama" with a local "models/"): then a missing directory is an error, never a
+    hub download attempt.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"a model path must be a string or a Path, got {type(path).__name__}")
+    text = os.fspath(path)
+    local = Path(text).expanduser()
+    first = text.replace(os.sep, "/").split("/")[0]
+    looks_local = (
+        isinstance(path, os.PathLike)
+        or text.startswith((".", "/", "~", os.sep))
+        or local.exists()
+        or not HUB_ID.fullmatch(text)
+        or ".." in text
+        or (text != first and Path(first).is_dir())
+    )
+    if not looks_local:
+        return text
+    if not local.exists():
+        raise ValueError(f"no model at {text!r}: {local.absolute()} does not exist; give a directory with config.json and weights")
+    if not (local / "config.json").is_file():
+        raise ValueError(f"no model at {text!r}: expected a directory with config.json and weights")
+    return local
 
 
 def load_model(path, dtype: torch.dtype, device, attn_implementation: str = "sdpa") -> torch.nn.Module:
@@ -113,10 +139,13 @@ def load_model(path, dtype: torch.dtype, device, attn_implementation: str = "sdp
     path = resolve_path(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=attn_implementation)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for corrupt files
+        where = (f"{str(path)!r} (no local directory of that name in {Path.cwd()}, so read as a hub id)"
+                 if isinstance(path, str) else repr(str(path)))
+        first = (str(e).splitlines() or [type(e).__name__])[0]
         raise ValueError(
-            f"cannot load a causal LM from {str(path)!r}: {str(e).splitlines()[0]} "
-            f"(give a local directory with config.json and weights, or a hub id that is cached)"
+            f"cannot load a causal LM from {where}: {first} "
+            f"(give a local directory with config.json and intact weights, or a hub id that is cached)"
         ) from e
     if device is not None:
         model = model.to(device)

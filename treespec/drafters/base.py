@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from ..backends.base import Runner
 from ..config import SamplingConfig
 from ..proposal import DraftTree
 from ..rng import Rng
@@ -30,3 +31,10 @@ class Drafter(ABC):
 
     def observe(self, draft: DraftTree, walk: Walk) -> None:
         """Feedback after verification of `draft` (keep caches in sync, adapt). Optional."""
+
+    def runners(self) -> list[Runner]:
+        """The draft models this drafter runs (their forward passes are counted in
+        `GenerationStats.draft_forwards`): its `runner` attribute if it has one, else none.
+        Override to report others."""
+        runner = getattr(self, "runner", None)
+        return [runner] if isinstance(runner, Runner) else []

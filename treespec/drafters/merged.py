@@ -51,6 +51,13 @@ class MergedDrafter(Drafter):
             self._parts.append((part, to_merged))
         return DraftTree(TokenTree(tokens, parents), tuple(groups))
 
+    def runners(self):
+        """Every part's draft models, each once (two parts may share one runner)."""
+        out = []
+        for d in self.drafters:
+            out += [r for r in d.runners() if all(r is not o for o in out)]
+        return out
+
     def observe(self, draft: DraftTree, walk: Walk) -> None:
         """Each drafter hears the accepted path projected onto its own tree."""
         for drafter, (part, to_merged) in zip(self.drafters, self._parts):

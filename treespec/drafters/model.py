@@ -27,6 +27,7 @@ from ..backends.base import Runner
 from ..sampling import check_finite, probs
 from ..tree import TokenTree
 from ..verify import Walk
+from ..vocab import fit_logits
 from .base import Drafter
 
 
@@ -43,9 +44,13 @@ class _Node:
 
 
 class ModelDrafter(Drafter):
-    def __init__(self, runner: Runner, tree: TreeConfig):
+    def __init__(self, runner: Runner, tree: TreeConfig, vocab_size: int | None = None, support: int | None = None):
+        """`vocab_size`: the length of q (the target's output rows; default the draft's);
+        `support`: q puts mass only on ids below it (tokenizer padding; default all)."""
         self.runner = runner
         self.config = tree
+        self.vocab_size = runner.vocab_size if vocab_size is None else vocab_size
+        self.support = min(self.vocab_size, runner.vocab_size) if support is None else support
         self._shape_children = tree.shape.children() if tree.shape is not None else None
 
     def start(self, prompt: Sequence[int], sampling: SamplingConfig, rng: Rng) -> None:
@@ -63,6 +68,11 @@ class ModelDrafter(Drafter):
             raise RuntimeError("draft cache is out of sync with the committed tokens")
         # 1. catch up on committed tokens the draft never fed; the last one is the root
         chain = list(context[run.n_committed :])
+        if max(chain) >= run.vocab_size:
+            raise ValueError(
+                f"the target emitted token id {max(chain)}, a padding id beyond the draft model's {run.vocab_size} rows; "
+                f"this draft cannot continue the sequence (use drafter='ngram' or a draft with the target's rows)"
+            )
         logits = run.extend(chain, list(range(-1, len(chain) - 1)))  # pending nodes 0 .. len-1
         self._chain = list(range(len(chain)))
         nodes = [_Node(token=chain[-1], parent=-1, log_score=0.0)]
@@ -84,7 +94,7 @@ class ModelDrafter(Drafter):
         if self.config.strategy == "dynamic":
             nodes, groups = self._prune(nodes, groups, self.config.node_budget)
         self._nodes = nodes
-        tree = TokenTree([n.token for n in nodes], [n.parent for n in nodes], vocab_size=run.vocab_size)
+        tree = TokenTree([n.token for n in nodes], [n.parent for n in nodes], vocab_size=self.vocab_size)
         return DraftTree(tree, tuple(groups))
 
     def observe(self, draft: DraftTree, walk: Walk) -> None:
@@ -113,6 +123,7 @@ class ModelDrafter(Drafter):
         """Give the nodes of one draft forward (pending indices first, first+1, ...) their
         q and ranking scores: one batched transform over `logits` [n, V]."""
         check_finite(logits, "draft")
+        logits = fit_logits(logits, self.vocab_size, self.support)  # q: no mass on padding ids
         q = probs(logits, self.sampling)  # [n, V]
         # rank by the sampling distribution; at temperature 0 (one-hot q) by the plain softmax
         score = torch.softmax(logits.double(), -1) if self.sampling.greedy else q

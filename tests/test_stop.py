@@ -1,0 +1,110 @@
+"""Stop strings and stop token ids (issue 11, item 2); the HF comparison is in test_bundled.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
+from treespec.stats import OutputBuilder, StopMatcher
+
+from .conftest import tiny_llama
+
+
+class CharTokenizer:
+    """Token id i decodes to PIECES[i]: multi-character pieces test overhangs."""
+
+    PIECES = ["<s>", "</s>"] + list("abcdefgh \n") + ["ab", "cde", "\n\n\n", "fgh"] + [f"w{i}" for i in range(80)]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.PIECES[i] for i in ids if not (skip_special_tokens and i < 2))
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [self.PIECES.index(c) for c in text]}
+
+
+TOK = CharTokenizer()
+ID = {p: i for i, p in enumerate(TOK.PIECES)}
+
+
+def _emit(rounds, stop, max_new=100, eos=frozenset()):
+    seen: list[int] = []
+    out = OutputBuilder(max_new, eos, on_tokens=lambda t, s: seen.extend(t), stop=stop)
+    for r in rounds:
+        if out.done:
+            break
+        out.add([ID[p] for p in r], "bonus")
+    assert seen == out.token_ids  # streaming never runs past the stop
+    return "".join(TOK.PIECES[i] for i in out.token_ids), out
+
+
+@pytest.mark.parametrize(
+    "rounds,stop,text",
+    [
+        ([["a", "b"], ["c", "d", "e"]], "bcd", "abcd"),  # spans two rounds, cut inside a round
+        ([["ab"], ["cde", "f"]], "bc", "abcde"),  # overhang: the completing token is kept whole
+        ([["a", "\n\n\n", "b"]], "\n\n", "a\n\n\n"),  # stop "\n\n" completed by a "\n\n\n" token
+        ([["a"], ["b"], ["c"]], "zz", "abc"),  # never matched
+        ([["fgh", "a"], ["b"]], "gha", "fgha"),  # starts inside an earlier token
+    ],
+)
+def test_stop_strings(rounds, stop, text):
+    got, out = _emit(rounds, StopMatcher([stop], set(), TOK))
+    assert got == text
+    assert out.finish_reason == ("stop" if stop in text else None) and out.stop_match == (stop if stop in text else None)
+
+
+def test_earliest_stop_wins_and_ids_stop_like_eos():
+    got, out = _emit([["a", "b", "c", "d"]], StopMatcher(["cd", "b"], {ID["c"]}, TOK))
+    assert got == "ab" and out.stop_match == "b"
+    got, out = _emit([["a", "b"], ["c", "d"]], StopMatcher([], {ID["c"]}, TOK))
+    assert got == "abc" and out.stop_match == ID["c"] and out.finish_reason == "stop"
+    got, out = _emit([["a", "</s>", "c"]], StopMatcher(["c"], set(), TOK), eos=frozenset({ID["</s>"]}))
+    assert got == "a</s>" and out.finish_reason == "eos"
+
+
+def test_long_window_and_skipped_special_tokens():
+    # many tokens that decode to nothing between the two halves of the stop string
+    rounds = [["a"]] + [["<s>"]] * 40 + [["b"]]
+    got, out = _emit(rounds, StopMatcher(["ab"], set(), TOK))
+    assert out.finish_reason == "stop" and got.endswith("b")
+
+
+@pytest.fixture(scope="module")
+def dec():
+    return SpeculativeDecoder(tiny_llama(0), tiny_llama(1, hidden=16, layers=1, heads=2, kv_heads=1), tokenizer=TOK)
+
+
+@pytest.mark.parametrize("tree", [None, TreeConfig(1, 4), TreeConfig(3, 3)])
+def test_generate_stops_at_a_stop_id_at_the_same_token_as_plain_decoding(dec, tree):
+    sampling = SamplingConfig(temperature=0)
+    full = dec.generate([3, 4, 5], 30, tree=tree, sampling=sampling, ignore_eos=True).token_ids
+    target = full[10]
+    out = dec.generate([3, 4, 5], 30, tree=tree, sampling=sampling, ignore_eos=True, stop=target)
+    assert out.token_ids == full[: full.index(target) + 1] and out.finish_reason == "stop" and out.stop == target
+    text = TOK.decode(full)
+    stop = text[len(TOK.decode(full[:12])) - 3 :][:5]
+    out = dec.generate([3, 4, 5], 30, tree=tree, sampling=sampling, ignore_eos=True, stop=[stop])
+    assert stop in out.text and stop not in TOK.decode(out.token_ids[:-1]) and text.startswith(out.text)
+
+
+@pytest.mark.parametrize(
+    "stop,match",
+    [
+        ("", "must not be empty"),
+        ([3.5], "stop entries must be strings or int token ids"),
+        ([True], "stop entries must be strings or int token ids"),
+        ([10**6], "outside the vocabulary"),
+        (object(), "stop must be a string, a token id or a list"),
+        (b"\n", "stop is bytes"),
+    ],
+)
+def test_bad_stop(dec, stop, match):
+    with pytest.raises(ValueError, match=match):
+        dec.generate([3, 4], 4, stop=stop)
+
+
+def test_stop_strings_need_a_tokenizer():
+    d = SpeculativeDecoder(tiny_llama(0))
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        d.generate([3, 4], 4, tree=None, stop=["x"])
+    assert d.generate([3, 4], 4, tree=None, stop=[5], ignore_eos=True).finish_reason in ("stop", "length")
