@@ -26,7 +26,7 @@ from .drafters import Drafter, MergedDrafter, ModelDrafter, NgramDrafter, Prompt
 from .proposal import DraftTree
 from .rng import Rng, TorchRng
 from .stats import GenerationOutput, GenerationStats, OnTokens, OutputBuilder
-from .verify import verify
+from .verify import RULES, verify
 
 
 class SpeculativeDecoder:
@@ -107,6 +107,7 @@ class SpeculativeDecoder:
         ignore_eos: bool = False,
         on_tokens: OnTokens | None = None,
         rng: Rng | None = None,
+        verification: str | None = None,
     ) -> GenerationOutput:
         """Generate up to `max_new_tokens` tokens after `prompt` (text or token ids).
 
@@ -115,8 +116,17 @@ class SpeculativeDecoder:
         (at temperature 0: exactly its greedy output). `on_tokens(ids, sources)` is called
         with each round's new tokens, for streaming. `rng` replaces the seeded `TorchRng`
         (the exactness tests pass one that enumerates every outcome).
+
+        `verification` is the rule that checks the draft (all lossless, see `treespec.verify`):
+        "token" (token by token from the root), "block" (chains: Sun et al. 2025) or
+        "traversal" (trees with siblings drawn without replacement or deterministic, on a shape
+        no draw of another branch changes: Weng et al. 2025). None picks the best that
+        applies: block on chains, traversal on Sequoia / top-k / dynamic / n-gram / lookup
+        trees, token on i.i.d., stochastic-beam and merged trees (and custom drafters).
+        A rule that does not apply raises ValueError naming those that do.
         """
         ids = self._check(prompt, max_new_tokens, tree, sampling)
+        rule = self._rule(tree, verification)
         clock = time.perf_counter
         t_start = clock()
         stats, out = GenerationStats(), OutputBuilder(max_new_tokens, set() if ignore_eos else self.eos_token_ids, on_tokens)
@@ -137,7 +147,7 @@ class SpeculativeDecoder:
             draft = drafter.propose(context, depth) if depth else DraftTree.root_only(context[-1])
             t1 = clock()
             # 2. score every node in one target forward; 3. verify; 4. commit the accepted path
-            walk = verify(draft, target.score(draft.tree), sampling, rng)
+            walk = verify(draft, target.score(draft.tree), sampling, rng, rule)
             target.commit(walk.path)
             t2 = clock()
             if depth:
@@ -150,7 +160,7 @@ class SpeculativeDecoder:
             stats.draft_forwards = self.draft_runner.forwards - draft_forwards0
         stats.total_seconds = clock() - t_start
         text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True) if self.tokenizer is not None else None
-        return GenerationOutput(out.token_ids, out.sources, stats, text, out.finish_reason)
+        return GenerationOutput(out.token_ids, out.sources, stats, text, out.finish_reason, rule)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _drafter(self, tree: TreeConfig) -> Drafter:
@@ -167,6 +177,46 @@ class SpeculativeDecoder:
             )
         model = ModelDrafter(self.draft_runner, tree)
         return model if self.drafter == "model" else MergedDrafter([model, NgramDrafter(tree.width)])
+
+    def rules(self, tree: TreeConfig | None) -> tuple[str, ...]:
+        """The verification rules that apply to `tree` with this decoder's drafter, worst to best.
+
+        block needs a chain: width 1 (a Sequoia shape: a chain shape). traversal needs each
+        node's children drawn without replacement or deterministically, each child with its own
+        subtree whose shape no other branch's draw decides: chains, Sequoia shapes, top-k and
+        dynamic (EAGLE-2) trees, n-gram and prompt-lookup trees. Not: i.i.d. trees (merged
+        duplicates), the stochastic beam of "without_replacement" (which frontier nodes grow
+        depends on the other branches' draws, which the derivation excludes; the enumeration
+        could not separate it at V=3, where the beam is often the whole support, so it is
+        refused rather than trusted) and merged drafters. A custom `Drafter` gets "token" by default; ask for another rule only
+        if its trees meet these conditions (each round's structure is checked, the rest is not).
+        """
+        if tree is None or isinstance(self.drafter, Drafter):
+            return RULES
+        if self.drafter == "merged":
+            return ("token",)
+        chain_rules = ("token", "traversal", "block")  # equal on a chain; block is the vectorised form
+        if self.drafter in ("ngram", "lookup"):
+            return chain_rules if tree.width == 1 else ("token", "traversal")
+        chain = all(len(c) <= 1 for c in tree.shape.children()) if tree.strategy == "sequoia" else tree.width == 1
+        if chain:
+            return chain_rules
+        return ("token", "traversal") if tree.strategy in ("sequoia", "topk", "dynamic") else ("token",)
+
+    def _rule(self, tree: TreeConfig | None, verification: str | None) -> str:
+        if verification is None:
+            return "token" if tree is None or isinstance(self.drafter, Drafter) else self.rules(tree)[-1]
+        if verification not in RULES:
+            raise ValueError(f"verification must be one of {', '.join(RULES)} or None (the best that applies), got {verification!r}")
+        fits = self.rules(tree)
+        if verification not in fits:
+            what = f"drafter={self.drafter!r}" if self.drafter == "merged" else f"strategy={tree.strategy!r}, width={tree.width}"
+            raise ValueError(
+                f"verification={verification!r} does not apply to {what}: block needs a chain (width 1), traversal "
+                f"needs siblings drawn without replacement or deterministically on a fixed shape (strategy 'sequoia', "
+                f"'topk', 'dynamic', or drafter 'ngram'/'lookup'); here {' or '.join(repr(r) for r in fits)} applies"
+            )
+        return verification
 
     def _check(self, prompt, max_new_tokens, tree, sampling) -> list[int]:
         if not isinstance(sampling, SamplingConfig):

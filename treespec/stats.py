@@ -132,3 +132,4 @@ class GenerationOutput:
     stats: GenerationStats
     text: str | None = None  # decoded token_ids, when a tokenizer is known
     finish_reason: Literal["eos", "length"] = "length"
+    verification: str = "token"  # the rule that verified every round ("token", "block", "traversal")
