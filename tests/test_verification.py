@@ -210,3 +210,58 @@ def test_each_round_is_checked_against_the_rule():
     iid = DraftTree(TokenTree([0, 1, 2], [-1, 0, 0]), (ProposalGroup(0, Draw.IID, (1, 2), (1, 2), q),))
     with pytest.raises(ValueError, match="traversal verification needs siblings drawn without replacement"):
         verify(iid, logits[:3], SAMPLINGS["T1"], None, "traversal")
+
+
+# ---- real (tiny) Llamas: chi-square against the target's joint, greedy parity with HF ----
+from collections import Counter  # noqa: E402
+
+from .test_greedy_parity import PROMPTS as GREEDY_PROMPTS  # noqa: E402
+from .test_greedy_parity import hf_greedy, optimal_shape  # noqa: E402
+from .test_greedy_parity import pair as llama_pair  # noqa: E402, F401  (fixture)
+from .test_monte_carlo import K as MC_K  # noqa: E402
+from .test_monte_carlo import N as MC_N  # noqa: E402
+from .test_monte_carlo import PROMPT as MC_PROMPT  # noqa: E402
+from .test_monte_carlo import chi2_pvalue, exact_joint  # noqa: E402
+from .test_monte_carlo import models  # noqa: E402, F401  (fixture)
+
+MC_CASES = {  # name: (tree, rule, sampling)
+    "block-linear-T1": (TreeConfig(1, 2), "block", SamplingConfig(temperature=1.0)),
+    "traversal-sequoia-topk": (sequoia(TreeShape((-1, 0, 0, 1))), "traversal", SamplingConfig(temperature=1.2, top_k=5)),
+    "traversal-topk-w2-topp": (TreeConfig(2, 2, "topk"), "traversal", SamplingConfig(temperature=0.9, top_p=0.9)),
+}
+
+
+@pytest.mark.parametrize("case", list(MC_CASES))
+def test_sampled_output_matches_target_joint(models, case):  # noqa: F811
+    target, draft = models
+    tree, rule, sampling = MC_CASES[case]
+    dec = SpeculativeDecoder(target, draft, backend="native")
+    counts, accepted = Counter(), 0
+    for seed in range(MC_N):
+        out = dec.generate(MC_PROMPT, MC_K, tree=tree, sampling=sampling, seed=seed, ignore_eos=True, verification=rule)
+        counts[tuple(out.token_ids)] += 1
+        accepted += out.sources.count("accepted")
+    assert accepted > MC_N // 10  # the drafts were really used
+    assert chi2_pvalue(counts, exact_joint(target, sampling), MC_N) > 1e-3
+    other = SamplingConfig(temperature=sampling.temperature * 1.6, top_k=sampling.top_k, top_p=sampling.top_p)
+    assert chi2_pvalue(counts, exact_joint(target, other), MC_N) < 1e-3  # power check
+
+
+GREEDY_TREES = {
+    "chain-block": (TreeConfig(1, 4), "block"),
+    "topk-traversal": (TreeConfig(3, 4, "topk"), "traversal"),
+    "sequoia-traversal": (TreeConfig(depth=4, strategy="sequoia", shape=optimal_shape((0.6, 0.2, 0.1), 10, 4)), "traversal"),
+}
+
+
+@pytest.mark.parametrize("name", list(GREEDY_TREES))
+def test_greedy_equals_hf_generate_under_every_rule(llama_pair, name):  # noqa: F811
+    target, draft = llama_pair
+    tree, rule = GREEDY_TREES[name]
+    dec = SpeculativeDecoder(target, draft, backend="native")
+    accepted = 0
+    for prompt in GREEDY_PROMPTS:
+        out = dec.generate(prompt, 40, tree=tree, sampling=GREEDY, ignore_eos=True, verification=rule)
+        assert out.token_ids == hf_greedy(target, prompt, 40, stop_at_eos=False), f"prompt {prompt}"
+        accepted += out.sources.count("accepted")
+    assert accepted > 0
