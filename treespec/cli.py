@@ -47,6 +47,9 @@ def _add_decode_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     g.add_argument("--shape", type=Path, default=None, help="draft along a saved Sequoia TreeShape (JSON)")
     g.add_argument("--drafter", default="model", choices=("model", "ngram", "lookup", "merged"),
                    help="who proposes: the draft model, n-gram tables, prompt lookup, or model+n-gram merged")
+    g.add_argument("--verification", default="auto",
+                   help="auto (default: the best rule that applies), token, block (chains), traversal (trees drawn "
+                        "without replacement / deterministic); bench: a comma-separated list, one row per rule")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
@@ -136,12 +139,13 @@ def cmd_generate(args) -> None:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
         on_tokens=on_tokens,
+        verification=None if args.verification == "auto" else args.verification,
     )
     sys.stdout.write("\n")
     if args.show_tree:
         s = out.stats
         legend = " ".join(f"{COLOURS[k]}{k}{RESET}" for k in COLOURS)
-        print(f"\n[{legend}]")
+        print(f"\n[{legend}] verification: {out.verification}")
         print(f"tokens {s.tokens} in {s.target_steps} target steps: {s.tokens_per_step:.2f} tokens/step, "
               f"{s.tokens_per_second:.1f} tokens/s ({out.finish_reason})")
         if s.acceptance_by_depth:
@@ -177,15 +181,16 @@ def cmd_bench(args) -> None:
     config.update(n_prompts=len(prompts), dtype=str(dtype).removeprefix("torch."), auto_dtype=str(auto_dtype(device)))
     result = run_bench(target, draft, hf.load_tokenizer(paths[0]), prompts, args.max_new_tokens, tree, sampling,
                        args.repeats, methods, backends, drafter=args.drafter,
-                       progress=lambda msg: print(f"\r\033[K{msg}", end="", file=sys.stderr), config=config)
+                       progress=lambda msg: print(f"\r\033[K{msg}", end="", file=sys.stderr), config=config,
+                       verifications=[v.strip() for v in args.verification.split(",") if v.strip()] or ["auto"])
     print("\r\033[K", end="", file=sys.stderr)
     base = next((r.tokens_per_second for r in result.methods if r.method == "hf"), None)
-    print(f"{'method':<24}{'tokens/s':>10}{'speedup':>9}{'tokens/step':>13}  acceptance by depth")
+    print(f"{'method':<30}{'tokens/s':>10}{'speedup':>9}{'tokens/step':>13}  acceptance by depth")
     for r in result.methods:
         speed = f"{r.tokens_per_second / base:.2f}x" if base else "-"
         tps = f"{r.tokens_per_step:.2f}" if r.tokens_per_step is not None else "-"
         acc = " ".join(f"{a:.2f}" for a in r.acceptance_by_depth or [])
-        print(f"{r.method:<24}{r.tokens_per_second:>10.1f}{speed:>9}{tps:>13}  {acc}")
+        print(f"{r.method:<30}{r.tokens_per_second:>10.1f}{speed:>9}{tps:>13}  {acc}")
     for backend, cost in result.cost.items():
         print(f"cost [{backend}]: " + ", ".join(f"{k}={v:.4g}" for k, v in cost.items()))
     args.json.write_text(json.dumps(result.to_json(), indent=2))
