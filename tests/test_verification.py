@@ -13,7 +13,7 @@ import importlib
 import pytest
 import torch
 
-from treespec import DraftTree, Draw, ProposalGroup, SamplingConfig, SpeculativeDecoder, TokenTree, TreeConfig, verify
+from treespec import DraftTree, Drafter, Draw, ProposalGroup, SamplingConfig, SpeculativeDecoder, TokenTree, TreeConfig, verify
 from treespec.sampling import probs, residual, weighted_residual
 from treespec.sequoia import TreeShape
 
@@ -67,6 +67,48 @@ def test_traversal_is_lossless_on_trees(name, sampling_name):
     if sampling_name == "T1" and name == "sequoia-w2d2":
         k = 2  # the full binary tree at T=1 is the slow case (~30 s at k=3); the others cover depth 2
     check_lossless(tree, "traversal", SAMPLINGS[sampling_name], k, drafter)
+
+
+def test_traversal_is_lossless_on_a_stochastic_beam():
+    """Which nodes grow may depend on the draws: a 2x3 beam (the 2 best of up to 4 depth-2 nodes
+    grow), k=4 so the first round has depth 3. (Top-p may shrink the support, making the beam
+    deterministic; BeamDrafter below forces a random selection.)"""
+    check_lossless(TreeConfig(2, 3, "without_replacement"), "traversal", SAMPLINGS["T1.4-topp0.7"], k=4)
+
+
+class BeamDrafter(Drafter):
+    """Root: 2 children without replacement from q; only the one the draft likes more grows,
+    with 2 children of its own: the shape depends on the sibling draws (V=3, so one token is
+    left out at each node and the selection is random)."""
+
+    def __init__(self, q: TableModel):
+        self.q = q
+
+    def start(self, prompt, sampling, rng):
+        self.sampling, self.rng = sampling, rng
+
+    def propose(self, context, depth):
+        ctx = tuple(context)
+        q0 = probs(self.q.logits(ctx), self.sampling)
+        a = self.rng.without_replacement(q0, 2)
+        tokens, parents = [ctx[-1], *a], [-1, 0, 0]
+        groups = [ProposalGroup(0, Draw.WITHOUT_REPLACEMENT, tuple(a), (1, 2), q0)]
+        if depth >= 2:
+            best = 1 if q0[a[0]] >= q0[a[1]] else 2
+            q1 = probs(self.q.logits(ctx + (tokens[best],)), self.sampling)
+            b = self.rng.without_replacement(q1, 2)
+            tokens, parents = tokens + b, parents + [best, best]
+            groups.append(ProposalGroup(best, Draw.WITHOUT_REPLACEMENT, tuple(b), (3, 4), q1))
+        return DraftTree(TokenTree(tokens, parents), tuple(groups))
+
+
+def test_traversal_is_lossless_when_the_shape_depends_on_sibling_draws():
+    target = TableModel(3, seed=11)
+    dec = SpeculativeDecoder(TableRunner(target), drafter=BeamDrafter(TableModel(3, seed=12, base=target, noise=0.8)))
+    got = enumerate_outcomes(
+        lambda rng: tuple(dec.generate(list(PROMPT), 3, tree=TreeConfig(2, 2), sampling=SAMPLINGS["T1"], rng=rng, ignore_eos=True, verification="traversal").token_ids)
+    )
+    assert max_abs_diff(got, target.joint(PROMPT, 3, SAMPLINGS["T1"])) < 1e-9
 
 
 @pytest.mark.parametrize("rule", ["block", "traversal"])
@@ -177,7 +219,7 @@ def test_default_rule_is_the_best_that_applies():
     assert run(sequoia(SHAPE_W2D2)) == "traversal"
     assert run(TreeConfig(2, 2, "topk")) == "traversal"
     assert run(TreeConfig(2, 2)) == "token"  # i.i.d. tree
-    assert run(TreeConfig(2, 2, "without_replacement")) == "token"  # stochastic beam
+    assert run(TreeConfig(2, 2, "without_replacement")) == "traversal"  # stochastic beam
     assert run(None) == "token"
 
 
@@ -187,7 +229,7 @@ def test_default_rule_is_the_best_that_applies():
         ("model", TreeConfig(2, 2), "block", "'token'"),
         ("model", TreeConfig(2, 2, "topk"), "block", "'token' or 'traversal'"),
         ("model", TreeConfig(2, 2), "traversal", "'token'"),
-        ("model", TreeConfig(2, 3, "without_replacement"), "traversal", "'token'"),
+        ("model", TreeConfig(2, 3, "without_replacement"), "block", "'token' or 'traversal'"),
         ("merged", TreeConfig(1, 2), "block", "'token'"),
     ],
 )

@@ -119,10 +119,10 @@ class SpeculativeDecoder:
 
         `verification` is the rule that checks the draft (all lossless, see `treespec.verify`):
         "token" (token by token from the root), "block" (chains: Sun et al. 2025) or
-        "traversal" (trees with siblings drawn without replacement or deterministic, on a shape
-        no draw of another branch changes: Weng et al. 2025). None picks the best that
-        applies: block on chains, traversal on Sequoia / top-k / dynamic / n-gram / lookup
-        trees, token on i.i.d., stochastic-beam and merged trees (and custom drafters).
+        "traversal" (trees with siblings drawn without replacement or deterministic: Weng et
+        al. 2025). None picks the best that applies: block on chains, traversal on
+        without-replacement / Sequoia / top-k / dynamic / n-gram / lookup trees, token on
+        i.i.d. and merged trees (and for custom drafters).
         A rule that does not apply raises ValueError naming those that do.
         """
         ids = self._check(prompt, max_new_tokens, tree, sampling)
@@ -181,15 +181,14 @@ class SpeculativeDecoder:
     def rules(self, tree: TreeConfig | None) -> tuple[str, ...]:
         """The verification rules that apply to `tree` with this decoder's drafter, worst to best.
 
-        block needs a chain: width 1 (a Sequoia shape: a chain shape). traversal needs each
-        node's children drawn without replacement or deterministically, each child with its own
-        subtree whose shape no other branch's draw decides: chains, Sequoia shapes, top-k and
-        dynamic (EAGLE-2) trees, n-gram and prompt-lookup trees. Not: i.i.d. trees (merged
-        duplicates), the stochastic beam of "without_replacement" (which frontier nodes grow
-        depends on the other branches' draws, which the derivation excludes; the enumeration
-        could not separate it at V=3, where the beam is often the whole support, so it is
-        refused rather than trusted) and merged drafters. A custom `Drafter` gets "token" by default; ask for another rule only
-        if its trees meet these conditions (each round's structure is checked, the rest is not).
+        block needs a chain: width 1 (a Sequoia shape: a chain shape). traversal needs every
+        node's proposals to be distinct children, drawn without replacement or deterministic
+        (or a single proposal); which nodes grow may depend on any draw, but no drawn proposal
+        may be dropped: chains, "without_replacement" (stochastic beam), "sequoia", "topk",
+        "dynamic", n-gram and prompt-lookup trees. Not: i.i.d. trees (duplicate draws share one
+        node, so one subtree would be tested twice) and merged drafters (two drafters' proposals
+        share nodes). A custom `Drafter` gets "token" by default; ask for another rule only if
+        its trees meet these conditions (each round's structure is checked, the rest is not).
         """
         if tree is None or isinstance(self.drafter, Drafter):
             return RULES
@@ -201,7 +200,7 @@ class SpeculativeDecoder:
         chain = all(len(c) <= 1 for c in tree.shape.children()) if tree.strategy == "sequoia" else tree.width == 1
         if chain:
             return chain_rules
-        return ("token", "traversal") if tree.strategy in ("sequoia", "topk", "dynamic") else ("token",)
+        return ("token",) if tree.strategy == "iid" else ("token", "traversal")
 
     def _rule(self, tree: TreeConfig | None, verification: str | None) -> str:
         if verification is None:
@@ -213,8 +212,8 @@ class SpeculativeDecoder:
             what = f"drafter={self.drafter!r}" if self.drafter == "merged" else f"strategy={tree.strategy!r}, width={tree.width}"
             raise ValueError(
                 f"verification={verification!r} does not apply to {what}: block needs a chain (width 1), traversal "
-                f"needs siblings drawn without replacement or deterministically on a fixed shape (strategy 'sequoia', "
-                f"'topk', 'dynamic', or drafter 'ngram'/'lookup'); here {' or '.join(repr(r) for r in fits)} applies"
+                f"needs siblings drawn without replacement or deterministically (not strategy 'iid' with width > 1, "
+                f"not drafter 'merged'); here {' or '.join(repr(r) for r in fits)} applies"
             )
         return verification
 

@@ -20,8 +20,8 @@ same draft, at the same target cost (`verification=` in `SpeculativeDecoder.gene
                coins from the leaf back to the root: stop at the leaf w.p. w_n, at node i < n
                w.p. S_i / (S_i + 1 - w_i), S_i = sum max(w_i p_i - q_i, 0); accept x_1..x_tau and
                draw the last token from norm(max(w_tau p_tau - q_tau, 0)) (from p_n at the leaf).
-    traversal  (trees whose siblings are drawn without replacement, or are deterministic, on a
-               shape that does not depend on other branches' draws; Weng et al. 2025) the same
+    traversal  (trees whose siblings are distinct children drawn without replacement or
+               deterministic; Weng et al. 2025) the same
                idea on a tree, visited leaves first (post-order): a node's measure m starts as
                min(1, m_parent(x)/q(x)) p_node; after a child and its whole subtree are rejected
                m <- max(m - q, 0) / (1 - sum m + sum max(m - q, 0)) (`weighted_residual`), q
@@ -30,7 +30,10 @@ same draft, at the same target cost (`verification=` in `SpeculativeDecoder.gene
                chain this is block verification.
 
 Both keep the invariant: averaged over the draft below a node, the walk passes through the
-node with probability w (its measure's mass) and then emits its next token from w p. The
+node with probability w (its measure's mass) and then emits its next token from w p, whatever
+the shape of that subtree. So which nodes grow may depend on any draw (a beam); what must hold
+is that each proposal was drawn as its group says and kept (never dropped after being seen),
+and that each child has its own subtree (i.i.d. duplicates merged into one node do not). The
 enumeration tests prove each rule lossless; every coin goes through `Rng`.
 
 Greedy (temperature 0) follows the child whose token is argmax p, and emits argmax p where
