@@ -307,3 +307,19 @@ def test_greedy_equals_hf_generate_under_every_rule(llama_pair, name):  # noqa: 
         assert out.token_ids == hf_greedy(target, prompt, 40, stop_at_eos=False), f"prompt {prompt}"
         accepted += out.sources.count("accepted")
     assert accepted > 0
+
+
+TOKEN_TREES = {  # where "token" is no longer the default, it must stay lossless when asked for
+    "chain-d2": TreeConfig(1, 2),
+    "wor-w2d2": TreeConfig(2, 2, "without_replacement"),
+    "topk-w3d2": TreeConfig(3, 2, "topk"),
+    "sequoia-w3d1": sequoia(TreeShape((-1, 0, 0, 0))),
+}
+
+
+@pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
+@pytest.mark.parametrize("name", list(TOKEN_TREES))
+def test_token_rule_stays_lossless_where_it_is_not_the_default(name, sampling_name):
+    if name == "wor-w2d2" and sampling_name == "T1":
+        pytest.skip("slow at T=1 (~40 s); covered at the two other samplings")
+    check_lossless(TOKEN_TREES[name], "token", SAMPLINGS[sampling_name], k=3)
