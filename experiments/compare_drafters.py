@@ -13,6 +13,9 @@ Configurations (all interleaved per prompt, medians of tokens/s, pooled tokens/s
   dynamic@B              EAGLE-2 style, B nodes kept
   sequoia@B              Sequoia-optimal shape of B nodes (needs --shape-json from calibrate_sequoia.py)
   adaptive-hf / adaptive-entropy   draft model, width W, depth adapting in [1, 2D]
+
+`--verification token,block,traversal` runs every configuration once per rule that applies
+to it ("model-linear/block", ...; "auto" = the decoder's default), same seeds.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--shape-json", type=Path, default=None, help="calibrate_sequoia.py output")
     ap.add_argument("--only", default=None, help="comma-separated subset of configuration names")
+    ap.add_argument("--verification", default="auto", help="comma-separated rules: auto, token, block, traversal")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/compare_drafters.json"))
     args = ap.parse_args()
 
@@ -75,20 +79,29 @@ def main() -> None:
     if args.only:
         cfgs = {k: v for k, v in cfgs.items() if k in args.only.split(",")}
     decoders = {name: SpeculativeDecoder(base.target_runner, base.draft_runner, base.tokenizer, drafter=d) for name, (d, _) in cfgs.items()}
+    rules = [v.strip() for v in args.verification.split(",") if v.strip()]
+    runs = {}  # row name -> (configuration, rule or None for the default)
+    for name, (_, tree) in cfgs.items():
+        fits = decoders[name].rules(tree)
+        for v in rules if tree is not None else ["auto"]:
+            if v == "auto" or v in fits:
+                runs[name if len(rules) == 1 or tree is None else f"{name}/{v}"] = (name, None if v == "auto" else v)
 
-    tps = {name: [] for name in cfgs}  # tokens/s of every run
-    totals = {name: GenerationStats() for name in cfgs}  # pooled over prompts
+    tps = {row: [] for row in runs}  # tokens/s of every run
+    totals = {row: GenerationStats() for row in runs}  # pooled over prompts
     for i, prompt in enumerate(prompts):
         ids = base.tokenizer(prompt)["input_ids"]
-        for name, (_, tree) in cfgs.items():
+        for row, (name, rule) in runs.items():
+            tree = cfgs[name][1]
             with torch.inference_mode():
-                out = decoders[name].generate(ids, args.max_new_tokens, tree=tree, sampling=sampling, seed=i, ignore_eos=True)
-            tps[name].append(out.stats.tokens_per_second)
-            totals[name].add(out.stats)
+                out = decoders[name].generate(ids, args.max_new_tokens, tree=tree, sampling=sampling, seed=i, ignore_eos=True,
+                                              verification=rule)
+            tps[row].append(out.stats.tokens_per_second)
+            totals[row].add(out.stats)
         print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
 
     plain = statistics.median(tps["plain"]) if "plain" in tps else None
-    print(f"\n{'config':<20}{'tokens/s':>10}{'vs plain':>10}{'tokens/step':>13}{'nodes/step':>12}{'draft s':>9}{'verify s':>10}")
+    print(f"\n{'config':<28}{'tokens/s':>10}{'vs plain':>10}{'tokens/step':>13}{'nodes/step':>12}{'draft s':>9}{'verify s':>10}")
     summary = {}
     for name, t in totals.items():
         median = statistics.median(tps[name])
@@ -98,9 +111,10 @@ def main() -> None:
             "nodes_per_step": t.tree_nodes / t.target_steps,
             "draft_seconds": t.draft_seconds,
             "verify_seconds": t.verify_seconds,
+            "acceptance_by_depth": t.acceptance_by_depth,
         }
         rel = f"{median / plain:.2f}x" if plain else "-"
-        print(f"{name:<20}{median:>10.1f}{rel:>10}{t.tokens_per_step:>13.2f}{t.tree_nodes / t.target_steps:>12.1f}"
+        print(f"{name:<28}{median:>10.1f}{rel:>10}{t.tokens_per_step:>13.2f}{t.tree_nodes / t.target_steps:>12.1f}"
               f"{t.draft_seconds:>9.2f}{t.verify_seconds:>10.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": summary}, indent=1))

@@ -8,7 +8,9 @@ Methods (all on the same target/draft, same prompts, same max_new_tokens):
     linear          treespec, TreeConfig(width=1, depth)
     tree            treespec, TreeConfig(width, depth, strategy)
 
-treespec methods run once per backend ("linear[native]", "linear[hf]", ...). Runs are
+treespec methods run once per backend ("linear[native]", "linear[hf]", ...) and, given several
+verification rules, once per rule that applies to the method's tree ("linear/block[native]";
+"auto" = the decoder's default, the best rule that applies). Runs are
 interleaved (repeat -> prompt -> method) so that slow drifts of the machine hit every method
 alike; each method's tokens/s is the median over its runs. Forward costs are measured through
 the runners (synchronising on CUDA): t(1), t(n)/t(1), c = t_draft(1)/t_target(1), and the
@@ -119,6 +121,7 @@ def run_bench(
     drafter: str = "model",
     progress: Callable[[str], None] | None = None,
     config: dict | None = None,
+    verifications: Sequence[str] = ("auto",),
 ) -> BenchResult:
     """Benchmark HF causal LMs `target` and `draft` (HF generate runs them directly; treespec
     wraps them once per backend)."""
@@ -127,6 +130,9 @@ def run_bench(
         raise ValueError(f"unknown bench methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
     if tokenizer is None:
         raise ValueError("bench needs a tokenizer for its text prompts")
+    bad = [v for v in verifications if v not in ("auto", "token", "block", "traversal")]
+    if bad or not verifications:
+        raise ValueError(f"unknown verification rules {bad}; choose from auto, token, block, traversal")
     decoders = {b: SpeculativeDecoder(target, draft, tokenizer, drafter=drafter, backend=b) for b in backends}
     encoded = [tokenizer(p, return_tensors="pt")["input_ids"].to(target.device) for p in prompts]
     # linear: a chain of the tree's depth (a Sequoia shape's chain is its depth, drafted i.i.d.)
@@ -138,7 +144,18 @@ def run_bench(
     else:
         hf_kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p)
 
-    names = [m for m in methods if m.startswith("hf")] + [f"{m}[{b}]" for b in backends for m in methods if not m.startswith("hf")]
+    rules = {}  # treespec method name -> (method, rule or None for the default)
+    for b in backends:
+        for m in methods:
+            if m.startswith("hf"):
+                continue
+            fits = decoders[b].rules(trees[m])
+            for v in verifications if m != "autoregressive" else ("auto",):
+                if v != "auto" and v not in fits:
+                    continue  # e.g. block on a tree: not applicable, not run
+                name = m if len(verifications) == 1 or m == "autoregressive" else f"{m}/{v}"
+                rules[f"{name}[{b}]"] = (m, None if v == "auto" else v)
+    names = [m for m in methods if m.startswith("hf")] + list(rules)
     runs: dict[str, list[float]] = {m: [] for m in names}
     totals = {m: GenerationStats() for m in names}  # treespec methods: pooled over runs
     for rep in range(repeats):
@@ -156,8 +173,10 @@ def run_bench(
                     _sync(target.device)
                     runs[name].append((out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0))
                 else:
-                    method, backend = name[:-1].split("[")
-                    out = decoders[backend].generate(ids[0].tolist(), max_new_tokens, tree=trees[method], sampling=sampling, seed=seed, ignore_eos=True)
+                    backend = name[:-1].split("[")[1]
+                    method, rule = rules[name]
+                    out = decoders[backend].generate(ids[0].tolist(), max_new_tokens, tree=trees[method], sampling=sampling,
+                                                     seed=seed, ignore_eos=True, verification=rule)
                     runs[name].append(out.stats.tokens / out.stats.total_seconds)
                     totals[name].add(out.stats)
     results = []

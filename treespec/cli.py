@@ -51,6 +51,9 @@ def _add_decode_args(p: argparse.ArgumentParser, max_new_tokens: int, width: int
     g.add_argument("--shape", type=Path, default=None, help="draft along a saved Sequoia TreeShape (JSON)")
     g.add_argument("--drafter", default="model", choices=("model", "ngram", "lookup", "merged"),
                    help="who proposes: the draft model, n-gram tables, prompt lookup, or model+n-gram merged")
+    g.add_argument("--verification", default="auto",
+                   help="auto (default: the best rule that applies), token, block (chains), traversal (trees drawn "
+                        "without replacement / deterministic); bench: a comma-separated list, one row per rule")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
@@ -184,6 +187,7 @@ def cmd_generate(args) -> None:
         ignore_eos=args.ignore_eos,
         on_tokens=on_tokens,
         stop=[_unescape(x) for x in args.stop] + args.stop_id or None,
+        verification=None if args.verification == "auto" else args.verification,
     )
     sys.stdout.write("\n")
     if args.show_tree:
@@ -193,7 +197,7 @@ def cmd_generate(args) -> None:
             print(f"\n[{legend}]")
         else:
             print()
-        print("token sources: " + ", ".join(f"{k} {out.sources.count(k)}" for k in COLOURS))
+        print("token sources: " + ", ".join(f"{k} {out.sources.count(k)}" for k in COLOURS) + f"; verification: {out.verification}")
         print(f"tokens {s.tokens} in {s.target_steps} target steps: {s.tokens_per_step:.2f} tokens/step, "
               f"{s.tokens_per_second:.1f} tokens/s ({out.finish_reason})")
         if s.tree_nodes:
@@ -239,18 +243,19 @@ def cmd_bench(args) -> None:
                   cpu_bf16_flags=sorted(cpu_bf16_flags()), threads=torch.get_num_threads(), torch=torch.__version__)
     result = run_bench(target, draft, hf.load_tokenizer(paths[0]), prompts, args.max_new_tokens, tree, sampling,
                        args.repeats, methods, backends, drafter=args.drafter,
-                       progress=progress, config=config)
+                       progress=progress, config=config,
+                       verifications=[v.strip() for v in args.verification.split(",") if v.strip()] or ["auto"])
     if progress is not None:
         print("\r\033[K", end="", file=sys.stderr)
     base = next((r.tokens_per_second for r in result.methods if r.method == "hf"), None)
-    print(f"{'method':<24}{'tokens/s':>10}{'speedup':>9}{'tokens/step':>13}{'accept':>8}{'acc.len':>9}  acceptance by depth")
+    print(f"{'method':<30}{'tokens/s':>10}{'speedup':>9}{'tokens/step':>13}{'accept':>8}{'acc.len':>9}  acceptance by depth")
     for r in result.methods:
         speed = f"{r.tokens_per_second / base:.2f}x" if base else "-"
         tps = f"{r.tokens_per_step:.2f}" if r.tokens_per_step is not None else "-"
         rate = f"{r.acceptance_rate:.2f}" if r.acceptance_rate else "-"
         length = f"{r.mean_accepted_length:.2f}" if r.acceptance_rate else "-"
         acc = " ".join(f"{a:.2f}" for a in r.acceptance_by_depth or [])
-        print(f"{r.method:<24}{r.tokens_per_second:>10.1f}{speed:>9}{tps:>13}{rate:>8}{length:>9}  {acc}")
+        print(f"{r.method:<30}{r.tokens_per_second:>10.1f}{speed:>9}{tps:>13}{rate:>8}{length:>9}  {acc}")
     for backend, cost in result.cost.items():
         print(f"cost [{backend}]: " + ", ".join(f"{k}={v:.4g}" for k, v in cost.items()))
     args.json.write_text(json.dumps(result.to_json(), indent=2))

@@ -28,7 +28,7 @@ from .drafters import Drafter, MergedDrafter, ModelDrafter, NgramDrafter, Prompt
 from .proposal import DraftTree
 from .rng import Rng, TorchRng
 from .stats import GenerationOutput, GenerationStats, OnTokens, OutputBuilder, StopMatcher
-from .verify import verify
+from .verify import RULES, verify
 from .vocab import compare_tokenizers, shared_support
 
 
@@ -142,6 +142,7 @@ class SpeculativeDecoder:
         on_tokens: OnTokens | None = None,
         rng: Rng | None = None,
         stop: str | int | Sequence[str | int] | None = None,
+        verification: str | None = None,
     ) -> GenerationOutput:
         """Generate up to `max_new_tokens` tokens after `prompt` (text or token ids).
 
@@ -156,6 +157,14 @@ class SpeculativeDecoder:
         a stop id; that token is kept (Hugging Face's `stop_strings` semantics: the text may
         run past the stop string by the rest of that token), `finish_reason="stop"`, and
         `on_tokens` never sees a token past it.
+
+        `verification` is the rule that checks the draft (all lossless, see `treespec.verify`):
+        "token" (token by token from the root), "block" (chains: Sun et al. 2025) or
+        "traversal" (trees with siblings drawn without replacement or deterministic: Weng et
+        al. 2025). None picks the best that applies: block on chains, traversal on
+        without-replacement / Sequoia / top-k / dynamic / n-gram / lookup trees, token on
+        i.i.d. and merged trees (and for custom drafters).
+        A rule that does not apply raises ValueError naming those that do.
         """
         ids = self._check(prompt, max_new_tokens, tree, sampling)
         _check_seed(seed)
@@ -164,6 +173,7 @@ class SpeculativeDecoder:
             raise ValueError(f"on_tokens must be a function (ids, sources) -> None, got {type(on_tokens).__name__}")
         if rng is not None and not isinstance(rng, Rng):
             raise ValueError(f"rng must be a treespec.rng.Rng, got {type(rng).__name__}; pass seed= for a seeded run")
+        rule = self._rule(tree, verification)
         clock = time.perf_counter
         t_start = clock()
         stats, out = GenerationStats(), OutputBuilder(
@@ -189,7 +199,7 @@ class SpeculativeDecoder:
                 self._check_draft(draft, context, drafter)
             t1 = clock()
             # 2. score every node in one target forward; 3. verify; 4. commit the accepted path
-            walk = verify(draft, target.score(draft.tree), sampling, rng)
+            walk = verify(draft, target.score(draft.tree), sampling, rng, rule)
             target.commit(walk.path)
             t2 = clock()
             if depth:
@@ -201,7 +211,7 @@ class SpeculativeDecoder:
         stats.draft_forwards = sum(r.forwards for r in draft_runners) - draft_forwards0
         stats.total_seconds = clock() - t_start
         text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True) if self.tokenizer is not None else None
-        return GenerationOutput(out.token_ids, out.sources, stats, text, out.finish_reason, out.stop_match)
+        return GenerationOutput(out.token_ids, out.sources, stats, text, out.finish_reason, out.stop_match, rule)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _drafter(self, tree: TreeConfig) -> Drafter:
@@ -260,6 +270,45 @@ class SpeculativeDecoder:
         if strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer to decode the output; pass tokenizer=... or stop token ids")
         return StopMatcher(strings, ids, self.tokenizer) if strings or ids else None
+
+    def rules(self, tree: TreeConfig | None) -> tuple[str, ...]:
+        """The verification rules that apply to `tree` with this decoder's drafter, worst to best.
+
+        block needs a chain: width 1 (a Sequoia shape: a chain shape). traversal needs every
+        node's proposals to be distinct children, drawn without replacement or deterministic
+        (or a single proposal); which nodes grow may depend on any draw, but no drawn proposal
+        may be dropped: chains, "without_replacement" (stochastic beam), "sequoia", "topk",
+        "dynamic", n-gram and prompt-lookup trees. Not: i.i.d. trees (duplicate draws share one
+        node, so one subtree would be tested twice) and merged drafters (two drafters' proposals
+        share nodes). A custom `Drafter` gets "token" by default; ask for another rule only if
+        its trees meet these conditions (each round's structure is checked, the rest is not).
+        """
+        if tree is None or isinstance(self.drafter, Drafter):
+            return RULES
+        if self.drafter == "merged":
+            return ("token",)
+        chain_rules = ("token", "traversal", "block")  # equal on a chain; block is the vectorised form
+        if self.drafter in ("ngram", "lookup"):
+            return chain_rules if tree.width == 1 else ("token", "traversal")
+        chain = all(len(c) <= 1 for c in tree.shape.children()) if tree.strategy == "sequoia" else tree.width == 1
+        if chain:
+            return chain_rules
+        return ("token",) if tree.strategy == "iid" else ("token", "traversal")
+
+    def _rule(self, tree: TreeConfig | None, verification: str | None) -> str:
+        if verification is None:
+            return "token" if tree is None or isinstance(self.drafter, Drafter) else self.rules(tree)[-1]
+        if verification not in RULES:
+            raise ValueError(f"verification must be one of {', '.join(RULES)} or None (the best that applies), got {verification!r}")
+        fits = self.rules(tree)
+        if verification not in fits:
+            what = f"drafter={self.drafter!r}" if self.drafter == "merged" else f"strategy={tree.strategy!r}, width={tree.width}"
+            raise ValueError(
+                f"verification={verification!r} does not apply to {what}: block needs a chain (width 1), traversal "
+                f"needs siblings drawn without replacement or deterministically (not strategy 'iid' with width > 1, "
+                f"not drafter 'merged'); here {' or '.join(repr(r) for r in fits)} applies"
+            )
+        return verification
 
     def _check(self, prompt, max_new_tokens, tree, sampling) -> list[int]:
         if not isinstance(sampling, SamplingConfig):

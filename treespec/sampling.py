@@ -65,6 +65,23 @@ def residual(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > EPS, diff / mass.clamp_min(EPS), r)
 
 
+def weighted_residual(m: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The target measure still to cover at a node after a proposal drawn from q, with its
+    whole subtree, is rejected (block and traversal verification).
+
+    `m` is the unnormalised target measure at the node: weight w = sum(m) times the target's
+    next-token distribution. Accepting the proposal x (through its subtree) has covered
+    min(m, q); what is left, max(m - q, 0), must come from the remaining options, which are
+    reached with probability 1 - w + sum(max(m - q, 0)). The result, normalised by that,
+    has mass S / (1 - w + S) <= 1: the next weight. With w = 1 it is `residual(m, q)`.
+    If that probability is ~0 the rejection could not happen and `m` is returned unchanged.
+    Works on `[..., V]` rows, no host sync.
+    """
+    left = torch.clamp(m - q, min=0)
+    reach = 1 - m.sum(-1, keepdim=True) + left.sum(-1, keepdim=True)
+    return torch.where(reach > EPS, left / reach.clamp_min(EPS), m)
+
+
 def remove_token(q: torch.Tensor, x: int, drawn: torch.Tensor | None = None) -> torch.Tensor:
     """q with token x removed, renormalised: the next draw of a without-replacement sequence.
 

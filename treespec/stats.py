@@ -203,3 +203,4 @@ class GenerationOutput:
     text: str | None = None  # decoded token_ids, when a tokenizer is known
     finish_reason: FinishReason = "length"  # "stop": a stop string or id (see StopMatcher)
     stop: str | int | None = None  # the stop string or stop token id that ended generation
+    verification: str = "token"  # the rule that verified every round ("token", "block", "traversal")

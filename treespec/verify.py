@@ -13,15 +13,41 @@ the *bonus* token is drawn from the leaf's own p. Either way the round ends, hav
 the accepted tokens plus that one token, distributed exactly as the target would sample them
 (SpecInfer's multi-step speculative sampling; Stratos, iterative speculative sampling).
 
+That is the "token" rule. Two more rules accept whole paths and so accept more from the
+same draft, at the same target cost (`verification=` in `SpeculativeDecoder.generate`):
+
+    block      (chains; Sun et al. 2025) weights w_0 = 1, w_i = min(1, w_{i-1} p_{i-1}(x_i)/q_{i-1}(x_i));
+               coins from the leaf back to the root: stop at the leaf w.p. w_n, at node i < n
+               w.p. S_i / (S_i + 1 - w_i), S_i = sum max(w_i p_i - q_i, 0); accept x_1..x_tau and
+               draw the last token from norm(max(w_tau p_tau - q_tau, 0)) (from p_n at the leaf).
+    traversal  (trees whose siblings are distinct children drawn without replacement or
+               deterministic; Weng et al. 2025) the same
+               idea on a tree, visited leaves first (post-order): a node's measure m starts as
+               min(1, m_parent(x)/q(x)) p_node; after a child and its whole subtree are rejected
+               m <- max(m - q, 0) / (1 - sum m + sum max(m - q, 0)) (`weighted_residual`), q
+               loses x if drawn without replacement; once its children are done the node is
+               accepted, with its root path, w.p. sum m, the last token drawn from norm(m). On a
+               chain this is block verification.
+
+Both keep the invariant: averaged over the draft below a node, the walk passes through the
+node with probability w (its measure's mass) and then emits its next token from w p, whatever
+the shape of that subtree. So which nodes grow may depend on any draw (a beam); what must hold
+is that each proposal was drawn as its group says and kept (never dropped after being seen),
+and that each child has its own subtree (i.i.d. duplicates merged into one node do not). The
+enumeration tests prove each rule lossless; every coin goes through `Rng`.
+
 Greedy (temperature 0) follows the child whose token is argmax p, and emits argmax p where
-no child matches: exactly the target's greedy output.
+no child matches: exactly the target's greedy output. Every rule reduces to it (one-hot p
+gives weights 0 or 1), so all rules share the greedy walk.
 
 Host syncs. The sampling transforms and softmax run once over all N rows on the model's
 device. Greedy needs one transfer per round (argmax and a finiteness flag for every row).
 The sampled walk needs one transfer per round for the input checks, one per visited node
 with proposals (all its acceptance probabilities, computed on the device along the residual
 chain "every earlier proposal rejected", go to `Rng.first_success` together), and one for
-the final token: O(depth), never O(nodes).
+the final token: O(depth), never O(nodes). Block and traversal verification compute every
+stopping probability on the device first (block: vectorised over the chain; traversal: one
+pass over the nodes) and need two transfers per round: one `first_success`, one final token.
 """
 
 from __future__ import annotations
@@ -34,7 +60,10 @@ import torch
 from .config import SamplingConfig
 from .proposal import DraftTree, Draw, ProposalGroup
 from .rng import Rng
-from .sampling import check_finite, probs, remove_token, residual
+from .sampling import check_finite, one_hot, probs, remove_token, residual, weighted_residual
+
+Rule = Literal["token", "block", "traversal"]
+RULES: tuple[str, ...] = ("token", "block", "traversal")
 
 
 @dataclass(frozen=True)
@@ -48,13 +77,38 @@ class Walk:
         return [draft.tree.tokens[n] for n in self.path[1:]] + [self.token]
 
 
-def verify(draft: DraftTree, target_logits: torch.Tensor, sampling: SamplingConfig, rng: Rng) -> Walk:
-    """Walk `draft` given the target's logits at each node (`[N, V]`, row i = after node i)."""
+def verify(draft: DraftTree, target_logits: torch.Tensor, sampling: SamplingConfig, rng: Rng, rule: Rule = "token") -> Walk:
+    """Walk `draft` given the target's logits at each node (`[N, V]`, row i = after node i),
+    under verification `rule` ("token", "block" or "traversal"; see the module docstring)."""
     if target_logits.shape[0] != len(draft.tree):
         raise ValueError(f"{target_logits.shape[0]} logit rows for {len(draft.tree)} tree nodes")
+    check_rule(draft, rule)
     if sampling.greedy:
         return _verify_greedy(draft, target_logits)
-    return _verify_sampled(draft, target_logits, sampling, rng)
+    p = probs(target_logits, sampling)  # [N, V] p at every node, one batched op
+    _check_inputs(draft, target_logits)
+    return {"token": _verify_token, "block": _verify_block, "traversal": _verify_traversal}[rule](draft, p, rng)
+
+
+def check_rule(draft: DraftTree, rule: str) -> None:
+    """The structure `rule` needs, checked on this round's tree (ValueError if missing)."""
+    if rule not in RULES:
+        raise ValueError(f"verification must be one of {', '.join(RULES)}, got {rule!r}")
+    tree = draft.tree
+    if rule == "block" and any(sum(len(g.tokens) for g in draft.groups_at(u)) > 1 for u in range(len(tree))):
+        raise ValueError(
+            "block verification needs a chain with one proposal per node (width 1); this draft is a tree: "
+            "use 'traversal' (siblings drawn without replacement or deterministic) or 'token'"
+        )
+    if rule == "traversal":
+        for u in range(len(tree)):
+            groups = draft.groups_at(u)
+            kids = [c for g in groups for c in g.children]
+            if len(kids) > 1 and (len(set(kids)) < len(kids) or any(g.draw is Draw.IID and len(g.tokens) > 1 for g in groups)):
+                raise ValueError(
+                    "traversal verification needs siblings drawn without replacement or deterministic, each with its "
+                    "own subtree; this tree has i.i.d. or merged siblings: use 'token' (or 'block' on a chain)"
+                )
 
 
 def _verify_greedy(draft: DraftTree, logits: torch.Tensor) -> Walk:
@@ -71,9 +125,8 @@ def _verify_greedy(draft: DraftTree, logits: torch.Tensor) -> Walk:
         path.append(child)
 
 
-def _verify_sampled(draft: DraftTree, logits: torch.Tensor, sampling: SamplingConfig, rng: Rng) -> Walk:
-    p = probs(logits, sampling)  # [N, V] p at every node, one batched op
-    _check_inputs(draft, logits)
+def _verify_token(draft: DraftTree, p: torch.Tensor, rng: Rng) -> Walk:
+    """Token by token from the root: accept a child or move on to the next proposal."""
     node, path = 0, [0]
     while True:
         r = p[node]  # [V] the running residual starts as p at this node
@@ -108,6 +161,73 @@ def _acceptance_chain(groups: list[ProposalGroup], r: torch.Tensor) -> tuple[tor
             if group.draw is Draw.WITHOUT_REPLACEMENT:
                 q = remove_token(q, x, drawn)
     return torch.stack(accept), r
+
+
+def _verify_block(draft: DraftTree, p: torch.Tensor, rng: Rng) -> Walk:
+    """Block verification of a chain root -> ... -> leaf, vectorised over the chain on the
+    device; the coins run from the leaf back to the root."""
+    chain = _chain(draft)
+    n = len(chain) - 1
+    rows = p[chain]  # [n + 1, V] p after each chain node
+    if n == 0:
+        return Walk((0,), rng.categorical(rows[0])[0], "bonus")
+    groups = [draft.groups_at(u)[0] for u in chain[:-1]]
+    xs = [draft.tree.tokens[c] for c in chain[1:]]
+    x = torch.tensor(xs, device=p.device)
+    q = torch.stack([_q(g, x_i, rows) for g, x_i in zip(groups, xs)])  # [n, V] what each x_i was drawn from
+    ratio = rows[:-1].gather(1, x[:, None])[:, 0] / q.gather(1, x[:, None])[:, 0]
+    log_w = torch.cat([ratio.new_zeros(1), ratio.log().cumsum(0)])
+    w = (log_w - log_w.cummax(0).values).exp()  # [n + 1]: w_i = min(1, w_{i-1} ratio_i), w_0 = 1
+    left = weighted_residual(w[:-1, None] * rows[:-1], q)  # [n, V] measure left at node i when x_{i+1} is rejected
+    stop = torch.cat([ratio.new_ones(1), left[1:].sum(-1), w[-1:]])  # node 0 always stops: its mass is 1
+    i = rng.first_success(stop.flip(0))
+    tau = n - (i if i is not None else n)
+    if tau == n:
+        return Walk(tuple(chain), rng.categorical(rows[n])[0], "bonus")
+    return Walk(tuple(chain[: tau + 1]), rng.categorical(left[tau])[0], "correction")
+
+
+def _verify_traversal(draft: DraftTree, p: torch.Tensor, rng: Rng) -> Walk:
+    """Traversal verification: visit the tree leaves first (post-order, siblings in draw
+    order), each node's stopping probability given that every earlier node was rejected;
+    accept the first node that stops, with its whole root path."""
+    order: list[int] = []
+    stop: list[torch.Tensor] = []
+    left: list[torch.Tensor] = []
+
+    def visit(u: int, m: torch.Tensor) -> None:  # m: target measure at u, mass = u's weight
+        for g in draft.groups_at(u):
+            q, drawn = None if g.q is None else g.q.to(m.device, m.dtype), torch.zeros_like(m, dtype=torch.bool)
+            for x, c in zip(g.tokens, g.children):
+                qx = one_hot(x, m) if q is None else q
+                visit(c, (m[x] / qx[x]).clamp(max=1.0) * p[c])
+                m = weighted_residual(m, qx)
+                if g.draw is Draw.WITHOUT_REPLACEMENT:
+                    q = remove_token(q, x, drawn)
+        order.append(u)
+        stop.append(m.sum())
+        left.append(m)
+
+    visit(0, p[0])
+    stop[-1] = torch.ones_like(stop[-1])  # the root (last in post-order) has mass 1: it always stops
+    i = rng.first_success(torch.stack(stop))
+    i = len(order) - 1 if i is None else i
+    node = order[i]
+    kind = "bonus" if draft.tree.is_leaf(node) else "correction"
+    return Walk(tuple(draft.tree.path_to(node)), rng.categorical(left[i])[0], kind)
+
+
+def _chain(draft: DraftTree) -> list[int]:
+    """The nodes of a chain draft, root first."""
+    chain = [0]
+    while draft.tree.children(chain[-1]):
+        chain.append(draft.tree.children(chain[-1])[0])
+    return chain
+
+
+def _q(group: ProposalGroup, x: int, like: torch.Tensor) -> torch.Tensor:
+    """The distribution `x` was drawn from in a one-proposal group (one-hot if deterministic)."""
+    return one_hot(x, like[0]) if group.q is None else group.q.to(like.device, like.dtype)
 
 
 def _bad_rows(logits: torch.Tensor) -> torch.Tensor:
