@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from treespec import DraftTree, Draw, ProposalGroup, SamplingConfig, SpeculativeDecoder, TokenTree, TorchRng, verify
-from treespec.bench import forward_seconds
+from treespec.bench import chain_logits, forward_seconds
 from treespec.sampling import probs
 from treespec.sequoia import optimal_shape
 from treespec.zoo import load_prompts
@@ -44,15 +44,6 @@ def positional_acceptance(p: torch.Tensor, q: torch.Tensor, k: int, trials: int,
         if len(walk.path) > 1:
             hits[walk.path[1] - 1] += 1
     return [h / trials for h in hits]
-
-
-def chain_logits(runner, ids: list[int], cont: list[int]) -> torch.Tensor:
-    """Next-token logits [len(cont), V] at the positions that predict each token of `cont`."""
-    runner.reset()
-    runner.prefill(ids[:-1])
-    logits = runner.extend([ids[-1]] + cont[:-1], list(range(-1, len(cont) - 1)))
-    runner.commit([])
-    return logits
 
 
 def main() -> None:

@@ -32,22 +32,10 @@ from scipy.stats import t as student_t
 
 from treespec import GenerationStats, SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.sequoia import TreeShape
+from treespec.theory import kary_parents
 from treespec.zoo import load_prompts
 
 RESULTS = Path(__file__).parent / "results"
-
-
-def full_shape(width: int, depth: int) -> TreeShape:
-    """Every node down to `depth` has `width` children."""
-    parents, level = [-1], [0]
-    for _ in range(depth):
-        nxt = []
-        for u in level:
-            for _ in range(width):
-                parents.append(u)
-                nxt.append(len(parents) - 1)
-        level = nxt
-    return TreeShape(tuple(parents))
 
 
 def trees(args) -> dict[str, tuple[TreeConfig, tuple[str, ...]]]:
@@ -55,7 +43,7 @@ def trees(args) -> dict[str, tuple[TreeConfig, tuple[str, ...]]]:
     for d in args.chain_depths:
         out[f"chain-d{d}"] = (TreeConfig(1, d), ("token", "block", "traversal") if args.chain_traversal else ("token", "block"))
     for w, d in args.wor:
-        shape = full_shape(w, d)
+        shape = TreeShape(kary_parents(w, d))
         out[f"wor-{w}x{d}"] = (TreeConfig(depth=d, strategy="sequoia", shape=shape), ("token", "traversal"))
     cal = RESULTS / "sequoia_T1_shape.json"
     if args.sequoia and cal.exists():

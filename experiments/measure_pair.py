@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
+from treespec.bench import chain_logits
 from treespec.sampling import probs
 from treespec.zoo import load_prompts
 
@@ -33,15 +34,6 @@ def alpha(dec: SpeculativeDecoder, prompts: list[str], sampling: SamplingConfig,
             q = probs(chain_logits(dec.draft_runner, ids, cont), sampling)
         values += torch.minimum(p, q).sum(-1).tolist()
     return statistics.fmean(values)
-
-
-def chain_logits(runner, ids: list[int], cont: list[int]) -> torch.Tensor:
-    """Next-token logits [len(cont), V] at the positions that predict each token of `cont`."""
-    runner.reset()
-    runner.prefill(ids[:-1])
-    logits = runner.extend([ids[-1]] + cont[:-1], list(range(-1, len(cont) - 1)))
-    runner.commit([])
-    return logits
 
 
 def main() -> None:

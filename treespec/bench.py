@@ -31,6 +31,7 @@ from .config import SamplingConfig, TreeConfig
 from .decoder import SpeculativeDecoder
 from .stats import GenerationStats
 from .tree import TokenTree
+from .verify import RULES
 
 METHODS = ("hf", "hf-assisted", "autoregressive", "linear", "tree")
 
@@ -60,6 +61,16 @@ class BenchResult:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def chain_logits(runner: Runner, ids: list[int], cont: list[int]) -> torch.Tensor:
+    """The `runner`'s next-token logits [len(cont), V] at the positions that predict each token of `cont`
+    when `cont` follows the prompt `ids` (teacher forcing; the cache is reset first)."""
+    runner.reset()
+    runner.prefill(ids[:-1])
+    logits = runner.extend([ids[-1]] + cont[:-1], list(range(-1, len(cont) - 1)))
+    runner.commit([])
+    return logits
 
 
 def forward_seconds(runner: Runner, n_nodes: int = 1, prefix_len: int = 128, repeats: int = 20) -> float:
@@ -130,7 +141,7 @@ def run_bench(
         raise ValueError(f"unknown bench methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
     if tokenizer is None:
         raise ValueError("bench needs a tokenizer for its text prompts")
-    bad = [v for v in verifications if v not in ("auto", "token", "block", "traversal")]
+    bad = [v for v in verifications if v not in ("auto",) + RULES]
     if bad or not verifications:
         raise ValueError(f"unknown verification rules {bad}; choose from auto, token, block, traversal")
     decoders = {b: SpeculativeDecoder(target, draft, tokenizer, drafter=drafter, backend=b) for b in backends}
