@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .backends import BACKENDS, Runner, auto_dtype, make_runner
+from .backends import Runner, auto_dtype, check_backend, make_runner, use_native
 from .config import SamplingConfig, TreeConfig
 from .drafters import Drafter, MergedDrafter, ModelDrafter, NgramDrafter, PromptLookupDrafter
 from .proposal import DraftTree
@@ -30,6 +30,14 @@ from .rng import Rng, TorchRng
 from .stats import GenerationOutput, GenerationStats, OnTokens, OutputBuilder, StopMatcher
 from .verify import RULES, verify
 from .vocab import compare_tokenizers, shared_support
+
+
+DRAFTERS = ("model", "ngram", "lookup", "merged")
+
+
+def _check_drafter(drafter) -> None:
+    if not isinstance(drafter, Drafter) and drafter not in DRAFTERS:
+        raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)} or a Drafter, got {drafter!r}")
 
 
 class SpeculativeDecoder:
@@ -51,13 +59,12 @@ class SpeculativeDecoder:
     supported, else hf with a one-line notice. Runners are used as given.
     """
 
-    DRAFTERS = ("model", "ngram", "lookup", "merged")
+    DRAFTERS = DRAFTERS  # the drafter names SpeculativeDecoder(drafter=...) takes
 
     def __init__(
         self, target, draft=None, tokenizer=None, drafter: str | Drafter = "model", backend: str = "auto", draft_tokenizer=None
     ):
-        if not isinstance(drafter, Drafter) and drafter not in self.DRAFTERS:
-            raise ValueError(f"drafter must be one of {', '.join(self.DRAFTERS)} or a Drafter, got {drafter!r}")
+        _check_drafter(drafter)
         if target is None:
             raise ValueError("target is None; pass a Hugging Face causal LM or a treespec Runner")
         for name, model in (("target", target), ("draft", draft)):
@@ -115,16 +122,14 @@ class SpeculativeDecoder:
                     f"from_pretrained() takes paths or hub ids, got a {type(path).__name__} for {name}; "
                     f"pass loaded models to SpeculativeDecoder(target, draft, tokenizer) instead"
                 )
-        if not isinstance(drafter, Drafter) and drafter not in cls.DRAFTERS:
-            raise ValueError(f"drafter must be one of {', '.join(cls.DRAFTERS)} or a Drafter, got {drafter!r}")
+        _check_drafter(drafter)
         if target is None and draft is None:
             from .zoo import default_pair
 
             target, draft = default_pair()
         if target is None:
             raise ValueError("pass target= (an HF id or a local model directory) along with draft=")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        check_backend(backend)
         device = resolve_device(device)
         dtypes = (_resolve_dtype(dtype, device, "target"), _resolve_dtype(dtype if draft_dtype is None else draft_dtype, device, "draft"))
         runners = [None if p is None else _load_runner(p, t, device, backend) for p, t in zip((target, draft), dtypes)]
@@ -417,17 +422,9 @@ def _load_runner(path, dtype: torch.dtype, device: torch.device, backend: str) -
 
     local = hf.resolve_path(path)
     if backend != "hf" and isinstance(local, Path):
-        from .backends.native import NativeRunner, unsupported_reason
+        from .backends.native import NativeRunner, read_json, unsupported_reason
 
-        import json
-
-        try:
-            config = json.loads((local / "config.json").read_text())
-        except ValueError as e:
-            raise ValueError(f"{local / 'config.json'} is not valid JSON: {e}") from e
-        reason = unsupported_reason(config)
-        if reason is None:
+        if use_native(backend, unsupported_reason(read_json(local / "config.json")), repr(str(path))):
             return NativeRunner.from_pretrained(local, dtype=dtype, device=device)
-        if backend == "native":
-            raise ValueError(f"the native backend cannot run {str(path)!r}: {reason}; use backend='hf'")
+        backend = "hf"  # the fallback notice has been printed
     return make_runner(hf.load_model(local, dtype, device), backend)

@@ -23,10 +23,29 @@ from .base import Runner
 BACKENDS = ("auto", "native", "hf")
 
 
-def make_runner(model, backend: str = "auto") -> Runner:
-    """A `Runner` for `model` (a Runner is returned as is; an HF causal LM gets wrapped)."""
+def check_backend(backend) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+
+
+def use_native(backend: str, reason: str | None, what: str) -> bool:
+    """Whether `backend` runs `what` natively, given why the native backend cannot (`reason`,
+    None: it can). An unsupported model is an error under "native" and falls back to "hf"
+    under "auto", with a one-line notice."""
+    check_backend(backend)
+    if backend == "hf":
+        return False
+    if reason is None:
+        return True
+    if backend == "native":
+        raise ValueError(f"the native backend cannot run {what}: {reason}; use backend='hf'")
+    print(f"treespec: native backend unsupported ({reason}); using the Hugging Face backend", file=sys.stderr)
+    return False
+
+
+def make_runner(model, backend: str = "auto") -> Runner:
+    """A `Runner` for `model` (a Runner is returned as is; an HF causal LM gets wrapped)."""
+    check_backend(backend)
     if isinstance(model, Runner):
         return model
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
@@ -35,17 +54,10 @@ def make_runner(model, backend: str = "auto") -> Runner:
             f"load one with SpeculativeDecoder.from_pretrained(path)"
         )
     from .hf import HFRunner
-
-    if backend == "hf":
-        return HFRunner(model)
     from .native import NativeRunner, unsupported_reason
 
-    reason = unsupported_reason(model.config)
-    if reason is None:
+    if backend != "hf" and use_native(backend, unsupported_reason(model.config), "this model"):
         return NativeRunner.from_hf(model)
-    if backend == "native":
-        raise ValueError(f"the native backend cannot run this model: {reason}; use backend='hf'")
-    print(f"treespec: native backend unsupported ({reason}); using the Hugging Face backend", file=sys.stderr)
     return HFRunner(model)
 
 
@@ -86,4 +98,4 @@ def auto_dtype(device: torch.device | str, role: str = "target") -> torch.dtype:
     return torch.float32
 
 
-__all__ = ["BACKENDS", "Runner", "auto_dtype", "cpu_bf16_flags", "make_runner"]
+__all__ = ["BACKENDS", "Runner", "auto_dtype", "check_backend", "cpu_bf16_flags", "make_runner", "use_native"]

@@ -272,13 +272,13 @@ class NativeRunner(Runner):
         root = Path(path).expanduser()
         if not root.is_dir():
             raise ValueError(f"no model directory at {str(path)!r}")
-        cfg = _read_json(root / "config.json")
+        cfg = read_json(root / "config.json")
         shape = LlamaShape.from_config(cfg)
         index = root / "model.safetensors.index.json"
         if (root / "model.safetensors").is_file():
             files = [root / "model.safetensors"]
         elif index.is_file():
-            files = [root / f for f in sorted(set(_read_json(index).get("weight_map", {}).values()))]
+            files = [root / f for f in sorted(set(read_json(index).get("weight_map", {}).values()))]
         else:
             raise ValueError(f"no model.safetensors (or model.safetensors.index.json) in {root}")
         weights: dict[str, torch.Tensor] = {}
@@ -289,7 +289,7 @@ class NativeRunner(Runner):
                 raise ValueError(f"cannot read weights from {f}: {e}") from e
         eos = None
         if (root / "generation_config.json").is_file():
-            eos = _read_json(root / "generation_config.json").get("eos_token_id")
+            eos = read_json(root / "generation_config.json").get("eos_token_id")
         eos = cfg.get("eos_token_id") if eos is None else eos
         eos_ids = frozenset() if eos is None else frozenset(int(e) for e in ([eos] if isinstance(eos, int) else eos))
         return cls(shape, weights, eos_ids, dtype, device)
@@ -395,7 +395,7 @@ class NativeRunner(Runner):
         return F.embedding(tokens, self.embed)
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     if not path.is_file():
         raise ValueError(f"no {path.name} in {path.parent}")
     try:
