@@ -61,6 +61,9 @@ class TableRunner(Runner):
         self.eos_token_ids = frozenset(eos_token_ids)
         super().__init__()
 
+    def _new_lane(self) -> TableRunner:
+        return TableRunner(self.model, self.max_positions, self.eos_token_ids)
+
     def _reset_cache(self) -> None:
         self.slots: list[int] = []  # token of every cache slot
 

@@ -1,22 +1,16 @@
-"""The decode loop: propose, score, verify, commit.
+"""The user-facing decoder: load models, check every input, pick drafters and rules.
 
-    prefill(prompt)                           target cache holds all but the last committed token
-    while not done:
-        draft = drafter.propose(context)      DraftTree rooted at the last committed token
-        logits = target.score(draft.tree)     ONE target forward over every node (tree mask)
-        walk = verify(draft, logits)          accepted path + one correction/bonus token
-        target.commit(walk.path)              keep the accepted nodes' cache, drop the rest
-
-Models run behind `treespec.backends`: the decoder sees `Runner`s only (no transformers
-import here). Statistics live in `GenerationStats.record_round`, token emission (length
-limit, EOS, streaming) in `OutputBuilder`.
+`SpeculativeDecoder` turns what a user passes (paths or models, prompts, `TreeConfig`,
+`SamplingConfig`, stops, seeds) into checked `Request`s and hands them to the decode loop in
+`treespec.engine`: `generate()` runs one request, `generate_batch()` many at once and
+`engine()` gives the continuous-batching loop itself. Bad input raises ValueError here,
+before any forward runs. Models run behind `treespec.backends` (no transformers import here).
 """
 
 from __future__ import annotations
 
 import numbers
 import os
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,10 +19,11 @@ import torch
 from .backends import Runner, auto_dtype, check_backend, make_runner, use_native
 from .config import SamplingConfig, TreeConfig
 from .drafters import Drafter, MergedDrafter, ModelDrafter, NgramDrafter, PromptLookupDrafter
+from .engine import Engine, Request
 from .proposal import DraftTree
 from .rng import Rng, TorchRng
-from .stats import GenerationOutput, GenerationStats, OnTokens, OutputBuilder, StopMatcher
-from .verify import RULES, verify
+from .stats import GenerationOutput, OnTokens, OutputBuilder, StopMatcher
+from .verify import RULES
 from .vocab import compare_tokenizers, shared_support
 
 
@@ -171,6 +166,104 @@ class SpeculativeDecoder:
         i.i.d. and merged trees (and for custom drafters).
         A rule that does not apply raises ValueError naming those that do.
         """
+        engine = Engine(self, [self.target_runner], [self.draft_runner])
+        request = engine.add(
+            prompt, max_new_tokens=max_new_tokens, tree=tree, sampling=sampling, seed=seed, ignore_eos=ignore_eos,
+            on_tokens=on_tokens, rng=rng, stop=stop, verification=verification,
+        )
+        return engine.run()[request]
+
+    def generate_batch(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        max_new_tokens: int | Sequence[int] = 128,
+        tree: TreeConfig | None | Sequence[TreeConfig | None] = TreeConfig(),
+        sampling: SamplingConfig | Sequence[SamplingConfig] = SamplingConfig(),
+        seeds: Sequence[int | None] | None = None,
+        ignore_eos: bool = False,
+        stop: str | int | Sequence[str | int] | None | list = None,
+        verification: str | None | Sequence[str | None] = None,
+        max_batch: int = 16,
+    ) -> list[GenerationOutput]:
+        """`generate()` for many prompts at once; one output per prompt, in order.
+
+        Each round runs ONE target forward for every live request (their trees packed, each
+        request seeing only its own cache row and its own tree) and one draft forward per
+        depth, on the native backend; the HF backend runs the same loop with a forward per
+        request. Each output is identical to `generate()` of that prompt alone with the same
+        seed and settings. `max_new_tokens`, `tree`, `sampling`, `stop` and `verification`
+        take one value for all or a list with one per prompt (`stop`: a list of per-prompt
+        stop lists); `seeds` a list. Requests finish independently; at most `max_batch` run
+        at once (the rest wait for a free lane). Every request is checked before any runs:
+        a bad one raises ValueError naming its index.
+        """
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise ValueError("generate_batch() takes a list of prompts (text or token id lists); use generate() for one")
+        n = len(prompts)
+        if n == 0:
+            raise ValueError("generate_batch() got an empty list of prompts")
+        if seeds is not None and (isinstance(seeds, (str, bytes)) or not isinstance(seeds, Sequence)):
+            raise ValueError(f"seeds must be a list with one seed (or None) per prompt, got {type(seeds).__name__}")
+        per_request = {
+            "max_new_tokens": _per_request("max_new_tokens", max_new_tokens, n, _listed(max_new_tokens)),
+            "tree": _per_request("tree", tree, n, _listed(tree)),
+            "sampling": _per_request("sampling", sampling, n, _listed(sampling)),
+            "verification": _per_request("verification", verification, n, _listed(verification)),
+            # a list of stop lists (or None) is per request; a list of strings / ids is for all
+            "stop": _per_request("stop", stop, n, _listed(stop) and bool(stop) and all(v is None or _listed(v) for v in stop)),
+            "seed": _per_request("seeds", seeds, n, seeds is not None),
+        }
+        engine = self.engine(max_live=min(n, max_batch))
+        settings = [{k: v[i] for k, v in per_request.items()} for i in range(n)]
+        for i, (prompt, kw) in enumerate(zip(prompts, settings)):
+            try:
+                self._request(i, prompt, ignore_eos=ignore_eos, **kw)  # check all before any runs
+            except ValueError as e:
+                raise ValueError(f"request {i}: {e}") from None
+        ids = [engine.add(prompt, ignore_eos=ignore_eos, **kw) for prompt, kw in zip(prompts, settings)]
+        outputs = engine.run()
+        return [outputs[i] for i in ids]
+
+    def engine(self, max_live: int = 8, max_kv_tokens: int | None = None) -> Engine:
+        """A continuous-batching `Engine` over `max_live` lanes of this decoder's models: add
+        requests (`generate()`'s arguments), `step()` rounds, stream, `cancel()`. `max_kv_tokens`
+        caps the cache slots live requests reserve together (None: no cap beyond the lanes)."""
+        if not isinstance(max_live, int) or isinstance(max_live, bool) or max_live < 1:
+            raise ValueError(f"max_live must be an integer >= 1, got {max_live!r}")
+        if max_kv_tokens is not None and (not isinstance(max_kv_tokens, int) or isinstance(max_kv_tokens, bool) or max_kv_tokens < 1):
+            raise ValueError(f"max_kv_tokens must be None or an integer >= 1, got {max_kv_tokens!r}")
+        if isinstance(self.drafter, Drafter) and max_live > 1:
+            raise ValueError(
+                "a Drafter instance holds one sequence's state, so it cannot serve several requests at once; "
+                "batch with a named drafter ('model', 'ngram', 'lookup', 'merged') or use max_live=1"
+            )
+        targets, drafts = self._lanes(max_live)
+        return Engine(self, targets, drafts, max_kv_tokens)
+
+    def _lanes(self, n: int) -> tuple[list[Runner], list[Runner | None]]:
+        """`n` target lanes and `n` draft lanes (kept for the next batch of the same size)."""
+        if n == 1:
+            return [self.target_runner], [self.draft_runner]
+        if getattr(self, "_lane_cache", (0,))[0] != n:
+            drafts = [None] * n if self.draft_runner is None else self.draft_runner.lanes(n)
+            self._lane_cache = (n, self.target_runner.lanes(n), drafts)
+        return self._lane_cache[1], self._lane_cache[2]
+
+    def _request(
+        self,
+        request_id: int,
+        prompt,
+        max_new_tokens: int = 128,
+        tree: TreeConfig | None = TreeConfig(),
+        sampling: SamplingConfig = SamplingConfig(),
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        on_tokens: OnTokens | None = None,
+        rng: Rng | None = None,
+        stop=None,
+        verification: str | None = None,
+    ) -> Request:
+        """A checked `Request` (ValueError for bad input; nothing runs)."""
         ids = self._check(prompt, max_new_tokens, tree, sampling)
         _check_seed(seed)
         stopper = self._stop_matcher(stop)
@@ -179,59 +272,26 @@ class SpeculativeDecoder:
         if rng is not None and not isinstance(rng, Rng):
             raise ValueError(f"rng must be a treespec.rng.Rng, got {type(rng).__name__}; pass seed= for a seeded run")
         rule = self._rule(tree, verification)
-        clock = time.perf_counter
-        t_start = clock()
-        stats, out = GenerationStats(), OutputBuilder(
-            max_new_tokens, set() if ignore_eos else self.eos_token_ids, on_tokens, stopper
-        )
+        if tree is not None and not isinstance(self.drafter, Drafter) and self.drafter in ("model", "merged") and self.draft_runner is None:
+            raise ValueError(
+                f"drafter={self.drafter!r} needs a draft model; pass draft=..., use drafter='ngram' or "
+                f"'lookup', or tree=None for plain decoding"
+            )
+        out = OutputBuilder(max_new_tokens, set() if ignore_eos else self.eos_token_ids, on_tokens, stopper)
         rng = TorchRng(seed, self.target_runner.device) if rng is None else rng
-        target, drafter = self.target_runner, None if tree is None else self._drafter(tree)
-        target.reset()
-        target.prefill(ids[:-1])
-        if drafter is not None:
-            drafter.start(ids, sampling, rng)
-        draft_runners = [] if drafter is None else drafter.runners()  # counted for every drafter
-        draft_forwards0 = sum(r.forwards for r in draft_runners)
-        stats.prefill_seconds = clock() - t_start
-
-        context = list(ids)
-        while not out.done:
-            t0 = clock()
-            # 1. propose, never deeper than the tokens still wanted (a round emits <= depth + 1)
-            depth = 0 if drafter is None else min(tree.max_depth, out.remaining - 1)
-            draft = drafter.propose(context, depth) if depth else DraftTree.root_only(context[-1])
-            if depth:
-                self._check_draft(draft, context, drafter)
-            t1 = clock()
-            # 2. score every node in one target forward; 3. verify; 4. commit the accepted path
-            walk = verify(draft, target.score(draft.tree), sampling, rng, rule)
-            target.commit(walk.path)
-            t2 = clock()
-            if depth:
-                drafter.observe(draft, walk)
-            stats.record_round(draft, walk, draft_seconds=(t1 - t0) + (clock() - t2), verify_seconds=t2 - t1)
-            context += out.add(walk.emitted(draft), walk.kind)
-
-        stats.tokens = len(out.token_ids)
-        stats.draft_forwards = sum(r.forwards for r in draft_runners) - draft_forwards0
-        stats.total_seconds = clock() - t_start
-        text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True) if self.tokenizer is not None else None
-        return GenerationOutput(out.token_ids, out.sources, stats, text, out.finish_reason, out.stop_match, rule)
+        slots = len(ids) + max_new_tokens + (0 if tree is None else tree.max_depth)
+        return Request(request_id, ids, tree, sampling, rule, rng, out, slots)
 
     # ---- helpers ---------------------------------------------------------------------------
-    def _drafter(self, tree: TreeConfig) -> Drafter:
+    def _drafter(self, tree: TreeConfig, draft_runner: Runner | None) -> Drafter:
+        """The drafter of one request, drafting with `draft_runner` (its lane of the draft model)."""
         if isinstance(self.drafter, Drafter):
             return self.drafter
         if self.drafter == "ngram":
             return NgramDrafter(tree.width)
         if self.drafter == "lookup":
             return PromptLookupDrafter(tree.width)
-        if self.draft_runner is None:
-            raise ValueError(
-                f"drafter={self.drafter!r} needs a draft model; pass draft=..., use drafter='ngram' or "
-                f"'lookup', or tree=None for plain decoding"
-            )
-        model = ModelDrafter(self.draft_runner, tree, vocab_size=self.vocab_size, support=self.draft_support)
+        model = ModelDrafter(draft_runner, tree, vocab_size=self.vocab_size, support=self.draft_support)
         return model if self.drafter == "model" else MergedDrafter([model, NgramDrafter(tree.width)])
 
     def _check_draft(self, draft: DraftTree, context: list[int], drafter: Drafter) -> None:
@@ -370,6 +430,19 @@ def _token_ids(prompt) -> list[int]:
                 f"(not floats, bools or strings), or the prompt as text"
             )
     return [int(t) for t in items]
+
+
+def _listed(value) -> bool:
+    return isinstance(value, (list, tuple))
+
+
+def _per_request(name: str, value, n: int, per_request: bool) -> list:
+    """`value` for each of n requests: the list itself when `per_request`, else one value for all."""
+    if not per_request:
+        return [value] * n
+    if len(value) != n:
+        raise ValueError(f"{name} has {len(value)} entries for {n} prompts; give one per prompt or a single value for all")
+    return list(value)
 
 
 def _check_seed(seed) -> None:

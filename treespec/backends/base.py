@@ -24,10 +24,20 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from ..tree import TokenTree, ancestor_rows
+
+
+@dataclass(frozen=True)
+class Feed:
+    """What one runner feeds in one forward: `n` new cache slots after its `S` current ones."""
+
+    tokens: torch.Tensor  # [n] token ids
+    positions: torch.Tensor  # [n] position ids
+    visible: torch.Tensor | None  # [n, S + n] bool attention pattern; None: a prefill (causal)
 
 
 class Runner(ABC):
@@ -67,25 +77,14 @@ class Runner(ABC):
     # ---- the API the decoder and the drafters use ------------------------------------------
     def prefill(self, tokens: Sequence[int]) -> None:
         """Feed and commit `tokens` after the committed prefix (no pending nodes allowed)."""
-        if self._tokens:
-            raise RuntimeError("prefill() with pending tree nodes; commit() them first")
-        if not tokens:
-            return
-        self._check_positions(self.n_committed + len(tokens) - 1)
-        c = self.n_committed
-        ids = torch.tensor([list(tokens), list(range(c, c + len(tokens)))], device=self.device)  # [2, n]
-        self._forward(ids[0], ids[1], None, need_logits=False)
-        self.forwards += 1
-        self.committed.extend(int(t) for t in tokens)
+        prefill_many([(self, tokens)])
 
     def score(self, tree: TokenTree) -> torch.Tensor:
         """Feed a whole tree rooted right after the committed prefix; logits `[N, V]`.
 
         Row i holds the next-token logits after node i. Pending index == node index.
         """
-        if self._tokens:
-            raise RuntimeError("score() needs an empty pending area; commit() the last tree first")
-        return self.extend(tree.tokens, tree.parents)
+        return score_many([(self, tree)])[0]
 
     def extend(self, tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
         """Feed new pending nodes (level-by-level drafting); their logits `[n, V]`.
@@ -93,6 +92,10 @@ class Runner(ABC):
         `parents[i]` is the pending index of node i's parent: an earlier pending node, a node
         earlier in this call (`n_pending + j`, j < i), or -1 to continue the committed prefix.
         """
+        return extend_many([(self, tokens, parents)])[0]
+
+    def _plan(self, tokens: Sequence[int], parents: Sequence[int]) -> Feed:
+        """Record new pending nodes and say what to feed for them (no forward yet)."""
         n, p0, c = len(tokens), self.n_pending, self.n_committed
         if n == 0 or len(parents) != n:
             raise ValueError(f"extend() needs one parent per token, got {n} tokens, {len(parents)} parents")
@@ -110,9 +113,7 @@ class Runner(ABC):
         new = ancestor_rows(ids[2], p0, max(self._depths[p0:]))  # [n, P] ancestor-or-self of the new nodes
         visible = torch.ones(n, c + p0 + n, dtype=torch.bool, device=self.device)  # [n, S + n]
         visible[:, c:] = new
-        logits = self._forward(ids[0, p0:], ids[1, p0:], visible, need_logits=True)
-        self.forwards += 1
-        return logits
+        return Feed(ids[0, p0:], ids[1, p0:], visible)
 
     def commit(self, nodes: Sequence[int]) -> None:
         """Commit the chain of pending `nodes` (root level first); drop every other pending node."""
@@ -150,3 +151,66 @@ class Runner(ABC):
 
     def _truncate(self, n_slots: int) -> None:
         """Drop every cache slot from `n_slots` on (a static cache just forgets them)."""
+
+    # ---- batching ----------------------------------------------------------------------------
+    def lanes(self, n: int) -> list[Runner]:
+        """`n` runners of this very model, each with a cache of its own (one per request of a
+        batch). A backend whose lanes can share one forward (`_forward_many`) returns them so;
+        by default each lane is a copy made by `_new_lane` and runs its own forwards."""
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"lanes() needs n >= 1, got {n!r}")
+        return [self._new_lane() for _ in range(n)]
+
+    def _new_lane(self) -> Runner:
+        raise NotImplementedError(f"{type(self).__name__} cannot make lanes for batched decoding; implement _new_lane()")
+
+    @classmethod
+    def _forward_many(cls, runners: list[Runner], feeds: list[Feed], need_logits: bool) -> list[torch.Tensor | None]:
+        """One `_forward` per runner; a backend whose lanes share a batched forward overrides
+        this (`runners` are all of this class)."""
+        return [r._forward(f.tokens, f.positions, f.visible, need_logits) for r, f in zip(runners, feeds)]
+
+
+def extend_many(jobs: Sequence[tuple[Runner, Sequence[int], Sequence[int]]]) -> list[torch.Tensor]:
+    """`runner.extend(tokens, parents)` for every job; logits `[n_i, V]` per job. Lanes of one
+    batched backend (see `Runner.lanes`) run in ONE forward; others one after another."""
+    feeds = [runner._plan(tokens, parents) for runner, tokens, parents in jobs]
+    return _run([r for r, _, _ in jobs], feeds, need_logits=True)
+
+
+def score_many(jobs: Sequence[tuple[Runner, TokenTree]]) -> list[torch.Tensor]:
+    """`runner.score(tree)` for every job, in one forward where the runners allow it."""
+    for runner, _ in jobs:
+        if runner._tokens:
+            raise RuntimeError("score() needs an empty pending area; commit() the last tree first")
+    return extend_many([(runner, tree.tokens, tree.parents) for runner, tree in jobs])
+
+
+def prefill_many(jobs: Sequence[tuple[Runner, Sequence[int]]]) -> None:
+    """`runner.prefill(tokens)` for every job (ragged lengths: packed, never padded)."""
+    for runner, _ in jobs:
+        if runner._tokens:
+            raise RuntimeError("prefill() with pending tree nodes; commit() them first")
+    jobs = [(r, [int(t) for t in tokens]) for r, tokens in jobs if len(tokens)]
+    feeds = []
+    for runner, tokens in jobs:
+        runner._check_positions(runner.n_committed + len(tokens) - 1)
+        c = runner.n_committed
+        ids = torch.tensor([tokens, list(range(c, c + len(tokens)))], device=runner.device)  # [2, n]
+        feeds.append(Feed(ids[0], ids[1], None))
+    _run([r for r, _ in jobs], feeds, need_logits=False)
+    for runner, tokens in jobs:
+        runner.committed.extend(tokens)
+
+
+def _run(runners: list[Runner], feeds: list[Feed], need_logits: bool) -> list[torch.Tensor | None]:
+    """Forward `feeds`, grouping runners by class so a batched backend sees all its lanes."""
+    out: list[torch.Tensor | None] = [None] * len(runners)
+    by_class: dict[type, list[int]] = {}
+    for i, r in enumerate(runners):
+        by_class.setdefault(type(r), []).append(i)
+    for cls, idx in by_class.items():
+        for i, logits in zip(idx, cls._forward_many([runners[i] for i in idx], [feeds[i] for i in idx], need_logits)):
+            out[i] = logits
+            runners[i].forwards += 1
+    return out

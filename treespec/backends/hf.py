@@ -38,6 +38,9 @@ class HFRunner(Runner):
         self.device, self.dtype = param.device, param.dtype
         super().__init__()
 
+    def _new_lane(self) -> HFRunner:
+        return HFRunner(self.model)  # the modules are shared; each lane has its own DynamicCache
+
     def _reset_cache(self) -> None:
         from transformers import DynamicCache
 

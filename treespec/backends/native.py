@@ -8,14 +8,18 @@ HF model (`NativeRunner.from_hf`) or straight from a local safetensors checkpoin
 Anything else is refused by `unsupported_reason(config)`, so callers fall back to the HF
 runner instead of getting a wrong answer.
 
-The KV cache is one preallocated tensor
+The KV cache is one preallocated tensor (a `KVPool`)
 
-    kv [L, 2, 1, Hkv, cap, D]     layer, (key | value), batch, kv head, slot, head dim
+    kv [L, 2, R, Hkv, cap, D]     layer, (key | value), lane, kv head, slot, head dim
 
-written by slot index. `kv[l, 0]` / `kv[l, 1]` are layer l's keys / values as [1, Hkv, cap, D],
-the layout SDPA reads; moving slots (commit) is one gather over every layer at once. The
-capacity doubles (capped near max_positions) when a forward would overflow it, so a 128k-token
-model does not allocate 128k slots up front.
+written by slot index. `kv[l, 0]` / `kv[l, 1]` are layer l's keys / values as [R, Hkv, cap, D],
+the layout SDPA reads; moving slots (commit) is one gather over every layer at once. A runner
+is one lane (row) of a pool: a single sequence has a pool of one; `runner.lanes(R)` makes R
+runners over one pool of R rows, one per request of a batch, and their forwards run as ONE
+packed forward (`_forward_many`): the new tokens of every lane go through the projections and
+the MLP as one [T, hidden] matrix, only attention pads them to [R, n_max] against each lane's
+own cache row. The capacity doubles (capped near max_positions) when a forward would overflow
+it, so a 128k-token model does not allocate 128k slots up front.
 
 Numerics mirror HF's Llama exactly where it matters for parity: RoPE cos/sin from float32
 inverse frequencies, cast to the compute dtype; RMSNorm statistics in float32 (even for
@@ -24,6 +28,7 @@ float64 models) and the weight applied in the input dtype; logits in the model d
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import dataclass
@@ -33,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import cascade_attention, flash_available, flash_prefix_attention
-from .base import Runner
+from .base import Feed, Runner
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 INITIAL_CAPACITY = 256  # cache slots allocated before the first growth
@@ -181,6 +186,41 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
+# ---- the KV cache -----------------------------------------------------------------------------
+class KVPool:
+    """The static KV cache of `rows` lanes of one model, and the RoPE tables of its positions."""
+
+    def __init__(self, shape: LlamaShape, rows: int, inv_freq: torch.Tensor, dtype: torch.dtype, device: torch.device):
+        self.shape, self.rows, self.inv_freq, self.dtype, self.device = shape, rows, inv_freq, dtype, device
+        self.kv = torch.zeros(0, device=device, dtype=dtype)
+        self.capacity = 0
+        self.grow(min(INITIAL_CAPACITY, shape.max_positions or INITIAL_CAPACITY))
+
+    def grow(self, capacity: int) -> None:
+        """Reallocate for `capacity` slots per lane (keeping what the cache holds) and the RoPE
+        tables for positions [0, capacity): positions never exceed the slot count."""
+        s, old = self.shape, self.kv
+        self.kv = torch.zeros(s.layers, 2, self.rows, s.kv_heads, capacity, s.head_dim, device=self.device, dtype=self.dtype)
+        if old.numel():
+            self.kv[..., : old.shape[-2], :] = old
+        # as HF's rotary embedding: float32 angles, cos/sin, then the compute dtype
+        pos = torch.arange(capacity, device=self.device)
+        freqs = pos.float()[:, None] * self.inv_freq[None]  # [cap, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [cap, D]
+        self.cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)  # [cap, D]
+        half = s.head_dim // 2
+        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # [cap, D], see rotate()
+        # per-layer views of the cache, [R, Hkv, cap, D] each: no indexing chain in the hot loop
+        self.k_cache, self.v_cache = list(self.kv[:, 0]), list(self.kv[:, 1])
+        self.capacity = capacity
+
+    def fit(self, slots: int) -> None:
+        """Make room for `slots` slots per lane."""
+        if slots > self.capacity:
+            cap = self.shape.max_positions or 2 * self.capacity
+            self.grow(max(slots, min(2 * self.capacity, cap)))
+
+
 # ---- the runner ------------------------------------------------------------------------------
 class NativeRunner(Runner):
     """A Llama-architecture causal LM as plain tensors over a static KV cache."""
@@ -247,8 +287,7 @@ class NativeRunner(Runner):
         # block is a small masked attention merged by log-sum-exp (attention.cascade_attention).
         self.flash = dtype in (torch.float16, torch.bfloat16) and flash_available(self.device)
         self.prefix_attention = flash_prefix_attention
-        self.kv = torch.zeros(0, device=self.device, dtype=dtype)
-        self._grow(min(INITIAL_CAPACITY, s.max_positions or INITIAL_CAPACITY))
+        self.pool, self.row = KVPool(s, 1, self.inv_freq, dtype, self.device), 0  # this runner's cache: row 0 of a pool of one
         super().__init__()
 
     # ---- constructors ----------------------------------------------------------------------
@@ -295,23 +334,28 @@ class NativeRunner(Runner):
         return cls(shape, weights, eos_ids, dtype, device)
 
     # ---- the KV cache ---------------------------------------------------------------------
-    def _grow(self, capacity: int) -> None:
-        """Reallocate the cache for `capacity` slots (keeping what it holds) and the RoPE table
-        for positions [0, capacity): positions never exceed the slot count."""
-        s, old = self.shape, self.kv
-        self.kv = torch.zeros(s.layers, 2, 1, s.kv_heads, capacity, s.head_dim, device=self.device, dtype=self.dtype)
-        if old.numel():
-            self.kv[..., : old.shape[-2], :] = old
-        # as HF's rotary embedding: float32 angles, cos/sin, then the compute dtype
-        pos = torch.arange(capacity, device=self.device)
-        freqs = pos.float()[:, None] * self.inv_freq[None]  # [cap, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [cap, D]
-        self.cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)  # [cap, D]
-        half = s.head_dim // 2
-        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # [cap, D], see rotate()
-        # per-layer views of the cache, [1, Hkv, cap, D] each: no indexing chain in the hot loop
-        self.k_cache, self.v_cache = list(self.kv[:, 0]), list(self.kv[:, 1])
-        self.capacity = capacity
+    @property
+    def kv(self) -> torch.Tensor:
+        """This lane's cache, [L, 2, 1, Hkv, cap, D] (a view of its pool)."""
+        return self.pool.kv[:, :, self.row : self.row + 1]
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.capacity
+
+    def lanes(self, n: int) -> list[NativeRunner]:
+        """`n` runners sharing this one's weights over a new pool of `n` rows: their forwards
+        in `extend_many` / `prefill_many` run as one packed forward."""
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"lanes() needs n >= 1, got {n!r}")
+        pool = KVPool(self.shape, n, self.inv_freq, self.dtype, self.device)
+        out = []
+        for row in range(n):
+            lane = copy.copy(self)  # weights shared; bookkeeping reset below
+            lane.pool, lane.row, lane.forwards = pool, row, 0
+            lane.reset()
+            out.append(lane)
+        return out
 
     def _reset_cache(self) -> None:
         self.filled = 0  # slots [0, filled) hold keys and values
@@ -322,46 +366,90 @@ class NativeRunner(Runner):
         # then write them right after the committed prefix
         c, k = self.n_committed, len(nodes)
         idx = torch.tensor(nodes, dtype=torch.long, device=self.device) + c  # [k]
-        self.kv[..., c : c + k, :] = self.kv.index_select(-2, idx)  # [L, 2, 1, Hkv, k, D]
+        kv = self.pool.kv[:, :, self.row]  # [L, 2, Hkv, cap, D]
+        kv[..., c : c + k, :] = kv.index_select(-2, idx)
 
     def _truncate(self, n_slots: int) -> None:
         self.filled = n_slots  # a static cache just forgets the rest
 
     # ---- the forward ----------------------------------------------------------------------
-    @torch.inference_mode()
     def _forward(self, tokens, positions, visible, need_logits):
-        s, n, S = self.shape, tokens.shape[0], self.filled
-        if visible is not None and visible.shape[-1] != S + n:
-            raise RuntimeError(f"mask covers {visible.shape[-1]} slots, the cache holds {S} + {n} new")
-        if S + n > self.capacity:
-            cap = max(S + n, min(2 * self.capacity, s.max_positions or 2 * self.capacity))
-            self._grow(cap)
-        Hq, Hkv, D = s.heads, s.kv_heads, s.head_dim
-        g = Hq // Hkv  # query heads per kv head
+        return self._forward_many([self], [Feed(tokens, positions, visible)], need_logits)[0]
 
-        # The attention pattern over slots [0, S+n). A node continuing the committed prefix
-        # with nothing else pending sees everything: no mask (the decode fast path). A prefill
-        # is causal after the S cached slots. Trees bring their ancestor mask.
+    @classmethod
+    def _forward_many(cls, runners, feeds, need_logits):
+        """Lanes of one pool run as one packed forward; lanes of different pools one forward each."""
+        out: list[torch.Tensor | None] = [None] * len(runners)
+        by_pool: dict[int, list[int]] = {}
+        for i, r in enumerate(runners):
+            by_pool.setdefault(id(r.pool), []).append(i)
+        for idx in by_pool.values():
+            lanes = [runners[i] for i in idx]
+            if len({lane.row for lane in lanes}) < len(lanes):
+                raise RuntimeError("one forward cannot feed the same lane twice")
+            for i, logits in zip(idx, lanes[0]._packed_forward(lanes, [feeds[i] for i in idx], need_logits)):
+                out[i] = logits
+        return out
+
+    @torch.inference_mode()
+    def _packed_forward(self, lanes: list[NativeRunner], feeds: list[Feed], need_logits: bool) -> list[torch.Tensor | None]:
+        """Feed every lane's new tokens (lanes of this runner's pool) in one forward; logits
+        [n_i, V] per lane. T = the new tokens of all lanes, packed."""
+        s, pool = self.shape, self.pool
+        ns, starts = [f.tokens.shape[0] for f in feeds], [lane.filled for lane in lanes]
+        for f, S, n in zip(feeds, starts, ns):
+            if f.visible is not None and f.visible.shape[-1] != S + n:
+                raise RuntimeError(f"mask covers {f.visible.shape[-1]} slots, the cache holds {S} + {n} new")
+        pool.fit(max(S + n for S, n in zip(starts, ns)))
+        Hq, Hkv, D = s.heads, s.kv_heads, s.head_dim
+        one = len(lanes) == 1
+        tokens = feeds[0].tokens if one else torch.cat([f.tokens for f in feeds])  # [T]
+        positions = feeds[0].positions if one else torch.cat([f.positions for f in feeds])  # [T]
+        attend = self._lane_attention(feeds[0], starts[0]) if one else _PackedAttention(lanes, feeds, starts, Hq)
+        T = tokens.shape[0]
+
+        cos, sin = pool.cos[positions][:, None], pool.sin_signed[positions][:, None]  # [T, 1, D]
+        x = self._embed(tokens)  # [T, hidden]
+        for layer, k_cache, v_cache in zip(self.layers, pool.k_cache, pool.v_cache):
+            # attention: fused q/k/v projection, RoPE on q and k together, k and v into the cache
+            h = rms_norm(x, layer.attn_norm, s.eps)
+            qkv = h @ layer.wqkv if layer.bqkv is None else torch.addmm(layer.bqkv, h, layer.wqkv)  # [T, (Hq+2Hkv)*D]
+            qkv = qkv.view(T, Hq + 2 * Hkv, D)
+            qk = rotate(qkv[:, : Hq + Hkv], cos, sin)  # [T, Hq+Hkv, D]
+            o = attend(qk[:, :Hq], qk[:, Hq:], qkv[:, Hq + Hkv :], k_cache, v_cache)  # [T, Hq*D]
+            x = x + (o @ layer.wo if layer.bo is None else torch.addmm(layer.bo, o, layer.wo))
+
+            # MLP: fused gate/up projection, SiLU gate, down projection
+            h = rms_norm(x, layer.mlp_norm, s.eps)
+            gate, up = (h @ layer.w_gate_up).chunk(2, dim=-1)  # [T, I] each
+            x = x + (F.silu(gate) * up) @ layer.w_down
+        for lane, S, n in zip(lanes, starts, ns):
+            lane.filled = S + n
+        if not need_logits:
+            return [None] * len(lanes)
+        logits = rms_norm(x, self.norm, s.eps) @ self.lm_head  # [T, V]
+        return [logits] if one else list(logits.split(ns))
+
+    def _lane_attention(self, feed: Feed, S: int):
+        """Attention of one lane's n new tokens over its slots [0, S+n): keys and values written
+        into its cache row, SDPA over the row. A node continuing the committed prefix with
+        nothing else pending sees everything: no mask (the decode fast path). A prefill is
+        causal after the S cached slots. Trees bring their ancestor mask."""
+        n, r, Hq, Hkv, D = feed.tokens.shape[0], self.row, self.shape.heads, self.shape.kv_heads, self.shape.head_dim
+        g = Hq // Hkv  # query heads per kv head
         mask, cascade = None, False
-        if visible is None:
+        if feed.visible is None:
             if n > 1:
                 mask = torch.ones(n, S + n, dtype=torch.bool, device=self.device).tril(S)  # [n, S+n]
         elif n > 1 or S != self.n_committed:
-            mask = visible  # [n, S+n]
+            mask = feed.visible  # [n, S+n]
             cascade = self.flash and self.n_committed > 0
 
-        cos, sin = self.cos[positions], self.sin_signed[positions]  # [n, D]
-        x = self._embed(tokens)  # [n, hidden]
-        for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
-            # attention: fused q/k/v projection, RoPE on q and k together, k and v into the cache
-            h = rms_norm(x, layer.attn_norm, s.eps)
-            qkv = h @ layer.wqkv if layer.bqkv is None else torch.addmm(layer.bqkv, h, layer.wqkv)  # [n, (Hq+2Hkv)*D]
-            qkv = qkv.view(n, Hq + 2 * Hkv, D).transpose(0, 1)  # [Hq+2Hkv, n, D]
-            qk = rotate(qkv[: Hq + Hkv], cos, sin)  # [Hq+Hkv, n, D]
-            k_cache[0, :, S : S + n] = qk[Hq:]
-            v_cache[0, :, S : S + n] = qkv[Hq + Hkv :]
-            q = qk[:Hq][None]  # [1, Hq, n, D]
-            keys, values = k_cache[:, :, : S + n], v_cache[:, :, : S + n]  # [1, Hkv, S+n, D]
+        def attend(q, k, v, k_cache, v_cache):  # q [n, Hq, D], k and v [n, Hkv, D]
+            k_cache[r, :, S : S + n] = k.transpose(0, 1)
+            v_cache[r, :, S : S + n] = v.transpose(0, 1)
+            q = q.transpose(0, 1)[None]  # [1, Hq, n, D]
+            keys, values = k_cache[r : r + 1, :, : S + n], v_cache[r : r + 1, :, : S + n]  # [1, Hkv, S+n, D]
             # GQA in SDPA, the fastest of three on this CPU (2 cores, AMD EPYC with avx512_bf16;
             # us per call over a 128-slot prefix, target heads 8/2 x 64, 1 thread): unmasked
             # n=1 -> fold the g query heads sharing a kv head into the query axis (fp32 13.9,
@@ -376,23 +464,51 @@ class NativeRunner(Runner):
                 o = F.scaled_dot_product_attention(qg, keys, values, scale=D**-0.5)
             else:
                 o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=D**-0.5, enable_gqa=True)
-            o = o.view(Hq, n, D).transpose(0, 1).reshape(n, Hq * D)  # [n, Hq*D]
-            x = x + (o @ layer.wo if layer.bo is None else torch.addmm(layer.bo, o, layer.wo))
+            return o.view(Hq, n, D).transpose(0, 1).reshape(n, Hq * D)  # [n, Hq*D]
 
-            # MLP: fused gate/up projection, SiLU gate, down projection
-            h = rms_norm(x, layer.mlp_norm, s.eps)
-            gate, up = (h @ layer.w_gate_up).chunk(2, dim=-1)  # [n, I] each
-            x = x + (F.silu(gate) * up) @ layer.w_down
-        self.filled = S + n
-        if not need_logits:
-            return None
-        return rms_norm(x, self.norm, s.eps) @ self.lm_head  # [n, V]
+        return attend
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """[n] token ids -> [n, hidden]: rows of the embedding, or columns of a tied lm_head."""
         if self.embed is None:
             return self.lm_head.index_select(1, tokens).t().contiguous()  # row-major, as BLAS sees HF's
         return F.embedding(tokens, self.embed)
+
+
+class _PackedAttention:
+    """Attention for several lanes' packed tokens: keys and values written into each lane's
+    row at its own slots; queries padded to [B, n_max] (the only padding in a packed forward)
+    with each lane's mask over its own row; outputs unpadded back to [T, Hq*D]."""
+
+    def __init__(self, lanes: list[NativeRunner], feeds: list[Feed], starts: list[int], heads: int):
+        device, ns = lanes[0].device, [f.tokens.shape[0] for f in feeds]
+        B, n_max = len(lanes), max(ns)
+        self.span = max(S + n for S, n in zip(starts, ns))  # key slots any lane reads
+        rows = [lane.row for lane in lanes]
+        idx = torch.tensor(
+            [[rows[b], S + i, b * n_max + i] for b, (S, n) in enumerate(zip(starts, ns)) for i in range(n)], device=device
+        ).T  # [3, T]: lane row, cache slot and padded index of every new token
+        self.row_of, self.slot_of = idx[0], idx[1]
+        self.padded = None if min(ns) == n_max else idx[2]  # equal sizes: no padding at all
+        self.rows = slice(rows[0], rows[0] + B) if rows == list(range(rows[0], rows[0] + B)) else torch.tensor(rows, device=device)
+        self.mask = torch.zeros(B, 1, n_max, self.span, dtype=torch.bool, device=device)  # [B, 1, n_max, span]
+        for b, (f, S, n) in enumerate(zip(feeds, starts, ns)):
+            causal = torch.ones(n, S + n, dtype=torch.bool, device=device).tril(S)
+            self.mask[b, 0, :n, : S + n] = causal if f.visible is None else f.visible
+            self.mask[b, 0, n:, 0] = True  # padding rows attend somewhere (no NaN); their output is dropped
+        self.B, self.n_max, self.heads = B, n_max, heads
+
+    def __call__(self, q, k, v, k_cache, v_cache):  # q [T, Hq, D], k and v [T, Hkv, D]
+        B, n_max, Hq, D = self.B, self.n_max, self.heads, q.shape[-1]
+        k_cache[self.row_of, :, self.slot_of] = k
+        v_cache[self.row_of, :, self.slot_of] = v
+        keys, values = k_cache[self.rows, :, : self.span], v_cache[self.rows, :, : self.span]  # [B, Hkv, span, D]
+        if self.padded is not None:
+            q = q.new_zeros(B * n_max, Hq, D).index_copy_(0, self.padded, q)
+        q = q.view(B, n_max, Hq, D).transpose(1, 2)  # [B, Hq, n_max, D]
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, scale=D**-0.5, enable_gqa=True)
+        o = o.transpose(1, 2).reshape(B * n_max, Hq * D)  # [B*n_max, Hq*D]
+        return o if self.padded is None else o.index_select(0, self.padded)  # [T, Hq*D]
 
 
 def read_json(path: Path) -> dict:

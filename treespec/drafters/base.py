@@ -3,13 +3,30 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
 
-from ..backends.base import Runner
+import torch
+
+from ..backends.base import Runner, extend_many
 from ..config import SamplingConfig
 from ..proposal import DraftTree
 from ..rng import Rng
 from ..verify import Walk
+
+
+@dataclass(frozen=True)
+class DraftForward:
+    """A draft forward a drafter asks for: `runner.extend(tokens, parents)`."""
+
+    runner: Runner
+    tokens: list[int]
+    parents: list[int]
+
+
+# propose() one draft forward at a time: yields each DraftForward, is sent its logits [n, V],
+# returns the tree
+ProposeSteps = Generator[DraftForward, torch.Tensor, DraftTree]
 
 
 class Drafter(ABC):
@@ -29,6 +46,13 @@ class Drafter(ABC):
     def propose(self, context: Sequence[int], depth: int) -> DraftTree:
         """A tree rooted at `context[-1]` (the last committed token), at most `depth` deep."""
 
+    def propose_steps(self, context: Sequence[int], depth: int) -> ProposeSteps:
+        """`propose()` as a generator over its draft forwards, so that a batch of requests
+        runs each depth's draft forward once for all of them (`propose_many`). A drafter
+        without a draft model has none to share: by default it proposes at once."""
+        yield from ()
+        return self.propose(context, depth)
+
     def observe(self, draft: DraftTree, walk: Walk) -> None:
         """Feedback after verification of `draft` (keep caches in sync, adapt). Optional."""
 
@@ -38,3 +62,24 @@ class Drafter(ABC):
         Override to report others."""
         runner = getattr(self, "runner", None)
         return [runner] if isinstance(runner, Runner) else []
+
+
+def propose_many(steps: Sequence[ProposeSteps]) -> list[DraftTree]:
+    """Drive several drafters' `propose_steps` together: each round of their pending draft
+    forwards runs through `extend_many`, so lanes of one batched runner share ONE forward."""
+    trees: list[DraftTree | None] = [None] * len(steps)
+    asks: dict[int, DraftForward] = {}
+
+    def advance(i: int, logits: torch.Tensor | None) -> None:
+        try:
+            asks[i] = steps[i].send(logits)
+        except StopIteration as done:
+            trees[i] = done.value
+
+    for i in range(len(steps)):
+        advance(i, None)
+    while asks:
+        batch, asks = list(asks.items()), {}
+        for (i, _), logits in zip(batch, extend_many([(a.runner, a.tokens, a.parents) for _, a in batch])):
+            advance(i, logits)
+    return trees

@@ -16,7 +16,7 @@ from ..proposal import DraftTree, ProposalGroup
 from ..rng import Rng
 from ..tree import TokenTree
 from ..verify import Walk
-from .base import Drafter
+from .base import Drafter, ProposeSteps, propose_many
 
 
 class MergedDrafter(Drafter):
@@ -30,12 +30,15 @@ class MergedDrafter(Drafter):
             d.start(prompt, sampling, rng)
 
     def propose(self, context: Sequence[int], depth: int) -> DraftTree:
+        return propose_many([self.propose_steps(context, depth)])[0]
+
+    def propose_steps(self, context: Sequence[int], depth: int) -> ProposeSteps:
         tokens, parents = [int(context[-1])], [-1]
         index: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
         groups: list[ProposalGroup] = []
         self._parts: list[tuple[DraftTree, list[int]]] = []
         for drafter in self.drafters:
-            part = drafter.propose(context, depth)
+            part = yield from drafter.propose_steps(context, depth)
             to_merged = [0]
             for i in range(1, len(part.tree)):
                 key = (to_merged[part.tree.parents[i]], part.tree.tokens[i])

@@ -28,7 +28,7 @@ from ..sampling import check_finite, probs
 from ..tree import TokenTree
 from ..verify import Walk
 from ..vocab import fit_logits
-from .base import Drafter
+from .base import DraftForward, Drafter, ProposeSteps, propose_many
 
 
 @dataclass
@@ -61,6 +61,9 @@ class ModelDrafter(Drafter):
         self.runner.prefill(list(prompt[:-1]))
 
     def propose(self, context: Sequence[int], depth: int) -> DraftTree:
+        return propose_many([self.propose_steps(context, depth)])[0]
+
+    def propose_steps(self, context: Sequence[int], depth: int) -> ProposeSteps:
         depth = min(depth, self.depth)
         self._round_depth = depth
         run = self.runner
@@ -73,7 +76,7 @@ class ModelDrafter(Drafter):
                 f"the target emitted token id {max(chain)}, a padding id beyond the draft model's {run.vocab_size} rows; "
                 f"this draft cannot continue the sequence (use drafter='ngram' or a draft with the target's rows)"
             )
-        logits = run.extend(chain, list(range(-1, len(chain) - 1)))  # pending nodes 0 .. len-1
+        logits = yield DraftForward(run, chain, list(range(-1, len(chain) - 1)))  # pending nodes 0 .. len-1
         self._chain = list(range(len(chain)))
         nodes = [_Node(token=chain[-1], parent=-1, log_score=0.0)]
         self._attach([nodes[0]], self._chain[-1], logits[-1:])
@@ -88,7 +91,7 @@ class ModelDrafter(Drafter):
                 break
             # 3. one draft forward over the whole next frontier
             first = run.n_pending
-            logits = run.extend([nodes[n].token for n in frontier], [nodes[nodes[n].parent].pending for n in frontier])
+            logits = yield DraftForward(run, [nodes[n].token for n in frontier], [nodes[nodes[n].parent].pending for n in frontier])
             self._attach([nodes[n] for n in frontier], first, logits)
 
         if self.config.strategy == "dynamic":
