@@ -77,10 +77,10 @@ class Engine:
         self._next_id = 0
 
     # ---- the public API -------------------------------------------------------------------
-    def add(self, prompt, **settings) -> int:
+    def add(self, prompt, max_new_tokens: int = 128, **settings) -> int:
         """Queue a request (`generate()`'s arguments); its id. Bad input raises ValueError
         here, before anything runs; other requests are untouched."""
-        request = self.decoder._request(self._next_id, prompt, **settings)
+        request = self.decoder._request(self._next_id, prompt, max_new_tokens, **settings)
         if self.max_kv_tokens is not None and request.slots > self.max_kv_tokens:
             raise ValueError(
                 f"the request needs up to {request.slots} KV cache slots (prompt {len(request.prompt)} + max_new_tokens "

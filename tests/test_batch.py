@@ -1,0 +1,269 @@
+"""Batched decoding: every request of a batch gets exactly what it would get alone.
+
+`generate_batch()` and `SpeculativeDecoder.engine()` run many requests through one loop, one
+target forward per round for all of them. Nothing a request computes may depend on the
+others: its draws come from its own seeded generator in the same order as alone, and its
+forwards see only its own cache row. float64 tiny models, so that a packed forward and a
+lone forward cannot disagree on a coin or an argmax through rounding.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
+from treespec.backends.native import NativeRunner
+
+from .conftest import VOCAB, perturbed, tiny_llama
+from .test_exact_enumeration import PROMPT as TOY_PROMPT
+from .test_exact_enumeration import SAMPLINGS as TOY_SAMPLINGS
+from .test_exact_enumeration import pair as toy_pair
+from .test_monte_carlo import K as MC_K
+from .test_monte_carlo import PROMPT as MC_PROMPT
+from .test_monte_carlo import V as MC_V
+from .test_monte_carlo import chi2_pvalue, exact_joint
+from .test_runner import assert_cache_equals_prefill
+from .toy import TableRunner, enumerate_outcomes, max_abs_diff
+
+GREEDY = SamplingConfig(temperature=0)
+T1 = SamplingConfig(temperature=1.0)
+T07 = SamplingConfig(temperature=0.7, top_p=0.9)
+# ragged prompt lengths, 1 to 23 tokens
+PROMPTS = [[(5 * i + 3 * j) % (VOCAB - 2) + 2 for j in range(1 + (i * 7) % 23)] for i in range(7)]
+# (tree, sampling, max_new_tokens, seed): mixed trees, sampling configs and lengths
+REQUESTS = [
+    (TreeConfig(1, 4), GREEDY, 20, 0),
+    (TreeConfig(2, 3), T1, 13, 1),
+    (None, T07, 9, 2),
+    (TreeConfig(3, 3, "without_replacement"), T07, 24, 3),
+    (TreeConfig(2, 4, "topk"), GREEDY, 5, 4),
+    (TreeConfig(2, 2, adaptive="hf", depth_min=1, depth_max=5), T1, 17, 5),
+    (TreeConfig(1, 6), T1, 30, 6),
+]
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_llama(0)
+    return target, perturbed(target, noise=0.3, seed=1)
+
+
+def alone(dec: SpeculativeDecoder, i: int, **extra):
+    tree, sampling, n, seed = REQUESTS[i]
+    return dec.generate(PROMPTS[i], n, tree=tree, sampling=sampling, seed=seed, **extra)
+
+
+def assert_same(got, want) -> None:
+    assert got.token_ids == want.token_ids
+    assert got.sources == want.sources
+    assert got.finish_reason == want.finish_reason
+    assert got.verification == want.verification
+    for name in ("target_steps", "tokens", "tree_nodes", "accepted_by_depth", "attempted_by_depth", "draft_forwards"):
+        assert getattr(got.stats, name) == getattr(want.stats, name), name
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+@pytest.mark.parametrize("max_batch", [16, 3])
+def test_each_request_of_a_batch_equals_it_alone(models, backend, max_batch):
+    """Mixed prompt lengths, trees (incl. plain decoding), greedy and sampled configs, and
+    lengths that finish requests at different rounds; with max_batch=3 requests also wait
+    for lanes and join a running batch."""
+    dec = SpeculativeDecoder(*models, backend=backend)
+    want = [alone(dec, i) for i in range(len(REQUESTS))]
+    trees, samplings, lengths, seeds = (list(x) for x in zip(*REQUESTS))
+    got = dec.generate_batch(PROMPTS, max_new_tokens=lengths, tree=trees, sampling=samplings, seeds=seeds, max_batch=max_batch)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert_same(g, w)
+    assert len({len(w.token_ids) for w in want}) > 3  # the requests really finished at different rounds
+
+
+def test_one_target_forward_per_round_for_all_requests(models, monkeypatch):
+    """Native lanes share one packed forward: the target model runs once per round (plus one
+    prefill), not once per request, and the draft once per depth."""
+    calls = []
+    packed = NativeRunner._packed_forward
+
+    def counting(self, lanes, feeds, need_logits):
+        calls.append((id(self.pool), len(lanes), [f.tokens.shape[0] for f in feeds]))
+        return packed(self, lanes, feeds, need_logits)
+
+    monkeypatch.setattr(NativeRunner, "_packed_forward", counting)
+    dec = SpeculativeDecoder(*models, backend="native")
+    tree = TreeConfig(2, 3)
+    outs = dec.generate_batch(PROMPTS[:4], max_new_tokens=12, tree=tree, sampling=T1, seeds=[0, 1, 2, 3], ignore_eos=True)
+    target_pool = id(dec._lanes(4)[0][0].pool)
+    target_calls = [c for c in calls if c[0] == target_pool]
+    rounds = max(o.stats.target_steps for o in outs)
+    assert len(target_calls) == rounds + 1  # one prefill for all four, then one forward per round
+    assert max(n for _, n, _ in target_calls) == 4  # the four requests' trees in one forward
+    draft_calls = [c for c in calls if c[0] != target_pool]
+    assert max(n for _, n, _ in draft_calls) == 4
+    assert len(draft_calls) <= 1 + rounds * (tree.depth + 1)  # a prefill, then (catch-up +) one per depth
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_engine_add_step_stream_cancel(models, backend):
+    """Continuous batching: requests join between rounds, stream, and one is cancelled
+    mid-flight; the others are untouched and the caches of every lane stay exact."""
+    target, draft = models
+    dec = SpeculativeDecoder(target, draft, backend=backend)
+    eng = dec.engine(max_live=2)
+    streamed: dict[int, list[int]] = {0: [], 1: [], 3: []}
+    ids = {}
+    for i in (0, 1, 3):
+        tree, sampling, n, seed = REQUESTS[i]
+        ids[i] = eng.add(PROMPTS[i], max_new_tokens=n, tree=tree, sampling=sampling, seed=seed,
+                         on_tokens=lambda toks, src, i=i: streamed[i].extend(toks))
+    eng.step()
+    assert [eng.requests[ids[i]].status for i in (0, 1, 3)] == ["live", "live", "waiting"]
+    eng.step()
+    # every lane's cache equals a fresh prefill of what it committed, mid-batch
+    for lane in eng.targets:
+        assert_cache_equals_prefill(lane, target)
+    part = eng.cancel(ids[1])
+    assert part.finish_reason == "cancelled"
+    full = alone(dec, 1)
+    assert part.token_ids == full.token_ids[: len(part.token_ids)] and part.token_ids
+    late = eng.add(PROMPTS[4], max_new_tokens=REQUESTS[4][2], tree=REQUESTS[4][0], sampling=REQUESTS[4][1], seed=REQUESTS[4][3])
+    outs = eng.run()
+    for i in (0, 3):
+        assert_same(outs[ids[i]], alone(dec, i))
+        assert streamed[i] == outs[ids[i]].token_ids
+    assert_same(outs[late], alone(dec, 4))
+    assert outs[ids[1]] is part
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_caches_after_many_rounds_equal_fresh_prefills(models, backend):
+    target, draft = models
+    dec = SpeculativeDecoder(target, draft, backend=backend)
+    eng = dec.engine(max_live=3)
+    trees = [TreeConfig(2, 3), TreeConfig(3, 2, "without_replacement"), TreeConfig(1, 5)]
+    for i, tree in enumerate(trees):
+        eng.add(PROMPTS[i + 1], max_new_tokens=200, tree=tree, sampling=T1, seed=i, ignore_eos=True)
+    for _ in range(25):
+        eng.step()
+    for lane in eng.targets:
+        assert lane.n_committed > len(PROMPTS[3]) + 25
+        assert_cache_equals_prefill(lane, target)
+    for lane in eng.drafts:
+        assert_cache_equals_prefill(lane, draft)
+
+
+def test_batch_of_two_toy_requests_is_lossless_by_enumeration():
+    """Two requests in one engine, every draw and coin of both enumerated (their choices
+    interleave round by round): the joint of their outputs is the product of the target's
+    joints, for different trees and sampling configs."""
+    target, draft = toy_pair()
+    dec = SpeculativeDecoder(TableRunner(target), TableRunner(draft))
+    a = (TOY_PROMPT, TreeConfig(2, 2), TOY_SAMPLINGS["T1"], 3)
+    b = ((0, 2, 1), TreeConfig(2, 1, "without_replacement"), TOY_SAMPLINGS["T0.6-topk2"], 2)
+
+    def run(rng):
+        eng = dec.engine(max_live=2)
+        ids = [eng.add(list(p), n, tree=t, sampling=s, rng=rng, ignore_eos=True) for p, t, s, n in (a, b)]
+        outs = eng.run()
+        return tuple(tuple(outs[i].token_ids) for i in ids)
+
+    got = enumerate_outcomes(run)
+    ja, jb = (target.joint(tuple(p), n, s) for p, _, s, n in (a, b))
+    want = {(x, y): pa * pb for x, pa in ja.items() for y, pb in jb.items()}
+    assert abs(sum(got.values()) - 1) < 1e-9
+    assert max_abs_diff(got, want) < 1e-9
+
+
+def test_each_request_of_a_batch_matches_the_target_chi_square():
+    """Many seeded requests in batches of 16, two settings interleaved: each setting's
+    K-grams fit the target's exact joint (and clearly not another temperature's)."""
+    target = tiny_llama(3, hidden=32, vocab=MC_V)
+    dec = SpeculativeDecoder(target, perturbed(target, noise=0.5, seed=4), backend="native")
+    settings = [(TreeConfig(3, 2), SamplingConfig(temperature=0.9, top_p=0.9)), (TreeConfig(1, 2), SamplingConfig(temperature=1.2, top_k=5))]
+    n = 600
+    outs = dec.generate_batch([MC_PROMPT] * (2 * n), max_new_tokens=MC_K, tree=[settings[i % 2][0] for i in range(2 * n)],
+                              sampling=[settings[i % 2][1] for i in range(2 * n)], seeds=list(range(2 * n)), ignore_eos=True)
+    for k, (_, sampling) in enumerate(settings):
+        mine = outs[k::2]
+        counts = Counter(tuple(o.token_ids) for o in mine)
+        assert sum(o.sources.count("accepted") for o in mine) > n // 10  # the drafts were used
+        assert chi2_pvalue(counts, exact_joint(target, sampling), n) > 1e-3
+        other = SamplingConfig(temperature=sampling.temperature * 1.6, top_k=sampling.top_k, top_p=sampling.top_p)
+        assert chi2_pvalue(counts, exact_joint(target, other), n) < 1e-3
+
+
+def test_depth_shrinks_near_the_model_limit(models):
+    """A request that runs up to the model's last position finishes with a deep tree instead
+    of failing; its batch neighbour is unaffected."""
+    target, draft = models
+    dec = SpeculativeDecoder(target, draft)
+    limit = target.config.max_position_embeddings
+    long_prompt = [(3 * j) % (VOCAB - 2) + 2 for j in range(limit - 10)]
+    outs = dec.generate_batch([long_prompt, PROMPTS[2]], max_new_tokens=[10, 20], tree=TreeConfig(2, 8), sampling=T1,
+                              seeds=[0, 1], ignore_eos=True)
+    assert [len(o.token_ids) for o in outs] == [10, 20]
+    assert_same(outs[1], dec.generate(PROMPTS[2], 20, tree=TreeConfig(2, 8), sampling=T1, seed=1, ignore_eos=True))
+
+
+def test_kv_budget_makes_requests_wait_not_fail(models):
+    dec = SpeculativeDecoder(*models)
+    tree, sampling = TreeConfig(2, 3), T1
+    need = len(PROMPTS[5]) + 20 + tree.max_depth
+    eng = dec.engine(max_live=4, max_kv_tokens=need + 5)  # room for one request at a time
+    ids = [eng.add(PROMPTS[5], max_new_tokens=20, tree=tree, sampling=sampling, seed=s) for s in range(3)]
+    eng.step()
+    assert len(eng.live) == 1 and len(eng.waiting) == 2 and eng.kv_tokens == need
+    outs = eng.run()
+    for s, i in enumerate(ids):
+        assert_same(outs[i], dec.generate(PROMPTS[5], 20, tree=tree, sampling=sampling, seed=s))
+    with pytest.raises(ValueError, match="max_kv_tokens"):
+        eng.add(PROMPTS[5], max_new_tokens=40, tree=tree)
+
+
+BAD_BATCHES = [
+    (dict(prompts=[]), "empty list"),
+    (dict(prompts="def f():"), "list of prompts"),
+    (dict(prompts=[[2, 3], [4]], seeds=[1]), "seeds has 1 entries for 2 prompts"),
+    (dict(prompts=[[2, 3], [4]], tree=[TreeConfig(1, 2)] * 3), "tree has 3 entries for 2 prompts"),
+    (dict(prompts=[[2, 3], [4]], max_new_tokens=[5]), "max_new_tokens has 1 entries"),
+    (dict(prompts=[[2, 3], [4]], sampling=[T1]), "sampling has 1 entries"),
+    (dict(prompts=[[2, 3], [], [4]]), "request 1: the prompt is empty"),
+    (dict(prompts=[[2, 3], [4, VOCAB + 5]]), r"request 1: prompt token ids \[101\]"),
+    (dict(prompts=[[2, 3], [4]], seeds=[0, -1]), r"request 1: seed must be"),
+    (dict(prompts=[[2, 3], [4]], max_new_tokens=[4, 10_000]), "request 1: prompt .* exceeds"),
+    (dict(prompts=[[2, 3], [4]], max_batch=0), "max_live must be an integer >= 1"),
+    (dict(prompts=[[2, 3], [4]], seeds=7), "seeds must be a list"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD_BATCHES, ids=[m for _, m in BAD_BATCHES])
+def test_bad_batches_are_clear_errors_before_any_work(models, kwargs, message, monkeypatch):
+    dec = SpeculativeDecoder(*models)
+    ran = []
+    monkeypatch.setattr(NativeRunner, "_packed_forward", lambda *a, **k: ran.append(1))
+    with pytest.raises(ValueError, match=message):
+        dec.generate_batch(**kwargs)
+    assert not ran  # nothing ran before the error
+
+
+def test_a_bad_request_added_to_a_running_engine_loses_nothing(models):
+    dec = SpeculativeDecoder(*models)
+    eng = dec.engine(max_live=2)
+    good = eng.add(PROMPTS[1], max_new_tokens=13, tree=REQUESTS[1][0], sampling=T1, seed=1)
+    eng.step()
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        eng.add([], max_new_tokens=5)
+    with pytest.raises(ValueError, match="no request with id"):
+        eng.cancel(99)
+    assert_same(eng.run()[good], alone(dec, 1))
+
+
+def test_a_drafter_instance_cannot_serve_a_batch(models):
+    from treespec.drafters import NgramDrafter
+
+    dec = SpeculativeDecoder(models[0], drafter=NgramDrafter(2))
+    with pytest.raises(ValueError, match="holds one sequence's state"):
+        dec.generate_batch([[2, 3], [4, 5]], tree=TreeConfig(2, 2))
+    assert len(dec.generate_batch([[2, 3], [4, 5]], max_new_tokens=4, tree=TreeConfig(2, 2), max_batch=1)) == 2
