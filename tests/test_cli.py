@@ -83,6 +83,20 @@ def test_bench_with_a_sequoia_shape(capsys, tmp_path):
     assert data["config"]["shape"] == str(shape)
 
 
+def test_bench_batch_size(capsys, tmp_path):
+    """--batch-size 3 over 2 prompts: one batch of 3 requests (prompts cycled); HF generate runs
+    it left-padded, treespec as generate_batch; hf-assisted cannot batch and is skipped."""
+    args = ["bench", "--n-prompts", "2", "--repeats", "1", "--max-new-tokens", "5", "--batch-size", "3",
+            "--methods", "hf,hf-assisted,autoregressive,tree", "--backend", "native", "--json", str(tmp_path / "b.json")]
+    assert main(args) == 0
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert data["config"]["batch_size"] == 3
+    methods = {m["method"]: m for m in data["methods"]}
+    assert set(methods) == {"hf", "autoregressive[native]", "tree[native]"}
+    assert all(len(m["runs"]) == 1 and m["tokens_per_second"] > 0 for m in methods.values())
+    assert methods["tree[native]"]["tokens_per_step"] >= 1
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -98,6 +112,7 @@ def test_bench_with_a_sequoia_shape(capsys, tmp_path):
         (["bench", "--json", "/"], "is a directory"),
         (["bench", "--json", "/nonexistent/dir/b.json"], "directory /nonexistent/dir does not exist"),
         (["bench", "--device", "npu"], "unknown device 'npu'"),
+        (["bench", "--batch-size", "0"], "--batch-size must be >= 1"),
         (["bench", "--methods", "tree,medusa"], "--methods: unknown ['medusa']"),
         (["generate", "x", "--device", "npu"], "unknown device 'npu'"),
         (["generate", "x", "--seed", "-1"], "seed must be None or an integer in [0, 2**64)"),

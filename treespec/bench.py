@@ -133,9 +133,20 @@ def run_bench(
     progress: Callable[[str], None] | None = None,
     config: dict | None = None,
     verifications: Sequence[str] = ("auto",),
+    batch_size: int = 1,
 ) -> BenchResult:
     """Benchmark HF causal LMs `target` and `draft` (HF generate runs them directly; treespec
-    wraps them once per backend)."""
+    wraps them once per backend).
+
+    `batch_size` > 1 times batches instead of single prompts: the prompts, cycled, form
+    batches of `batch_size` requests (ceil(len(prompts) / batch_size) of them); HF runs each as
+    one left-padded `generate()`, treespec as one `generate_batch()`; tokens/s counts every
+    request's tokens over the batch's wall time. HF assisted generation cannot batch and is
+    not run then."""
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if batch_size > 1:
+        methods = [m for m in methods if m != "hf-assisted"]
     unknown = set(methods) - set(METHODS)
     if unknown:
         raise ValueError(f"unknown bench methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
@@ -145,7 +156,9 @@ def run_bench(
     if bad or not verifications:
         raise ValueError(f"unknown verification rules {bad}; choose from auto, token, block, traversal")
     decoders = {b: SpeculativeDecoder(target, draft, tokenizer, drafter=drafter, backend=b) for b in backends}
-    encoded = [tokenizer(p, return_tensors="pt")["input_ids"].to(target.device) for p in prompts]
+    n_batches = -(-len(prompts) // batch_size)
+    batches = [[prompts[(j * batch_size + k) % len(prompts)] for k in range(batch_size)] for j in range(n_batches)]
+    encoded = [_encode(tokenizer, batch, target.device) for batch in batches]  # per batch: input_ids, attention_mask
     # linear: a chain of the tree's depth (a Sequoia shape's chain is its depth, drafted i.i.d.)
     linear = TreeConfig(1, tree.depth, "iid" if tree.strategy in ("sequoia", "dynamic") else tree.strategy)
     trees = {"autoregressive": None, "linear": linear, "tree": tree}
@@ -170,26 +183,36 @@ def run_bench(
     runs: dict[str, list[float]] = {m: [] for m in names}
     totals = {m: GenerationStats() for m in names}  # treespec methods: pooled over runs
     for rep in range(repeats):
-        for i, ids in enumerate(encoded):
+        for i, (ids, attention) in enumerate(encoded):
             for name in names:
                 if progress:
-                    progress(f"repeat {rep + 1}/{repeats} prompt {i + 1}/{len(encoded)} {name}")
-                seed = rep * 1000 + i
+                    progress(f"repeat {rep + 1}/{repeats} batch {i + 1}/{len(encoded)} {name}")
+                seed = rep * 1000 + i * batch_size
                 if name.startswith("hf"):
                     extra = {"assistant_model": draft} if name == "hf-assisted" else {}
                     torch.manual_seed(seed)
                     t0 = time.perf_counter()
                     with torch.inference_mode():
-                        out = target.generate(ids, **hf_kwargs, **extra)
+                        out = target.generate(ids, attention_mask=attention, **hf_kwargs, **extra)
                     _sync(target.device)
-                    runs[name].append((out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0))
+                    runs[name].append(out[:, ids.shape[1] :].numel() / (time.perf_counter() - t0))
+                    continue
+                backend = name[:-1].split("[")[1]
+                method, rule = rules[name]
+                requests = [row[mask.bool()].tolist() for row, mask in zip(ids, attention)]  # padding dropped
+                t0 = time.perf_counter()
+                if batch_size == 1:
+                    outs = [decoders[backend].generate(requests[0], max_new_tokens, tree=trees[method], sampling=sampling,
+                                                       seed=seed, ignore_eos=True, verification=rule)]
                 else:
-                    backend = name[:-1].split("[")[1]
-                    method, rule = rules[name]
-                    out = decoders[backend].generate(ids[0].tolist(), max_new_tokens, tree=trees[method], sampling=sampling,
-                                                     seed=seed, ignore_eos=True, verification=rule)
-                    runs[name].append(out.stats.tokens / out.stats.total_seconds)
-                    totals[name].add(out.stats)
+                    outs = decoders[backend].generate_batch(
+                        requests, max_new_tokens, tree=trees[method], sampling=sampling, verification=rule,
+                        seeds=[seed + k for k in range(batch_size)], ignore_eos=True, max_batch=batch_size,
+                    )
+                _sync(target.device)
+                runs[name].append(sum(o.stats.tokens for o in outs) / (time.perf_counter() - t0))
+                for o in outs:
+                    totals[name].add(o.stats)
     results = []
     for name in names:
         r = MethodResult(name, statistics.median(runs[name]), runs=runs[name])
@@ -203,4 +226,14 @@ def run_bench(
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     n_tree = 1 + tree.width * tree.depth
     cost = {b: measure_costs(d.target_runner, d.draft_runner, n_tree, weight_bytes) for b, d in decoders.items()}
-    return BenchResult(config=dict(config or {}), cost=cost, methods=results)
+    return BenchResult(config={**(config or {}), "batch_size": batch_size}, cost=cost, methods=results)
+
+
+def _encode(tokenizer, prompts: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of prompts as left-padded input_ids and attention_mask [B, S] (what HF
+    `generate()` of a decoder-only model expects; the pad id never reaches a model row)."""
+    rows = [tokenizer(p)["input_ids"] for p in prompts]
+    width, pad = max(map(len, rows)), tokenizer.pad_token_id or 0
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)  # [B, S]
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)  # [B, S]
+    return ids, mask

@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
     bench.add_argument("--methods", default=",".join(_bench_methods()), help="comma-separated subset")
     bench.add_argument("--json", type=Path, default=Path("treespec-bench.json"), help="where to write results")
+    bench.add_argument("--batch-size", type=int, default=1,
+                       help="requests per batch: HF generate() on a left-padded batch, treespec generate_batch() "
+                            "(hf-assisted cannot batch and is skipped); default 1")
     _add_decode_args(bench, max_new_tokens=64, width=2)
     _add_model_args(bench)
     return parser
@@ -216,8 +219,8 @@ def cmd_bench(args) -> None:
 
     tree, sampling = _configs(args)
     prompts = load_prompts(args.prompts, args.n_prompts)
-    if args.repeats < 1 or args.n_prompts < 1:
-        raise CliError("--repeats and --n-prompts must be >= 1")
+    if args.repeats < 1 or args.n_prompts < 1 or args.batch_size < 1:
+        raise CliError("--repeats, --n-prompts and --batch-size must be >= 1")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = sorted(set(methods) - set(_bench_methods()))
     if unknown or not methods:
@@ -244,7 +247,8 @@ def cmd_bench(args) -> None:
     result = run_bench(target, draft, hf.load_tokenizer(paths[0]), prompts, args.max_new_tokens, tree, sampling,
                        args.repeats, methods, backends, drafter=args.drafter,
                        progress=progress, config=config,
-                       verifications=[v.strip() for v in args.verification.split(",") if v.strip()] or ["auto"])
+                       verifications=[v.strip() for v in args.verification.split(",") if v.strip()] or ["auto"],
+                       batch_size=args.batch_size)
     if progress is not None:
         print("\r\033[K", end="", file=sys.stderr)
     base = next((r.tokens_per_second for r in result.methods if r.method == "hf"), None)

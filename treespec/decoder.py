@@ -283,8 +283,10 @@ class SpeculativeDecoder:
         return Request(request_id, ids, tree, sampling, rule, rng, out, slots)
 
     # ---- helpers ---------------------------------------------------------------------------
-    def _drafter(self, tree: TreeConfig, draft_runner: Runner | None) -> Drafter:
-        """The drafter of one request, drafting with `draft_runner` (its lane of the draft model)."""
+    def _drafter(self, tree: TreeConfig, draft_runner: Runner | None = None) -> Drafter:
+        """The drafter of one request, drafting with `draft_runner` (its lane of the draft model;
+        default: the decoder's own draft runner)."""
+        draft_runner = self.draft_runner if draft_runner is None else draft_runner
         if isinstance(self.drafter, Drafter):
             return self.drafter
         if self.drafter == "ngram":
