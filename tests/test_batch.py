@@ -267,3 +267,20 @@ def test_a_drafter_instance_cannot_serve_a_batch(models):
     with pytest.raises(ValueError, match="holds one sequence's state"):
         dec.generate_batch([[2, 3], [4, 5]], tree=TreeConfig(2, 2))
     assert len(dec.generate_batch([[2, 3], [4, 5]], max_new_tokens=4, tree=TreeConfig(2, 2), max_batch=1)) == 2
+
+
+def test_stops_and_streaming_per_request(models):
+    """Each request has its own stop list (ids here; strings go through the same matcher)
+    and its own streaming callback; a stopped request leaves the batch, the others go on."""
+    dec = SpeculativeDecoder(*models)
+    free = [dec.generate(PROMPTS[i], 20, tree=TreeConfig(2, 3), sampling=T1, seed=i, ignore_eos=True) for i in range(3)]
+    stop_at = free[0].token_ids[6]  # request 0 stops at its 7th token (or earlier, at the first occurrence)
+    stops = [[stop_at], None, [VOCAB - 1, VOCAB - 2]]
+    want = [dec.generate(PROMPTS[i], 20, tree=TreeConfig(2, 3), sampling=T1, seed=i, ignore_eos=True, stop=stops[i]) for i in range(3)]
+    got = dec.generate_batch(PROMPTS[:3], 20, tree=TreeConfig(2, 3), sampling=T1, seeds=[0, 1, 2], ignore_eos=True, stop=stops)
+    assert got[0].finish_reason == "stop" and got[0].stop == stop_at and len(got[0].token_ids) <= 7
+    for g, w in zip(got, want):
+        assert_same(g, w)
+    # one stop list for all requests
+    same = dec.generate_batch(PROMPTS[:3], 20, tree=TreeConfig(2, 3), sampling=T1, seeds=[0, 1, 2], ignore_eos=True, stop=[stop_at])
+    assert_same(same[0], want[0])
