@@ -174,17 +174,30 @@ def test_make_runner_picks_native_and_falls_back_to_hf_with_a_notice(capsys):
 
 
 @pytest.mark.parametrize(
-    "flags,want",
-    [("fpu sse avx512f avx512_bf16", torch.bfloat16), ("fpu amx_bf16 amx_tile", torch.bfloat16), ("fpu sse avx2", torch.float32)],
+    "flags,faster,want",
+    [
+        ("fpu sse avx512f avx512_bf16", True, torch.bfloat16),  # bf16 measured faster (the EPYC case)
+        ("fpu sse avx512f avx512_bf16", False, torch.float32),  # measured slower (the Xeon-without-AMX case)
+        ("fpu amx_bf16 amx_tile", False, torch.bfloat16),  # AMX: bf16, no measurement needed
+        ("fpu sse avx2", True, torch.float32),  # no bf16 instructions: emulated, never bf16
+    ],
 )
-def test_auto_dtype_follows_the_cpu_flags(monkeypatch, tmp_path, flags, want):
+def test_auto_dtype_follows_the_cpu_flags_and_measurement(monkeypatch, tmp_path, flags, faster, want):
     from treespec import backends
 
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
     read = backends.cpu_bf16_flags
     monkeypatch.setattr(backends, "cpu_bf16_flags", lambda: read(str(cpuinfo)))
+    monkeypatch.setattr(backends, "bf16_matmul_is_faster", lambda: faster)
     assert backends.auto_dtype("cpu") == want
     assert backends.auto_dtype("cpu", "draft") == torch.float32  # a small draft is op-bound on CPU
     assert backends.auto_dtype("cuda") == backends.auto_dtype("cuda", "draft") == torch.bfloat16  # no device is touched
     assert read("/nonexistent") == set()
+
+
+def test_bf16_probe_answers_and_is_cached():
+    from treespec import backends
+
+    assert backends.bf16_matmul_is_faster() in (True, False)
+    assert backends.bf16_matmul_is_faster.cache_info().hits + backends.bf16_matmul_is_faster.cache_info().misses >= 1

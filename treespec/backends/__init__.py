@@ -14,7 +14,9 @@ else "hf" (with a one-line notice when "auto" had to fall back).
 
 from __future__ import annotations
 
+import functools
 import sys
+import time
 
 import torch
 
@@ -77,25 +79,51 @@ def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
 def auto_dtype(device: torch.device | str, role: str = "target") -> torch.dtype:
     """The dtype `dtype="auto"` picks for a model in `role` ("target" or "draft").
 
-    CUDA: bf16 for both. CPU: the target in bf16 where the CPU has bf16 matrix instructions
-    (AMX or AVX512-BF16), else fp32; the draft in fp32. Measured on the bundled pair on a
-    2-core EPYC with AVX512-BF16 and no AMX (README, "Defaults"): the target's forward of 1 /
-    17 tokens costs 5.8 / 9.1 ms in bf16 against 8.3 / 18.9 ms in fp32, while the 1.4M-param
-    draft, bound by per-op overhead and its lm_head GEMV, costs 0.82 ms per token in bf16
-    against 0.50 ms in fp32 with warm caches (c = 0.086 instead of 0.14). Inside the decode
-    loop, where the target's forward has just evicted the draft's weights from cache, the two
-    draft dtypes measured within noise of each other end to end. Without either flag oneDNN
-    emulates bf16 and fp32 wins. Pass a dtype explicitly (a large draft on an AMX CPU may
-    prefer bf16).
+    CUDA: bf16 for both. CPU: the draft in fp32 (a small draft is bound by per-op overhead and
+    its lm_head GEMV: 0.50 ms per token in fp32 against 0.82 ms in bf16 for the bundled
+    1.4M-param draft). The target in bf16 where the CPU has AMX; with AVX512-BF16 but no AMX,
+    only where bf16 matrix products measure faster than fp32 on this very CPU
+    (`bf16_matmul_is_faster`, once per process); else fp32. The AVX512-BF16 case really goes
+    both ways: on a 2-core AMD EPYC the bundled target's forward of 1 / 17 tokens cost 5.8 /
+    9.1 ms in bf16 against 8.3 / 18.9 ms in fp32, while on a 2-core Intel Xeon (AVX512-BF16,
+    no AMX exposed) bf16 cost 9.7 / 12.0 ms against 6.9 / 17.8 ms and the batch-8 decode loop
+    spent 211 ms in matrix products in bf16 against 132 ms in fp32 (README, "Defaults").
+    Pass a dtype explicitly to override.
     """
     if role not in ("target", "draft"):
         raise ValueError(f"role must be 'target' or 'draft', got {role!r}")
     device = torch.device(device)
     if device.type == "cuda":
         return torch.bfloat16
-    if device.type == "cpu" and role == "target" and cpu_bf16_flags():
+    if device.type != "cpu" or role != "target":
+        return torch.float32
+    flags = cpu_bf16_flags()
+    if "amx_bf16" in flags or ("avx512_bf16" in flags and bf16_matmul_is_faster()):
         return torch.bfloat16
     return torch.float32
 
 
-__all__ = ["BACKENDS", "Runner", "auto_dtype", "check_backend", "cpu_bf16_flags", "make_runner", "use_native"]
+@functools.cache
+def bf16_matmul_is_faster(margin: float = 0.9) -> bool:
+    """Whether bf16 matrix products beat fp32 on this CPU, measured: a decode-shaped product
+    (1 x 1024 @ 1024 x 2048, weight streaming) and a tree-shaped one (16 rows), best of 7
+    each; bf16 must take under `margin` of fp32's time in both. About 20 ms, once per process.
+    The gap is large either way where it matters (>= 1.3x on the machines measured), so the
+    answer does not flip with load noise."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(1024, 2048, generator=g)
+    best = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        w = weight.to(dtype)
+        for rows in (1, 16):
+            x = torch.randn(rows, 1024, generator=g).to(dtype)
+            times = []
+            for _ in range(7):
+                t0 = time.perf_counter()
+                x @ w
+                times.append(time.perf_counter() - t0)
+            best[dtype, rows] = min(times)
+    return all(best[torch.bfloat16, rows] < margin * best[torch.float32, rows] for rows in (1, 16))
+
+
+__all__ = ["BACKENDS", "Runner", "auto_dtype", "bf16_matmul_is_faster", "check_backend", "cpu_bf16_flags", "make_runner", "use_native"]
