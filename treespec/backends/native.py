@@ -493,8 +493,10 @@ class _PackedAttention:
         self.rows = slice(rows[0], rows[0] + B) if rows == list(range(rows[0], rows[0] + B)) else torch.tensor(rows, device=device)
         self.mask = torch.zeros(B, 1, n_max, self.span, dtype=torch.bool, device=device)  # [B, 1, n_max, span]
         for b, (f, S, n) in enumerate(zip(feeds, starts, ns)):
-            causal = torch.ones(n, S + n, dtype=torch.bool, device=device).tril(S)
-            self.mask[b, 0, :n, : S + n] = causal if f.visible is None else f.visible
+            if f.visible is None:  # a prefill: causal after the S cached slots
+                self.mask[b, 0, :n, : S + n] = torch.ones(n, S + n, dtype=torch.bool, device=device).tril(S)
+            else:
+                self.mask[b, 0, :n, : S + n] = f.visible
             self.mask[b, 0, n:, 0] = True  # padding rows attend somewhere (no NaN); their output is dropped
         self.B, self.n_max, self.heads = B, n_max, heads
 
