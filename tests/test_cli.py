@@ -139,3 +139,13 @@ def test_usage_errors_exit_2(capsys):
 def test_console_script(tmp_path):
     r = subprocess.run(["treespec", "generate", "x", "--width", "-2"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().startswith("treespec: error:") and "Traceback" not in r.stderr
+
+
+def test_generate_with_penalties(capsys):
+    args = ["generate", "x = x + x + x", "--max-new-tokens", "12", "--ignore-eos"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main(args + ["--repetition-penalty", "3", "--frequency-penalty", "0.5", "--presence-penalty", "0.5"]) == 0
+    assert capsys.readouterr().out != plain  # greedy, so only the penalties can change it
+    assert main(args + ["--repetition-penalty", "0"]) == 2
+    assert "--repetition-penalty must be a finite number > 0" in capsys.readouterr().err

@@ -37,6 +37,12 @@ def test_invalid_tree_config(kwargs, match):
         (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
         (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
         (dict(top_k=-1), "top_k must be None or an integer >= 0"),
+        (dict(repetition_penalty=0), "repetition_penalty must be a finite number > 0"),
+        (dict(repetition_penalty=-1.2), "repetition_penalty must be a finite number > 0"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty must be a finite number > 0"),
+        (dict(repetition_penalty=True), "repetition_penalty must be a finite number > 0"),
+        (dict(frequency_penalty=float("nan")), "frequency_penalty must be a finite number"),
+        (dict(presence_penalty="0.5"), "presence_penalty must be a finite number"),
     ],
 )
 def test_invalid_sampling_config(kwargs, match):

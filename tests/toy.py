@@ -43,16 +43,30 @@ class TableModel:
         return self._table[context]
 
     def joint(self, prompt: tuple[int, ...], n: int, sampling: SamplingConfig) -> dict[tuple[int, ...], float]:
-        """Exact distribution of the next n tokens under autoregressive sampling."""
+        """Exact distribution of the next n tokens under autoregressive sampling (penalties
+        applied by `reference_penalties`, written independently of treespec's)."""
         out: dict[tuple[int, ...], float] = {(): 1.0}
+        plain = SamplingConfig(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
         for _ in range(n):
             nxt: dict[tuple[int, ...], float] = {}
             for seq, w in out.items():
-                p = probs(self.logits(prompt + seq), sampling)
+                p = probs(reference_penalties(self.logits(prompt + seq), prompt, seq, sampling), plain)
                 for x in torch.nonzero(p).flatten().tolist():
                     nxt[seq + (x,)] = w * float(p[x])
             out = nxt
         return out
+
+
+def reference_penalties(logits: torch.Tensor, prompt: tuple[int, ...], generated: tuple[int, ...], cfg: SamplingConfig) -> torch.Tensor:
+    """The penalties token by token, as Hugging Face's RepetitionPenaltyLogitsProcessor
+    (prompt + generated) and vLLM's frequency / presence penalties (generated only) define them."""
+    out = logits.clone()
+    for x in range(len(out)):
+        if x in prompt or x in generated:
+            out[x] = out[x] * cfg.repetition_penalty if out[x] < 0 else out[x] / cfg.repetition_penalty
+        n = generated.count(x)
+        out[x] -= cfg.frequency_penalty * n + cfg.presence_penalty * (n > 0)
+    return out
 
 
 class TableRunner(Runner):

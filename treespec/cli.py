@@ -10,8 +10,10 @@ exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -76,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="stop after token id ID (repeatable)")
     gen.add_argument("--color", default="auto", choices=("auto", "always", "never"),
                      help="--show-tree colours: auto (default) = only on a terminal and without NO_COLOR set")
+    pen = gen.add_argument_group("penalties (applied identically to target and draft; see SamplingConfig)")
+    pen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="Hugging Face's: logits of tokens in prompt or output divided (> 0) or multiplied (< 0) by it; 1 = off")
+    pen.add_argument("--frequency-penalty", type=float, default=0.0,
+                     help="OpenAI/vLLM: logit -= it x the token's count in the output; 0 = off")
+    pen.add_argument("--presence-penalty", type=float, default=0.0,
+                     help="OpenAI/vLLM: logit -= it if the token occurs in the output; 0 = off")
     _add_decode_args(gen, max_new_tokens=128)
     _add_model_args(gen)
 
@@ -164,6 +173,11 @@ def _unescape(text: str) -> str:
 
 def cmd_generate(args) -> None:
     tree, sampling = _configs(args)
+    try:
+        sampling = dataclasses.replace(sampling, repetition_penalty=args.repetition_penalty,
+                                       frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty)
+    except ValueError as e:
+        raise CliError(re.sub(r"\b(repetition|frequency|presence)_penalty\b", r"--\1-penalty", str(e))) from e
     dec = _load(args)
     colour = args.show_tree and use_colour(args.color)
     if dec.tokenizer is None:

@@ -25,11 +25,29 @@ MIN_TEMPERATURE = 1e-6
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Sampling transforms, applied identically to the target (p) and the draft (q)."""
+    """Sampling transforms, applied identically to the target (p) and the draft (q).
 
-    temperature: float = 1.0  # 0 = greedy (argmax of the raw logits); > 0 divides the logits
+    Penalties act on the logits first, in this order, then temperature, top-k and top-p (the
+    order of Hugging Face's and vLLM's logits processors). They read the context each
+    distribution is sampled after: the committed sequence, and for a tree node also the
+    tokens on its own root-to-node path (so siblings see different contexts).
+
+    - `repetition_penalty` (Hugging Face / CTRL): for every token id anywhere in the context,
+      prompt included, a logit > 0 is divided by it and a logit < 0 multiplied by it. 1 = off.
+    - `frequency_penalty`, `presence_penalty` (OpenAI / vLLM): logit -= frequency_penalty *
+      count + presence_penalty * (count > 0), where count is the token's occurrences among the
+      generated tokens only (vLLM's semantics: the prompt is not counted). 0 = off.
+
+    At temperature 0 the argmax is taken after the penalties, as Hugging Face's greedy
+    `generate(repetition_penalty=...)` does.
+    """
+
+    temperature: float = 1.0  # 0 = greedy (argmax of the penalised logits); > 0 divides the logits
     top_k: int | None = None  # keep the k most likely tokens; None or 0 = keep all
     top_p: float = 1.0  # nucleus: smallest set whose mass reaches top_p, in (0, 1]
+    repetition_penalty: float = 1.0  # > 0; tokens in prompt + generated text: logit / or * it
+    frequency_penalty: float = 0.0  # logit -= it * count in the generated text
+    presence_penalty: float = 0.0  # logit -= it if the token occurs in the generated text
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -49,10 +67,26 @@ class SamplingConfig:
         p = self.top_p
         if not isinstance(p, (int, float)) or isinstance(p, bool) or not (0.0 < p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p!r}")
+        r = self.repetition_penalty
+        if not _is_number(r) or not math.isfinite(r) or r <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off, > 1 discourages repeats), got {r!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number (0 = off, > 0 discourages repeats), got {v!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty is on (the distributions then depend on the context)."""
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from .config import SamplingConfig, TreeConfig
 from .drafters import Drafter, propose_many
 from .proposal import DraftTree
 from .rng import Rng
+from .sampling import PenaltyContext
 from .stats import GenerationOutput, GenerationStats, OutputBuilder
 from .verify import verify
 
@@ -124,7 +125,7 @@ class Engine:
         walks = []
         for r, draft, rows in zip(live, drafts, logits):
             # 3. verify with the request's own sampling and coins; 4. commit its accepted path
-            walk = verify(draft, rows, r.sampling, r.rng, r.rule)
+            walk = verify(draft, rows, r.sampling, r.rng, r.rule, PenaltyContext(r.context, len(r.prompt)))
             self.targets[r.lane].commit(walk.path)
             walks.append(walk)
         t2 = clock()

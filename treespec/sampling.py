@@ -3,13 +3,24 @@
 `probs()` turns logits into the distribution actually sampled from. It is applied to the
 target's logits (giving p) and to the draft's logits (giving q) with the same
 `SamplingConfig`, and the q stored with a proposal is exactly the tensor it was drawn from.
+
+Penalties (repetition, frequency, presence) make a row's distribution depend on the context
+it is sampled after. In a tree that context is the committed sequence plus the row's own
+root-to-node path, so `tree_token_counts` gives every row its own counts (one matmul of the
+ancestor mask with the one-hot node tokens, on the device) and `probs(..., counts)` applies
+them: the target's rows in verification and the drafters' rows, level by level, go through
+this same code, so p and q are penalised identically.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
 from .config import SamplingConfig
+from .tree import TokenTree
 
 EPS = 1e-12  # a residual with less mass than this had (numerically) zero probability
 
@@ -29,13 +40,65 @@ def check_finite(logits: torch.Tensor, who: str) -> None:
         raise ValueError(f"the {who} model produced a row of all -inf logits: no token can be sampled")
 
 
-def probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """[..., V] logits -> [..., V] probabilities after temperature, top-k and top-p.
+@dataclass(frozen=True)
+class PenaltyContext:
+    """The committed sequence the penalties look back on: prompt + emitted tokens."""
 
-    Greedy configs (temperature 0) give the one-hot argmax. float64 logits stay float64
-    (exactness tests); anything else is computed in float32.
+    tokens: Sequence[int]
+    prompt_len: int  # tokens[:prompt_len] is the prompt (frequency / presence skip it)
+
+
+@dataclass(frozen=True)
+class TokenCounts:
+    """What the penalties read for each row: row i belongs to logits row i."""
+
+    seen: torch.Tensor  # [N, V] bool: in the prompt, the generated tokens or the row's path
+    generated: torch.Tensor  # [N, V] float: occurrences among generated tokens + the row's path
+
+
+def tree_token_counts(
+    committed: PenaltyContext, tree: TokenTree, vocab_size: int, device: torch.device | str, rows: Sequence[int] | None = None
+) -> TokenCounts:
+    """Token counts of the context after each node of `tree` (all nodes, or `rows`): the
+    committed sequence (whose last token is the root) plus the node's path below the root."""
+    ctx = torch.tensor(list(committed.tokens), dtype=torch.long, device=device)  # [L]
+    generated = torch.bincount(ctx[committed.prompt_len :], minlength=vocab_size).float()  # [V]
+    prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+    prompt[ctx[: committed.prompt_len]] = True  # [V]
+    on_path = tree.ancestor_mask.to(device)[:, 1:]  # [N, N-1]: node j (j >= 1) is on row i's path
+    if rows is not None:
+        on_path = on_path[torch.tensor(list(rows), dtype=torch.long, device=device)]  # [n, N-1]
+    below_root = torch.tensor(tree.tokens[1:], dtype=torch.long, device=device)  # [N-1]
+    path = on_path.float() @ torch.nn.functional.one_hot(below_root, vocab_size).float()  # [n, V]
+    counts = generated + path  # [n, V]
+    return TokenCounts(seen=prompt | (counts > 0), generated=counts)
+
+
+def penalize(logits: torch.Tensor, cfg: SamplingConfig, counts: TokenCounts | None) -> torch.Tensor:
+    """[N, V] logits with the repetition, frequency and presence penalties of `cfg` applied
+    (row i with counts row i); unchanged when no penalty is on or `counts` is None."""
+    if counts is None or not cfg.penalized:
+        return logits
+    x = logits
+    if cfg.repetition_penalty != 1:
+        rp = cfg.repetition_penalty
+        x = torch.where(counts.seen, torch.where(x < 0, x * rp, x / rp), x)
+    if cfg.frequency_penalty != 0 or cfg.presence_penalty != 0:
+        n = counts.generated.to(x.dtype)
+        x = x - cfg.frequency_penalty * n - cfg.presence_penalty * (n > 0).to(x.dtype)
+    return x
+
+
+def probs(logits: torch.Tensor, cfg: SamplingConfig, counts: TokenCounts | None = None) -> torch.Tensor:
+    """[..., V] logits -> [..., V] probabilities after the penalties (given the rows'
+    `counts`; see `SamplingConfig`), temperature, top-k and top-p.
+
+    Greedy configs (temperature 0) give the one-hot argmax of the penalised logits. float64
+    logits stay float64 (exactness tests); anything else is computed in float32.
     """
-    x = logits if logits.dtype == torch.float64 else logits.float()
+    if cfg.penalized and counts is None:
+        raise ValueError("this SamplingConfig has penalties: pass the rows' token counts (tree_token_counts)")
+    x = penalize(logits if logits.dtype == torch.float64 else logits.float(), cfg, counts)
     if cfg.greedy:
         return torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).to(x.dtype)
     x = x / cfg.temperature

@@ -60,7 +60,7 @@ import torch
 from .config import SamplingConfig
 from .proposal import DraftTree, Draw, ProposalGroup
 from .rng import Rng
-from .sampling import check_finite, one_hot, probs, remove_token, residual, weighted_residual
+from .sampling import PenaltyContext, check_finite, one_hot, penalize, probs, remove_token, residual, tree_token_counts, weighted_residual
 
 Rule = Literal["token", "block", "traversal"]
 RULES: tuple[str, ...] = ("token", "block", "traversal")
@@ -77,15 +77,32 @@ class Walk:
         return [draft.tree.tokens[n] for n in self.path[1:]] + [self.token]
 
 
-def verify(draft: DraftTree, target_logits: torch.Tensor, sampling: SamplingConfig, rng: Rng, rule: Rule = "token") -> Walk:
+def verify(
+    draft: DraftTree,
+    target_logits: torch.Tensor,
+    sampling: SamplingConfig,
+    rng: Rng,
+    rule: Rule = "token",
+    committed: PenaltyContext | None = None,
+) -> Walk:
     """Walk `draft` given the target's logits at each node (`[N, V]`, row i = after node i),
-    under verification `rule` ("token", "block" or "traversal"; see the module docstring)."""
+    under verification `rule` ("token", "block" or "traversal"; see the module docstring).
+
+    `committed` (the prompt + emitted tokens) is required when `sampling` has penalties: row
+    i is penalised for the committed tokens plus node i's own path below the root."""
     if target_logits.shape[0] != len(draft.tree):
         raise ValueError(f"{target_logits.shape[0]} logit rows for {len(draft.tree)} tree nodes")
     check_rule(draft, rule)
+    counts = None
+    if sampling.penalized:
+        if committed is None:
+            raise ValueError("sampling has penalties: pass verify(..., committed=PenaltyContext(prompt + emitted, len(prompt)))")
+        counts = tree_token_counts(committed, draft.tree, target_logits.shape[-1], target_logits.device)
     if sampling.greedy:
+        if counts is not None:  # penalised in probs()'s precision, so draft and target argmax agree
+            target_logits = penalize(target_logits if target_logits.dtype == torch.float64 else target_logits.float(), sampling, counts)
         return _verify_greedy(draft, target_logits)
-    p = probs(target_logits, sampling)  # [N, V] p at every node, one batched op
+    p = probs(target_logits, sampling, counts)  # [N, V] p at every node, one batched op
     _check_inputs(draft, target_logits)
     return {"token": _verify_token, "block": _verify_block, "traversal": _verify_traversal}[rule](draft, p, rng)
 

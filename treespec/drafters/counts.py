@@ -29,7 +29,7 @@ import torch
 from ..config import SamplingConfig
 from ..proposal import DraftTree, Draw, ProposalGroup
 from ..rng import Rng
-from ..sampling import probs
+from ..sampling import PenaltyContext, probs, tree_token_counts
 from ..tree import TokenTree
 from .base import Drafter
 
@@ -62,14 +62,26 @@ class CountDrafter(Drafter):
         raise NotImplementedError
 
     def q(self, prev: int) -> torch.Tensor:
-        """The draft distribution after `prev` under the current sampling config (cached)."""
+        """The draft distribution after `prev` under the current sampling config (cached;
+        without penalties, which make it depend on the whole context)."""
         if prev not in self._q:
             self._q[prev] = probs(self.logits(prev), self.sampling)
         return self._q[prev]
 
     def start(self, prompt: Sequence[int], sampling: SamplingConfig, rng: Rng) -> None:
         self.sampling, self.rng = sampling, rng
+        self.prompt_len = len(prompt)
         self._q = {}
+
+    def _frontier_q(self, context: Sequence[int], tokens: list[int], parents: list[int], frontier: list[int]) -> list[torch.Tensor]:
+        """q after each frontier node; with penalties, each penalised for the committed
+        tokens plus that node's own path."""
+        if not self.sampling.penalized:
+            return [self.q(tokens[u]) for u in frontier]
+        committed = PenaltyContext(context, self.prompt_len)
+        counts = tree_token_counts(committed, TokenTree(tokens, parents), self.vocab_size, "cpu", rows=frontier)  # [n, V]
+        logits = torch.stack([self.logits(tokens[u]) for u in frontier])  # [n, V]
+        return list(probs(logits, self.sampling, counts))
 
     def propose(self, context: Sequence[int], depth: int) -> DraftTree:
         tokens, parents, counts = [int(context[-1])], [-1], [self.width]
@@ -77,8 +89,7 @@ class CountDrafter(Drafter):
         frontier = [0]
         for _ in range(depth):
             new: list[int] = []
-            for u in frontier:
-                q = self.q(tokens[u])
+            for u, q in zip(frontier, self._frontier_q(context, tokens, parents, frontier)):
                 draws = self.rng.categorical(q, counts[u])
                 child_of: dict[int, int] = {}
                 for x in draws:

@@ -24,7 +24,7 @@ from ..config import SamplingConfig, TreeConfig
 from ..proposal import DraftTree, Draw, ProposalGroup
 from ..rng import Rng
 from ..backends.base import Runner
-from ..sampling import check_finite, probs
+from ..sampling import PenaltyContext, check_finite, penalize, probs, tree_token_counts
 from ..tree import TokenTree
 from ..verify import Walk
 from ..vocab import fit_logits
@@ -55,6 +55,7 @@ class ModelDrafter(Drafter):
 
     def start(self, prompt: Sequence[int], sampling: SamplingConfig, rng: Rng) -> None:
         self.sampling, self.rng = sampling, rng
+        self.prompt_len = len(prompt)
         self.depth = self.config.depth  # current depth; moves when config.adaptive is set
         self.entropy_ema: float | None = None
         self.runner.reset()
@@ -78,8 +79,9 @@ class ModelDrafter(Drafter):
             )
         logits = yield DraftForward(run, chain, list(range(-1, len(chain) - 1)))  # pending nodes 0 .. len-1
         self._chain = list(range(len(chain)))
+        self._committed = PenaltyContext(context, self.prompt_len)
         nodes = [_Node(token=chain[-1], parent=-1, log_score=0.0)]
-        self._attach([nodes[0]], self._chain[-1], logits[-1:])
+        self._attach(nodes, [0], self._chain[-1], logits[-1:])
 
         groups: list[ProposalGroup] = []
         frontier = [0]
@@ -92,7 +94,7 @@ class ModelDrafter(Drafter):
             # 3. one draft forward over the whole next frontier
             first = run.n_pending
             logits = yield DraftForward(run, [nodes[n].token for n in frontier], [nodes[nodes[n].parent].pending for n in frontier])
-            self._attach([nodes[n] for n in frontier], first, logits)
+            self._attach(nodes, frontier, first, logits)
 
         if self.config.strategy == "dynamic":
             nodes, groups = self._prune(nodes, groups, self.config.node_budget)
@@ -122,16 +124,21 @@ class ModelDrafter(Drafter):
         self.depth = max(cfg.depth_min, min(cfg.depth_max, self.depth)) if cfg.adaptive else cfg.depth
 
     # ---- helpers ---------------------------------------------------------------------------
-    def _attach(self, fed: list[_Node], first: int, logits: torch.Tensor) -> None:
-        """Give the nodes of one draft forward (pending indices first, first+1, ...) their
-        q and ranking scores: one batched transform over `logits` [n, V]."""
+    def _attach(self, nodes: list[_Node], fed: list[int], first: int, logits: torch.Tensor) -> None:
+        """Give the nodes `fed` of one draft forward (pending indices first, first+1, ...)
+        their q and ranking scores: one batched transform over `logits` [n, V]. With
+        penalties, each row is penalised for the committed tokens plus its own path."""
         check_finite(logits, "draft")
         logits = fit_logits(logits, self.vocab_size, self.support)  # q: no mass on padding ids
-        q = probs(logits, self.sampling)  # [n, V]
+        counts = None
+        if self.sampling.penalized:
+            drafted = TokenTree([n.token for n in nodes], [n.parent for n in nodes])
+            counts = tree_token_counts(self._committed, drafted, self.vocab_size, logits.device, rows=fed)  # [n, V]
+        q = probs(logits, self.sampling, counts)  # [n, V]
         # rank by the sampling distribution; at temperature 0 (one-hot q) by the plain softmax
-        score = torch.softmax(logits.double(), -1) if self.sampling.greedy else q
-        for i, node in enumerate(fed):
-            node.pending, node.q, node.score = first + i, q[i], score[i]
+        score = torch.softmax(penalize(logits.double(), self.sampling, counts), -1) if self.sampling.greedy else q
+        for i, n in enumerate(fed):
+            nodes[n].pending, nodes[n].q, nodes[n].score = first + i, q[i], score[i]
 
     @staticmethod
     def _add(nodes: list[_Node], parent: int, token: int) -> int:
