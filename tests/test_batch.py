@@ -32,7 +32,7 @@ GREEDY = SamplingConfig(temperature=0)
 T1 = SamplingConfig(temperature=1.0)
 T07 = SamplingConfig(temperature=0.7, top_p=0.9)
 # ragged prompt lengths, 1 to 23 tokens
-PROMPTS = [[(5 * i + 3 * j) % (VOCAB - 2) + 2 for j in range(1 + (i * 7) % 23)] for i in range(7)]
+PROMPTS = [[(5 * i + 3 * j) % (VOCAB - 2) + 2 for j in range(1 + (i * 7) % 23)] for i in range(8)]
 # (tree, sampling, max_new_tokens, seed): mixed trees, sampling configs and lengths
 REQUESTS = [
     (TreeConfig(1, 4), GREEDY, 20, 0),
@@ -42,6 +42,7 @@ REQUESTS = [
     (TreeConfig(2, 4, "topk"), GREEDY, 5, 4),
     (TreeConfig(2, 2, adaptive="hf", depth_min=1, depth_max=5), T1, 17, 5),
     (TreeConfig(1, 6), T1, 30, 6),
+    (TreeConfig(2, 3), SamplingConfig(temperature=0.9, repetition_penalty=1.3, presence_penalty=0.2), 16, 7),  # per-path context
 ]
 
 
