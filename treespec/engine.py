@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .adaptive import DepthPolicy
 from .backends.base import Runner, prefill_many, score_many
 from .config import SamplingConfig, TreeConfig
 from .drafters import Drafter, propose_many
@@ -53,6 +54,7 @@ class Request:
     stats: GenerationStats = field(default_factory=GenerationStats)
     lane: int | None = None  # index of its target (and draft) runner while live
     drafter: Drafter | None = None
+    depth: DepthPolicy | None = None  # decides each round's draft depth (TreeConfig.adaptive)
     context: list[int] = field(default_factory=list)  # prompt + emitted tokens
     output: GenerationOutput | None = None  # once finished or cancelled
     _draft_forwards0: int = 0
@@ -111,7 +113,7 @@ class Engine:
         clock = time.perf_counter
         t0 = clock()
         # 1. propose: every request's tree, never deeper than the tokens it still wants
-        depths = [0 if r.drafter is None else min(r.tree.max_depth, r.out.remaining - 1) for r in live]
+        depths = [0 if r.drafter is None else min(r.depth.depth, r.out.remaining - 1) for r in live]
         drafted = propose_many([r.drafter.propose_steps(r.context, d) for r, d in zip(live, depths) if d])
         drafts, it = [], iter(drafted)
         for r, d in zip(live, depths):
@@ -132,6 +134,7 @@ class Engine:
         for r, draft, walk, d in zip(live, drafts, walks, depths):
             if d:
                 r.drafter.observe(draft, walk)
+                r.depth.update(r.drafter, draft, walk, d)
         t3 = clock()
         for r, draft, walk in zip(live, drafts, walks):
             r.stats.record_round(draft, walk, draft_seconds=(t1 - t0) + (t3 - t2), verify_seconds=t2 - t1)
@@ -179,6 +182,7 @@ class Engine:
         for r in admitted:
             if r.tree is not None:
                 r.drafter = self.decoder._drafter(r.tree, self.drafts[r.lane])
+                r.depth = DepthPolicy(r.tree)
                 r.drafter.start(r.prompt, r.sampling, r.rng)
                 r._draft_forwards0 = sum(x.forwards for x in r.drafter.runners())
         t1 = time.perf_counter()
