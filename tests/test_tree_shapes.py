@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from treespec import ModelDrafter, SamplingConfig, TreeConfig
+from treespec.adaptive import DepthPolicy
 from treespec.rng import TorchRng
 from treespec.verify import Walk
 
@@ -30,30 +31,41 @@ def test_dynamic_tree_keeps_the_budget_most_probable_nodes():
 
 
 def test_hf_adaptive_depth_grows_when_all_accepted_and_shrinks_otherwise():
-    d = drafter(TreeConfig(1, 2, adaptive="hf", depth_min=1, depth_max=6), TableModel(V, seed=5))
+    cfg = TreeConfig(1, 2, adaptive="hf", depth_min=1, depth_max=6)
+    d, policy = drafter(cfg, TableModel(V, seed=5)), DepthPolicy(cfg)
     ctx = [1, 2, 3]
     depths = []
     for _ in range(3):  # everything accepted: +2 per round, capped at 6
-        draft = d.propose(ctx, 10)
+        draft = d.propose(ctx, policy.depth)
+        assert draft.tree.max_depth == policy.depth
         path = tuple(draft.tree.path_to(draft.tree.leaves()[0]))
-        d.observe(draft, Walk(path, 0, "bonus"))
+        walk = Walk(path, 0, "bonus")
+        d.observe(draft, walk)
+        policy.update(d, draft, walk, policy.depth)
         ctx = ctx + [draft.tree.tokens[n] for n in path[1:]] + [0]
-        depths.append(d.depth)
+        depths.append(policy.depth)
     assert depths == [4, 6, 6]
     for _ in range(7):  # nothing accepted: -1 per round, floored at 1
-        draft = d.propose(ctx, 10)
-        d.observe(draft, Walk((0,), 0, "correction"))
+        draft = d.propose(ctx, policy.depth)
+        walk = Walk((0,), 0, "correction")
+        d.observe(draft, walk)
+        step = policy.update(d, draft, walk, policy.depth)
         ctx = ctx + [0]
-    assert d.depth == 1
+    assert policy.depth == 1 and step.next_depth == 1
 
 
 def test_entropy_adaptive_depth_follows_draft_confidence():
-    sharp = drafter(TreeConfig(1, 3, adaptive="entropy", depth_min=1, depth_max=8, ema_beta=0.0), TableModel(V, seed=5, scale=30))
-    flat = drafter(TreeConfig(1, 3, adaptive="entropy", depth_min=1, depth_max=8, ema_beta=0.0), TableModel(V, seed=5, scale=0.01))
-    for d in (sharp, flat):
-        draft = d.propose([1, 2, 3], 8)
-        d.observe(draft, Walk((0,), 0, "correction"))
-    assert sharp.depth >= 7 and flat.depth == 1
+    cfg = TreeConfig(1, 3, adaptive="entropy", depth_min=1, depth_max=8, ema_beta=0.0)
+    depths = {}
+    for name, scale in (("sharp", 30), ("flat", 0.01)):
+        d, policy = drafter(cfg, TableModel(V, seed=5, scale=scale)), DepthPolicy(cfg)
+        draft = d.propose([1, 2, 3], policy.depth)
+        walk = Walk((0,), 0, "correction")
+        d.observe(draft, walk)
+        step = policy.update(d, draft, walk, policy.depth)
+        assert step.from_drafter and step.depth == 3
+        depths[name] = policy.depth
+    assert depths["sharp"] >= 7 and depths["flat"] == 1
 
 
 def test_sequoia_drafter_reproduces_the_shape():

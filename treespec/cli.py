@@ -76,8 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="stop after the token that completes TEXT (repeatable; backslash escapes such as \\n work)")
     gen.add_argument("--stop-id", action="append", default=[], type=int, metavar="ID",
                      help="stop after token id ID (repeatable)")
+    gen.add_argument("--trace", action="store_true",
+                     help="after the text, print every round: the draft tree, each proposal's p, q, coin and outcome, "
+                          "the final token and where it came from")
     gen.add_argument("--color", default="auto", choices=("auto", "always", "never"),
-                     help="--show-tree colours: auto (default) = only on a terminal and without NO_COLOR set")
+                     help="--show-tree / --trace colours: auto (default) = only on a terminal and without NO_COLOR set")
     pen = gen.add_argument_group("penalties (applied identically to target and draft; see SamplingConfig)")
     pen.add_argument("--repetition-penalty", type=float, default=1.0,
                      help="Hugging Face's: logits of tokens in prompt or output divided (> 0) or multiplied (< 0) by it; 1 = off")
@@ -205,8 +208,14 @@ def cmd_generate(args) -> None:
         on_tokens=on_tokens,
         stop=[_unescape(x) for x in args.stop] + args.stop_id or None,
         verification=None if args.verification == "auto" else args.verification,
+        trace=args.trace,
     )
     sys.stdout.write("\n")
+    if args.trace:
+        from .trace import render_round
+
+        for round_ in out.trace:
+            print("\n" + render_round(round_, lambda t: dec.tokenizer.decode([t]), use_colour(args.color)))
     if args.show_tree:
         s = out.stats
         if colour:

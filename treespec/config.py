@@ -115,10 +115,13 @@ class TreeConfig:
       shape draws c distinct tokens without replacement from q (Gumbel-top-k), the k-th draw
       going to the shape's k-th child. `width` is unused.
 
-    Adaptive depth (`adaptive`), from the drafter's feedback after each round:
+    Adaptive depth (`adaptive`), decided by the decode loop after each round, for every
+    drafter (`treespec.adaptive.DepthPolicy`):
     - "hf": Hugging Face's heuristic; depth + 2 after a fully accepted round, - 1 otherwise.
     - "entropy": EGAG-style; depth maps the EMA (factor `ema_beta`) of the draft's normalised
-      entropy at the root linearly onto [depth_min, depth_max] (confident draft: deeper).
+      entropy along the accepted path linearly onto [depth_min, depth_max] (confident draft:
+      deeper). Drafters without a distribution (n-gram, lookup) use the round's rejection
+      rate, 1 - accepted / depth, instead.
     Adaptive depth stays within [depth_min, depth_max]; `depth` is the starting depth.
 
     At temperature 0 the draft is read greedily: "iid" proposes the draft's argmax chain

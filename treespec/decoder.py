@@ -143,6 +143,7 @@ class SpeculativeDecoder:
         rng: Rng | None = None,
         stop: str | int | Sequence[str | int] | None = None,
         verification: str | None = None,
+        trace: bool = False,
     ) -> GenerationOutput:
         """Generate up to `max_new_tokens` tokens after `prompt` (text or token ids).
 
@@ -165,11 +166,15 @@ class SpeculativeDecoder:
         without-replacement / Sequoia / top-k / dynamic / n-gram / lookup trees, token on
         i.i.d. and merged trees (and for custom drafters).
         A rule that does not apply raises ValueError naming those that do.
+
+        `trace=True` records every round in `out.trace` (a list of `treespec.trace.RoundTrace`:
+        the draft tree, each proposal's p, q, coin and outcome, the final token and its source,
+        the depth decision); `treespec.trace.render_round` / `plot_round` draw one.
         """
         engine = Engine(self, [self.target_runner], [self.draft_runner])
         request = engine.add(
             prompt, max_new_tokens=max_new_tokens, tree=tree, sampling=sampling, seed=seed, ignore_eos=ignore_eos,
-            on_tokens=on_tokens, rng=rng, stop=stop, verification=verification,
+            on_tokens=on_tokens, rng=rng, stop=stop, verification=verification, trace=trace,
         )
         return engine.run()[request]
 
@@ -262,6 +267,7 @@ class SpeculativeDecoder:
         rng: Rng | None = None,
         stop=None,
         verification: str | None = None,
+        trace: bool = False,
     ) -> Request:
         """A checked `Request` (ValueError for bad input; nothing runs)."""
         ids = self._check(prompt, max_new_tokens, tree, sampling)
@@ -272,6 +278,8 @@ class SpeculativeDecoder:
         if rng is not None and not isinstance(rng, Rng):
             raise ValueError(f"rng must be a treespec.rng.Rng, got {type(rng).__name__}; pass seed= for a seeded run")
         rule = self._rule(tree, verification)
+        if not isinstance(trace, bool):
+            raise ValueError(f"trace must be True or False, got {trace!r}")
         if tree is not None and not isinstance(self.drafter, Drafter) and self.drafter in ("model", "merged") and self.draft_runner is None:
             raise ValueError(
                 f"drafter={self.drafter!r} needs a draft model; pass draft=..., use drafter='ngram' or "
@@ -280,7 +288,7 @@ class SpeculativeDecoder:
         out = OutputBuilder(max_new_tokens, set() if ignore_eos else self.eos_token_ids, on_tokens, stopper)
         rng = TorchRng(seed, self.target_runner.device) if rng is None else rng
         slots = len(ids) + max_new_tokens + (0 if tree is None else tree.max_depth)
-        return Request(request_id, ids, tree, sampling, rule, rng, out, slots)
+        return Request(request_id, ids, tree, sampling, rule, rng, out, slots, trace=[] if trace else None)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _drafter(self, tree: TreeConfig, draft_runner: Runner | None = None) -> Drafter:

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .adaptive import DepthPolicy
 from .backends.base import Runner, prefill_many, score_many
 from .config import SamplingConfig, TreeConfig
 from .drafters import Drafter, propose_many
@@ -32,6 +33,7 @@ from .proposal import DraftTree
 from .rng import Rng
 from .sampling import PenaltyContext
 from .stats import GenerationOutput, GenerationStats, OutputBuilder
+from .trace import RoundTrace
 from .verify import verify
 
 Status = Literal["waiting", "live", "finished", "cancelled"]
@@ -53,6 +55,8 @@ class Request:
     stats: GenerationStats = field(default_factory=GenerationStats)
     lane: int | None = None  # index of its target (and draft) runner while live
     drafter: Drafter | None = None
+    depth: DepthPolicy | None = None  # decides each round's draft depth (TreeConfig.adaptive)
+    trace: list[RoundTrace] | None = None  # one entry per round when generate(trace=True)
     context: list[int] = field(default_factory=list)  # prompt + emitted tokens
     output: GenerationOutput | None = None  # once finished or cancelled
     _draft_forwards0: int = 0
@@ -111,7 +115,7 @@ class Engine:
         clock = time.perf_counter
         t0 = clock()
         # 1. propose: every request's tree, never deeper than the tokens it still wants
-        depths = [0 if r.drafter is None else min(r.tree.max_depth, r.out.remaining - 1) for r in live]
+        depths = [0 if r.drafter is None else min(r.depth.depth, r.out.remaining - 1) for r in live]
         drafted = propose_many([r.drafter.propose_steps(r.context, d) for r, d in zip(live, depths) if d])
         drafts, it = [], iter(drafted)
         for r, d in zip(live, depths):
@@ -125,17 +129,23 @@ class Engine:
         walks = []
         for r, draft, rows in zip(live, drafts, logits):
             # 3. verify with the request's own sampling and coins; 4. commit its accepted path
-            walk = verify(draft, rows, r.sampling, r.rng, r.rule, PenaltyContext(r.context, len(r.prompt)))
+            walk = verify(draft, rows, r.sampling, r.rng, r.rule, PenaltyContext(r.context, len(r.prompt)), r.trace is not None)
             self.targets[r.lane].commit(walk.path)
             walks.append(walk)
         t2 = clock()
+        steps = []
         for r, draft, walk, d in zip(live, drafts, walks, depths):
+            steps.append(None)
             if d:
                 r.drafter.observe(draft, walk)
+                steps[-1] = r.depth.update(r.drafter, draft, walk, d)
         t3 = clock()
-        for r, draft, walk in zip(live, drafts, walks):
+        for r, draft, walk, step in zip(live, drafts, walks, steps):
             r.stats.record_round(draft, walk, draft_seconds=(t1 - t0) + (t3 - t2), verify_seconds=t2 - t1)
             emitted[r.id] = r.out.add(walk.emitted(draft), walk.kind)
+            if r.trace is not None:
+                r.trace.append(RoundTrace(len(r.trace), draft.tree, r.rule, walk.trace.proposals, walk.path, walk.token,
+                                          walk.kind, walk.trace.source, tuple(emitted[r.id]), step))
             r.context += emitted[r.id]
             if r.out.done:
                 self._finish(r, r.out.finish_reason)
@@ -179,6 +189,7 @@ class Engine:
         for r in admitted:
             if r.tree is not None:
                 r.drafter = self.decoder._drafter(r.tree, self.drafts[r.lane])
+                r.depth = DepthPolicy(r.tree)
                 r.drafter.start(r.prompt, r.sampling, r.rng)
                 r._draft_forwards0 = sum(x.forwards for x in r.drafter.runners())
         t1 = time.perf_counter()
@@ -193,7 +204,7 @@ class Engine:
         stats.total_seconds = time.perf_counter() - request._t_start if request._t_start else 0.0
         tokenizer = self.decoder.tokenizer
         text = tokenizer.decode(out.token_ids, skip_special_tokens=True) if tokenizer is not None else None
-        request.output = GenerationOutput(out.token_ids, out.sources, stats, text, reason, out.stop_match, request.rule)
+        request.output = GenerationOutput(out.token_ids, out.sources, stats, text, reason, out.stop_match, request.rule, request.trace)
         if request.status == "live":
             del self.live[request.lane]  # the lane's cache is reset when the next request takes it
         request.status = "finished" if reason != "cancelled" else "cancelled"

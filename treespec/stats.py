@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from .proposal import DraftTree
+    from .trace import RoundTrace
     from .verify import Walk
 
 # How an emitted token was produced:
@@ -204,3 +205,4 @@ class GenerationOutput:
     finish_reason: FinishReason = "length"  # "stop": a stop string or id (see StopMatcher)
     stop: str | int | None = None  # the stop string or stop token id that ended generation
     verification: str = "token"  # the rule that verified every round ("token", "block", "traversal")
+    trace: list[RoundTrace] | None = None  # generate(trace=True): one treespec.trace.RoundTrace per round

@@ -52,7 +52,7 @@ pass over the nodes) and need two transfers per round: one `first_success`, one 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -61,6 +61,7 @@ from .config import SamplingConfig
 from .proposal import DraftTree, Draw, ProposalGroup
 from .rng import Rng
 from .sampling import PenaltyContext, check_finite, one_hot, penalize, probs, remove_token, residual, tree_token_counts, weighted_residual
+from .trace import ProposalTrace, WalkTrace
 
 Rule = Literal["token", "block", "traversal"]
 RULES: tuple[str, ...] = ("token", "block", "traversal")
@@ -71,6 +72,7 @@ class Walk:
     path: tuple[int, ...]  # accepted nodes, root first; path[1:] are accepted draft tokens
     token: int  # the correction or bonus token that ends the round
     kind: Literal["correction", "bonus"]  # correction: all proposals at path[-1] rejected
+    trace: WalkTrace | None = field(default=None, compare=False, repr=False)  # verify(..., trace=True)
 
     def emitted(self, draft: DraftTree) -> list[int]:
         """Tokens this round appends to the sequence."""
@@ -84,12 +86,15 @@ def verify(
     rng: Rng,
     rule: Rule = "token",
     committed: PenaltyContext | None = None,
+    trace: bool = False,
 ) -> Walk:
     """Walk `draft` given the target's logits at each node (`[N, V]`, row i = after node i),
     under verification `rule` ("token", "block" or "traversal"; see the module docstring).
 
     `committed` (the prompt + emitted tokens) is required when `sampling` has penalties: row
-    i is penalised for the committed tokens plus node i's own path below the root."""
+    i is penalised for the committed tokens plus node i's own path below the root. `trace=True`
+    records every proposal's p, q, coin and outcome in `walk.trace` (`treespec.trace`); off, it
+    costs nothing."""
     if target_logits.shape[0] != len(draft.tree):
         raise ValueError(f"{target_logits.shape[0]} logit rows for {len(draft.tree)} tree nodes")
     check_rule(draft, rule)
@@ -101,10 +106,11 @@ def verify(
     if sampling.greedy:
         if counts is not None:  # penalised in probs()'s precision, so draft and target argmax agree
             target_logits = penalize(target_logits if target_logits.dtype == torch.float64 else target_logits.float(), sampling, counts)
-        return _verify_greedy(draft, target_logits)
+        return _verify_greedy(draft, target_logits, [] if trace else None)
     p = probs(target_logits, sampling, counts)  # [N, V] p at every node, one batched op
     _check_inputs(draft, target_logits)
-    return {"token": _verify_token, "block": _verify_block, "traversal": _verify_traversal}[rule](draft, p, rng)
+    walk = {"token": _verify_token, "block": _verify_block, "traversal": _verify_traversal}[rule]
+    return walk(draft, p, rng, [] if trace else None)
 
 
 def check_rule(draft: DraftTree, rule: str) -> None:
@@ -128,66 +134,88 @@ def check_rule(draft: DraftTree, rule: str) -> None:
                 )
 
 
-def _verify_greedy(draft: DraftTree, logits: torch.Tensor) -> Walk:
+def _verify_greedy(draft: DraftTree, logits: torch.Tensor, trace: list[ProposalTrace] | None = None) -> Walk:
     best, bad = torch.stack([logits.argmax(-1), _bad_rows(logits)]).tolist()  # [2, N]: the one transfer
     node, path = 0, [0]
     while True:
         if bad[node]:
             check_finite(logits[node], "target")  # raises the precise error
         child = next((c for g in draft.groups_at(node) for c, t in zip(g.children, g.tokens) if t == best[node]), None)
+        if trace is not None:
+            for g in draft.groups_at(node):
+                for x, c in zip(g.tokens, g.children):
+                    hit = float(x == best[node])
+                    q = 1.0 if g.q is None else float(g.q[x])
+                    trace.append(ProposalTrace(c, node, x, g.draw.value, hit, q, hit, "accepted" if c == child else "rejected"))
         if child is None:
             kind = "bonus" if draft.tree.is_leaf(node) else "correction"
-            return Walk(tuple(path), best[node], kind)
+            return Walk(tuple(path), best[node], kind, _walk_trace(trace, f"argmax p at node {node}"))
         node = child
         path.append(child)
 
 
-def _verify_token(draft: DraftTree, p: torch.Tensor, rng: Rng) -> Walk:
+def _verify_token(draft: DraftTree, p: torch.Tensor, rng: Rng, trace: list[ProposalTrace] | None = None) -> Walk:
     """Token by token from the root: accept a child or move on to the next proposal."""
     node, path = 0, [0]
     while True:
         r = p[node]  # [V] the running residual starts as p at this node
         groups = draft.groups_at(node)
         if groups:
-            accept, r = _acceptance_chain(groups, r)
-            i = rng.first_success(accept)
+            chain = _acceptance_chain(groups, r)
+            i = rng.first_success(chain.accept)
+            r = chain.residual
+            if trace is not None:
+                tried = [(g, x, c) for g in groups for x, c in zip(g.tokens, g.children)]
+                px = p[node][[x for _, x, _ in tried]].tolist()
+                for j, ((g, x, c), pj, qj, coin) in enumerate(zip(tried, px, chain.q.tolist(), chain.accept.tolist())):
+                    outcome = "rejected" if i is None or j < i else "accepted" if j == i else "untried"
+                    trace.append(ProposalTrace(c, node, x, g.draw.value, pj, qj, coin, outcome))
             if i is not None:
                 node = [c for g in groups for c in g.children][i]
                 path.append(node)
                 continue
         kind = "bonus" if draft.tree.is_leaf(node) else "correction"
-        return Walk(tuple(path), rng.categorical(r)[0], kind)
+        source = f"p at leaf {node}" if kind == "bonus" else f"residual at node {node}"
+        return Walk(tuple(path), rng.categorical(r)[0], kind, _walk_trace(trace, source))
 
 
-def _acceptance_chain(groups: list[ProposalGroup], r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Acceptance probabilities [k] of a node's k proposals in order, each given that every
-    earlier one was rejected, and the residual after all k rejections. On the device."""
-    accept = []
+@dataclass(frozen=True)
+class _Chain:
+    accept: torch.Tensor  # [k] acceptance probability of each proposal, earlier ones rejected
+    q: torch.Tensor  # [k] the draft probability each proposal was tried with
+    residual: torch.Tensor  # [V] the residual after all k rejections
+
+
+def _acceptance_chain(groups: list[ProposalGroup], r: torch.Tensor) -> _Chain:
+    """The acceptance chain of a node's k proposals in order, on the device."""
+    accept, qx = [], []
     for group in groups:
         q = None if group.q is None else group.q.to(r.dtype)
         drawn = torch.zeros_like(r, dtype=torch.bool)
         for x in group.tokens:
             if q is None:  # deterministic: q is one-hot on x
                 accept.append(r[x].clamp(max=1.0))
+                qx.append(torch.ones_like(r[x]))
                 one_hot = torch.zeros_like(r)
                 one_hot[x] = 1
                 r = residual(r, one_hot)
                 continue
             accept.append((r[x] / q[x]).clamp(max=1.0))
+            qx.append(q[x])
             r = residual(r, q)
             if group.draw is Draw.WITHOUT_REPLACEMENT:
                 q = remove_token(q, x, drawn)
-    return torch.stack(accept), r
+    return _Chain(torch.stack(accept), torch.stack(qx), r)
 
 
-def _verify_block(draft: DraftTree, p: torch.Tensor, rng: Rng) -> Walk:
+def _verify_block(draft: DraftTree, p: torch.Tensor, rng: Rng, trace: list[ProposalTrace] | None = None) -> Walk:
     """Block verification of a chain root -> ... -> leaf, vectorised over the chain on the
     device; the coins run from the leaf back to the root."""
     chain = _chain(draft)
     n = len(chain) - 1
     rows = p[chain]  # [n + 1, V] p after each chain node
     if n == 0:
-        return Walk((0,), rng.categorical(rows[0])[0], "bonus")
+        return Walk((0,), rng.categorical(rows[0])[0], "bonus", _walk_trace(trace, "p at leaf 0"))
     groups = [draft.groups_at(u)[0] for u in chain[:-1]]
     xs = [draft.tree.tokens[c] for c in chain[1:]]
     x = torch.tensor(xs, device=p.device)
@@ -199,24 +227,31 @@ def _verify_block(draft: DraftTree, p: torch.Tensor, rng: Rng) -> Walk:
     stop = torch.cat([ratio.new_ones(1), left[1:].sum(-1), w[-1:]])  # node 0 always stops: its mass is 1
     i = rng.first_success(stop.flip(0))
     tau = n - (i if i is not None else n)
+    if trace is not None:  # the proposal at chain[k] (k >= 1) with its node's stopping coin
+        px, qx = rows[:-1].gather(1, x[:, None])[:, 0].tolist(), q.gather(1, x[:, None])[:, 0].tolist()
+        for k, (g, x_k, pk, qk, coin) in enumerate(zip(groups, xs, px, qx, stop[1:].tolist()), start=1):
+            trace.append(ProposalTrace(chain[k], chain[k - 1], x_k, g.draw.value, pk, qk, coin, "accepted" if k <= tau else "rejected"))
     if tau == n:
-        return Walk(tuple(chain), rng.categorical(rows[n])[0], "bonus")
-    return Walk(tuple(chain[: tau + 1]), rng.categorical(left[tau])[0], "correction")
+        return Walk(tuple(chain), rng.categorical(rows[n])[0], "bonus", _walk_trace(trace, f"p at leaf {chain[n]}"))
+    return Walk(tuple(chain[: tau + 1]), rng.categorical(left[tau])[0], "correction", _walk_trace(trace, f"weighted residual at node {chain[tau]}"))
 
 
-def _verify_traversal(draft: DraftTree, p: torch.Tensor, rng: Rng) -> Walk:
+def _verify_traversal(draft: DraftTree, p: torch.Tensor, rng: Rng, trace: list[ProposalTrace] | None = None) -> Walk:
     """Traversal verification: visit the tree leaves first (post-order, siblings in draw
     order), each node's stopping probability given that every earlier node was rejected;
     accept the first node that stops, with its whole root path."""
     order: list[int] = []
     stop: list[torch.Tensor] = []
     left: list[torch.Tensor] = []
+    tried: dict[int, tuple[ProposalGroup, torch.Tensor]] = {}  # child -> its group and q(x) (traced only)
 
     def visit(u: int, m: torch.Tensor) -> None:  # m: target measure at u, mass = u's weight
         for g in draft.groups_at(u):
             q, drawn = None if g.q is None else g.q.to(m.device, m.dtype), torch.zeros_like(m, dtype=torch.bool)
             for x, c in zip(g.tokens, g.children):
                 qx = one_hot(x, m) if q is None else q
+                if trace is not None:
+                    tried[c] = (g, qx[x])
                 visit(c, (m[x] / qx[x]).clamp(max=1.0) * p[c])
                 m = weighted_residual(m, qx)
                 if g.draw is Draw.WITHOUT_REPLACEMENT:
@@ -231,7 +266,20 @@ def _verify_traversal(draft: DraftTree, p: torch.Tensor, rng: Rng) -> Walk:
     i = len(order) - 1 if i is None else i
     node = order[i]
     kind = "bonus" if draft.tree.is_leaf(node) else "correction"
-    return Walk(tuple(draft.tree.path_to(node)), rng.categorical(left[i])[0], kind)
+    path = tuple(draft.tree.path_to(node))
+    if trace is not None and tried:  # in post-order, each node's proposal with its stopping coin
+        tree, coins, kids = draft.tree, torch.stack(stop).tolist(), list(tried)
+        qx = dict(zip(kids, torch.stack([v for _, v in tried.values()]).tolist()))
+        px = dict(zip(kids, p[[tree.parents[c] for c in kids], [tree.tokens[c] for c in kids]].tolist()))
+        for j, u in enumerate(order[:-1]):
+            outcome = "accepted" if u in path else "rejected" if j < i else "untried"
+            trace.append(ProposalTrace(u, tree.parents[u], tree.tokens[u], tried[u][0].draw.value, px[u], qx[u], coins[j], outcome))
+    source = f"p at leaf {node}" if kind == "bonus" else f"weighted residual at node {node}"
+    return Walk(path, rng.categorical(left[i])[0], kind, _walk_trace(trace, source))
+
+
+def _walk_trace(trace: list[ProposalTrace] | None, source: str) -> WalkTrace | None:
+    return None if trace is None else WalkTrace(tuple(trace), source)
 
 
 def _chain(draft: DraftTree) -> list[int]:

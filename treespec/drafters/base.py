@@ -54,7 +54,14 @@ class Drafter(ABC):
         return self.propose(context, depth)
 
     def observe(self, draft: DraftTree, walk: Walk) -> None:
-        """Feedback after verification of `draft` (keep caches in sync, adapt). Optional."""
+        """Feedback after verification of `draft` (keep caches in sync). Optional."""
+
+    def path_entropy(self, draft: DraftTree, walk: Walk) -> float | None:
+        """The draft's uncertainty along the accepted path, in [0, 1] (normalised entropy),
+        for `TreeConfig(adaptive="entropy")`; None (the default) if this drafter has no
+        distribution to measure, and the depth policy falls back on the rejection rate
+        (`treespec.adaptive`)."""
+        return None
 
     def runners(self) -> list[Runner]:
         """The draft models this drafter runs (their forward passes are counted in

@@ -63,11 +63,24 @@ class MergedDrafter(Drafter):
 
     def observe(self, draft: DraftTree, walk: Walk) -> None:
         """Each drafter hears the accepted path projected onto its own tree."""
-        for drafter, (part, to_merged) in zip(self.drafters, self._parts):
+        for drafter, (part, part_walk) in zip(self.drafters, self._projected(walk)):
+            drafter.observe(part, part_walk)
+
+    def path_entropy(self, draft: DraftTree, walk: Walk) -> float | None:
+        """The mean over the parts that measure one (None if none does)."""
+        hs = [d.path_entropy(part, w) for d, (part, w) in zip(self.drafters, self._projected(walk))]
+        hs = [h for h in hs if h is not None]
+        return sum(hs) / len(hs) if hs else None
+
+    def _projected(self, walk: Walk) -> list[tuple[DraftTree, Walk]]:
+        """Each part's tree and the accepted path projected onto it."""
+        out = []
+        for part, to_merged in self._parts:
             from_merged = {m: i for i, m in enumerate(to_merged)}
             path = [0]
             for n in walk.path[1:]:
                 if n not in from_merged:
                     break
                 path.append(from_merged[n])
-            drafter.observe(part, Walk(tuple(path), walk.token, walk.kind))
+            out.append((part, Walk(tuple(path), walk.token, walk.kind)))
+        return out

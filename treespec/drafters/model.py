@@ -56,8 +56,6 @@ class ModelDrafter(Drafter):
     def start(self, prompt: Sequence[int], sampling: SamplingConfig, rng: Rng) -> None:
         self.sampling, self.rng = sampling, rng
         self.prompt_len = len(prompt)
-        self.depth = self.config.depth  # current depth; moves when config.adaptive is set
-        self.entropy_ema: float | None = None
         self.runner.reset()
         self.runner.prefill(list(prompt[:-1]))
 
@@ -65,8 +63,6 @@ class ModelDrafter(Drafter):
         return propose_many([self.propose_steps(context, depth)])[0]
 
     def propose_steps(self, context: Sequence[int], depth: int) -> ProposeSteps:
-        depth = min(depth, self.depth)
-        self._round_depth = depth
         run = self.runner
         if list(context[: run.n_committed]) != run.committed:
             raise RuntimeError("draft cache is out of sync with the committed tokens")
@@ -109,19 +105,12 @@ class ModelDrafter(Drafter):
                 break  # an accepted leaf the draft never fed: caught up next round
             keep.append(self._nodes[n].pending)
         self.runner.commit(keep)
-        self._adapt_depth(walk)
 
-    def _adapt_depth(self, walk: Walk) -> None:
-        cfg = self.config
-        if cfg.adaptive == "hf":  # +2 after a fully accepted round, -1 otherwise
-            full = len(walk.path) - 1 >= self._round_depth
-            self.depth += 2 if full else -1
-        elif cfg.adaptive == "entropy":  # confident draft along the accepted path: go deeper
-            fed = [self._nodes[n].score for n in walk.path if self._nodes[n].score is not None]
-            h = sum(_normalised_entropy(s) for s in fed) / len(fed)
-            self.entropy_ema = h if self.entropy_ema is None else cfg.ema_beta * self.entropy_ema + (1 - cfg.ema_beta) * h
-            self.depth = round(cfg.depth_max - self.entropy_ema * (cfg.depth_max - cfg.depth_min))
-        self.depth = max(cfg.depth_min, min(cfg.depth_max, self.depth)) if cfg.adaptive else cfg.depth
+    def path_entropy(self, draft: DraftTree, walk: Walk) -> float:
+        """Mean normalised entropy of the draft's distributions at the fed nodes of the
+        accepted path (at temperature 0, of its plain softmax)."""
+        fed = [self._nodes[n].score for n in walk.path if self._nodes[n].score is not None]
+        return sum(_normalised_entropy(s) for s in fed) / len(fed)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _attach(self, nodes: list[_Node], fed: list[int], first: int, logits: torch.Tensor) -> None:
