@@ -302,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (treespec generate --trace | head): stop quietly
+        sys.stderr.close()  # nothing more can be said; keep Python's exit from complaining
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return 0
 
 

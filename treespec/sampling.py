@@ -69,7 +69,11 @@ def tree_token_counts(
     if rows is not None:
         on_path = on_path[torch.tensor(list(rows), dtype=torch.long, device=device)]  # [n, N-1]
     below_root = torch.tensor(tree.tokens[1:], dtype=torch.long, device=device)  # [N-1]
-    path = on_path.float() @ torch.nn.functional.one_hot(below_root, vocab_size).float()  # [n, V]
+    # path[i, token of node j] += 1 for every node j on row i's path: a scatter-add, so no
+    # [N, V] one-hot is built (128k-token vocabularies)
+    path = torch.zeros(on_path.shape[0], vocab_size, device=device).scatter_add_(
+        1, below_root.expand(on_path.shape[0], -1), on_path.float()
+    )  # [n, V]
     counts = generated + path  # [n, V]
     return TokenCounts(seen=prompt | (counts > 0), generated=counts)
 
