@@ -75,10 +75,14 @@ def test_each_request_of_a_batch_equals_it_alone(models, backend, max_batch):
     dec = SpeculativeDecoder(*models, backend=backend)
     want = [alone(dec, i) for i in range(len(REQUESTS))]
     trees, samplings, lengths, seeds = (list(x) for x in zip(*REQUESTS))
-    got = dec.generate_batch(PROMPTS, max_new_tokens=lengths, tree=trees, sampling=samplings, seeds=seeds, max_batch=max_batch)
+    got = dec.generate_batch(PROMPTS, max_new_tokens=lengths, tree=trees, sampling=samplings, seeds=seeds, max_batch=max_batch,
+                             trace=True)
     assert len(got) == len(want)
-    for g, w in zip(got, want):
+    for i, (g, w) in enumerate(zip(got, want)):
         assert_same(g, w)
+        # every round of a batched request is the round it has alone
+        traced = alone(dec, i, trace=True).trace
+        assert [(t.path, t.token, t.emitted) for t in g.trace] == [(t.path, t.token, t.emitted) for t in traced]
     assert len({len(w.token_ids) for w in want}) > 3  # the requests really finished at different rounds
 
 
@@ -161,7 +165,7 @@ def test_batch_of_two_toy_requests_is_lossless_by_enumeration():
     joints, for different trees and sampling configs."""
     target, draft = toy_pair()
     dec = SpeculativeDecoder(TableRunner(target), TableRunner(draft))
-    a = (TOY_PROMPT, TreeConfig(2, 2), TOY_SAMPLINGS["T1"], 3)
+    a = (TOY_PROMPT, TreeConfig(2, 2), TOY_SAMPLINGS["T1"], 2)
     b = ((0, 2, 1), TreeConfig(2, 1, "without_replacement"), TOY_SAMPLINGS["T0.6-topk2"], 2)
 
     def run(rng):

@@ -48,6 +48,8 @@ def enumerate_decoder(decoder: SpeculativeDecoder, tree, sampling, k: int = K):
 @pytest.mark.parametrize("strategy", ["iid", "without_replacement", "topk", "dynamic"])
 @pytest.mark.parametrize("width,depth", SHAPES)
 def test_model_drafter_is_lossless(strategy, width, depth, sampling_name):
+    if (strategy, width, depth, sampling_name) == ("without_replacement", 3, 2, "T1"):
+        pytest.skip("slow (~35 s); all three tokens drawn without replacement is covered at depth 1, width 3 x2 at the other samplings")
     sampling = SAMPLINGS[sampling_name]
     target, draft = pair()
     decoder = SpeculativeDecoder(TableRunner(target), TableRunner(draft))

@@ -78,8 +78,14 @@ CASES = {  # name: (drafter, tree, sampling)
 }
 
 
-@pytest.mark.parametrize("backend", ["native", "hf"])
-@pytest.mark.parametrize("case", list(CASES))
+# The HF backend runs the same decoder, drafters and walk; it differs only in the runner, whose
+# logits and caches test_runner.py checks against sequential decoding. Four cases (one per
+# proposal kind and the merged drafter) keep it in the statistical test at a quarter of the cost.
+HF_CASES = ("linear-T1", "iid-w3-topp", "wr-w3-topk", "merged-w2")
+BACKEND_CASES = [(case, "native") for case in CASES] + [(case, "hf") for case in HF_CASES]
+
+
+@pytest.mark.parametrize("case,backend", BACKEND_CASES, ids=[f"{c}-{b}" for c, b in BACKEND_CASES])
 def test_sampled_output_matches_target_joint(models, case, backend):
     target, draft = models
     drafter, tree, sampling = CASES[case]

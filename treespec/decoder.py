@@ -189,6 +189,7 @@ class SpeculativeDecoder:
         stop: str | int | Sequence[str | int] | None | list = None,
         verification: str | None | Sequence[str | None] = None,
         max_batch: int = 16,
+        trace: bool = False,
     ) -> list[GenerationOutput]:
         """`generate()` for many prompts at once; one output per prompt, in order.
 
@@ -199,8 +200,9 @@ class SpeculativeDecoder:
         seed and settings. `max_new_tokens`, `tree`, `sampling`, `stop` and `verification`
         take one value for all or a list with one per prompt (`stop`: a list of per-prompt
         stop lists); `seeds` a list. Requests finish independently; at most `max_batch` run
-        at once (the rest wait for a free lane). Every request is checked before any runs:
-        a bad one raises ValueError naming its index.
+        at once (the rest wait for a free lane). `trace=True` records every request's rounds
+        (`out.trace`, as in `generate()`). Every request is checked before any runs: a bad one
+        raises ValueError naming its index.
         """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise ValueError("generate_batch() takes a list of prompts (text or token id lists); use generate() for one")
@@ -222,10 +224,10 @@ class SpeculativeDecoder:
         settings = [{k: v[i] for k, v in per_request.items()} for i in range(n)]
         for i, (prompt, kw) in enumerate(zip(prompts, settings)):
             try:
-                self._request(i, prompt, ignore_eos=ignore_eos, **kw)  # check all before any runs
+                self._request(i, prompt, ignore_eos=ignore_eos, trace=trace, **kw)  # check all before any runs
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}") from None
-        ids = [engine.add(prompt, ignore_eos=ignore_eos, **kw) for prompt, kw in zip(prompts, settings)]
+        ids = [engine.add(prompt, ignore_eos=ignore_eos, trace=trace, **kw) for prompt, kw in zip(prompts, settings)]
         outputs = engine.run()
         return [outputs[i] for i in ids]
 
