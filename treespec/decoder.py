@@ -88,6 +88,7 @@ class SpeculativeDecoder:
             else shared_support(self.vocab_size, self.draft_runner.vocab_size, tokenizer if tokenizer is not None else draft_tokenizer)
         )
         self.eos_token_ids = set(self.target_runner.eos_token_ids)
+        self._lane_cache: tuple[int, list[Runner], list[Runner | None]] | None = None  # see _lanes()
 
     @classmethod
     def from_pretrained(
@@ -221,13 +222,13 @@ class SpeculativeDecoder:
             "seed": _per_request("seeds", seeds, n, seeds is not None),
         }
         engine = self.engine(max_live=min(n, max_batch))
-        settings = [{k: v[i] for k, v in per_request.items()} for i in range(n)]
-        for i, (prompt, kw) in enumerate(zip(prompts, settings)):
+        requests = []
+        for i, prompt in enumerate(prompts):  # every request checked (built) before any runs
             try:
-                self._request(i, prompt, ignore_eos=ignore_eos, trace=trace, **kw)  # check all before any runs
+                requests.append(self._request(i, prompt, ignore_eos=ignore_eos, trace=trace, **{k: v[i] for k, v in per_request.items()}))
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}") from None
-        ids = [engine.add(prompt, ignore_eos=ignore_eos, trace=trace, **kw) for prompt, kw in zip(prompts, settings)]
+        ids = [engine._submit(r) for r in requests]
         outputs = engine.run()
         return [outputs[i] for i in ids]
 
@@ -251,7 +252,7 @@ class SpeculativeDecoder:
         """`n` target lanes and `n` draft lanes (kept for the next batch of the same size)."""
         if n == 1:
             return [self.target_runner], [self.draft_runner]
-        if getattr(self, "_lane_cache", (0,))[0] != n:
+        if self._lane_cache is None or self._lane_cache[0] != n:
             drafts = [None] * n if self.draft_runner is None else self.draft_runner.lanes(n)
             self._lane_cache = (n, self.target_runner.lanes(n), drafts)
         return self._lane_cache[1], self._lane_cache[2]

@@ -85,7 +85,12 @@ class Engine:
     def add(self, prompt, max_new_tokens: int = 128, **settings) -> int:
         """Queue a request (`generate()`'s arguments); its id. Bad input raises ValueError
         here, before anything runs; other requests are untouched."""
-        request = self.decoder._request(self._next_id, prompt, max_new_tokens, **settings)
+        return self._submit(self.decoder._request(self._next_id, prompt, max_new_tokens, **settings))
+
+    def _submit(self, request: Request) -> int:
+        """Queue a checked request built for this engine (its id is the next one)."""
+        if request.id != self._next_id:
+            raise RuntimeError(f"request id {request.id} is not this engine's next id {self._next_id}")
         if self.max_kv_tokens is not None and request.slots > self.max_kv_tokens:
             raise ValueError(
                 f"the request needs up to {request.slots} KV cache slots (prompt {len(request.prompt)} + max_new_tokens "
