@@ -17,9 +17,10 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from treespec.backends import native
+from treespec.backends import linear, native
 from treespec.backends.attention import reference_prefix_attention
 from treespec.backends.hf import HFRunner, load_model
+from treespec.backends.linear import Projection, packing_available
 from treespec.backends.native import LlamaShape, NativeRunner, unsupported_reason
 from treespec.tree import TokenTree
 
@@ -114,11 +115,22 @@ TOL = {torch.float32: 1e-4, torch.float64: 1e-9}
 
 
 # ---- 1. prefill + tree forwards ------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def projections(runner: NativeRunner) -> list[Projection]:
+    return [runner.lm_head] + [p for layer in runner.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
+
+@pytest.mark.parametrize("dtype, packed", [(torch.float32, False), (torch.float32, True), (torch.float64, False)])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_tree_logits_match_hf(variant, dtype):
+def test_tree_logits_match_hf(variant, dtype, packed, monkeypatch):
+    """fp32 runs twice: the tiny weights as they are (below linear.MIN_PACKED_FP32: plain BLAS)
+    and with every projection in oneDNN's packed layout, biases fused (the big models' path)."""
+    if packed:
+        if not packing_available(torch.device("cpu"), dtype):
+            pytest.skip("this torch has no oneDNN packed linear")
+        monkeypatch.setattr(linear, "MIN_PACKED_FP32", 0)
     model = build(variant, dtype)
     hf, nat = runners(model)
+    assert all((p.packed is not None) == packed for p in projections(nat))
     assert nat.dtype == dtype and nat.vocab_size == VOCAB and nat.eos_token_ids == frozenset({1, 2})
     rng = random.Random(1)
     prompt = [rng.randrange(VOCAB) for _ in range(11)]
@@ -156,7 +168,10 @@ def test_llama32_1b_shaped():
     )
     model = LlamaForCausalLM(config).eval()
     hf, nat = runners(model)
-    assert nat.embed is None and nat.lm_head.shape == (2048, 128256)  # tied: one tensor
+    assert nat.embed.shape == (128256, 2048)  # tied: the lm_head projects by the embedding matrix
+    assert (nat.lm_head.out_features, nat.lm_head.in_features) == (128256, 2048)
+    if packing_available(nat.device, nat.dtype):  # real sizes take oneDNN's packed layout in fp32
+        assert all(p.packed is not None for p in projections(nat))
     assert nat.capacity < 1024  # 128k positions are not allocated up front
     assert torch.equal(nat.inv_freq, model.model.rotary_emb.inv_freq)
     rng = random.Random(0)
@@ -336,6 +351,51 @@ def test_bf16_close_to_fp32():
         chain = random_chain(rng, tree)
         for r in (fp32, bf16):
             r.commit(chain)
+
+
+# ---- 5b. projections ---------------------------------------------------------------------------
+needs_packing = pytest.mark.skipif(
+    not packing_available(torch.device("cpu"), torch.float32), reason="this torch has no oneDNN packed linear"
+)
+
+
+@needs_packing
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_projection_equals_linear(dtype, with_bias):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(600, 512, generator=g).to(dtype)  # 307k elements: packed in fp32 too
+    b = torch.randn(600, generator=g).to(dtype) if with_bias else None
+    proj = Projection(w, b)
+    assert proj.packed is not None and proj.weight_t is None
+    for rows in (1, 7, 40):
+        x = torch.randn(rows, 512, generator=g).to(dtype)
+        want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        assert (proj(x).double() - want).abs().max() <= tol * want.abs().max()
+
+
+def test_projection_stays_plain_where_packing_does_not_pay_or_apply():
+    w = torch.randn(64, 32)
+    assert Projection(w).packed is None  # a small fp32 weight: MKL is faster unpacked
+    assert Projection(torch.randn(600, 512), pack=False).packed is None
+    w64 = torch.randn(600, 512, dtype=torch.float64)
+    plain = Projection(w64)
+    assert plain.packed is None and plain.weight_t.data_ptr() == w64.data_ptr()  # a view: F.linear's own call
+    x = torch.randn(3, 512, dtype=torch.float64)
+    assert torch.equal(plain(x), torch.nn.functional.linear(x, w64))
+
+
+@needs_packing
+def test_projection_falls_back_when_the_packed_product_is_wrong(monkeypatch):
+    """A torch whose private oneDNN op answered differently must not be trusted: the probe at
+    construction catches it and the projection multiplies plainly."""
+    monkeypatch.setattr(linear, "_packed_product", lambda x, packed, bias: torch.zeros(x.shape[0], 600))
+    w = torch.randn(600, 512)
+    proj = Projection(w)
+    assert proj.packed is None
+    x = torch.randn(2, 512)
+    assert torch.allclose(proj(x), x @ w.t(), rtol=1e-5, atol=1e-4)
 
 
 # ---- 6. the flash cascade's math on CPU -----------------------------------------------------

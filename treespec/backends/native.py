@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from .attention import cascade_attention, flash_available, flash_prefix_attention
 from .base import Feed, Runner
+from .linear import Projection
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 INITIAL_CAPACITY = 256  # cache slots allocated before the first growth
@@ -158,18 +159,15 @@ class LlamaShape:
 
 @dataclass
 class Layer:
-    """One decoder layer's weights, fused where two matmuls read the same input. Projections are
-    stored [in, out] (HF's nn.Linear weight transposed) and applied as x @ W: on this CPU's fp32
-    BLAS that is 1.3-1.6x faster per token than F.linear on [out, in] (same speed in bf16)."""
+    """One decoder layer's weights, fused where two products read the same input; each
+    projection stored as this device multiplies by it fastest (`linear.Projection`)."""
 
     attn_norm: torch.Tensor  # [hidden]
-    wqkv: torch.Tensor  # [hidden, (Hq + 2 Hkv) D]: q, k, v projections side by side
-    bqkv: torch.Tensor | None  # [(Hq + 2 Hkv) D] (qwen2, attention_bias)
-    wo: torch.Tensor  # [Hq D, hidden]
-    bo: torch.Tensor | None  # [hidden] (llama attention_bias)
+    qkv: Projection  # hidden -> (Hq + 2 Hkv) D: q, k, v side by side (+ bias: qwen2, attention_bias)
+    o: Projection  # Hq D -> hidden (+ bias: llama attention_bias)
     mlp_norm: torch.Tensor  # [hidden]
-    w_gate_up: torch.Tensor  # [hidden, 2 I]: gate and up projections side by side
-    w_down: torch.Tensor  # [I, hidden]
+    gate_up: Projection  # hidden -> 2 I: gate and up side by side
+    down: Projection  # I -> hidden
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -232,8 +230,11 @@ class NativeRunner(Runner):
         eos_token_ids: frozenset[int] = frozenset(),
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        pack_weights: bool = True,
     ):
-        """`weights`: the HF state dict names (model.layers.{i}.self_attn.q_proj.weight, ...)."""
+        """`weights`: the HF state dict names (model.layers.{i}.self_attn.q_proj.weight, ...).
+        `pack_weights`: let each projection take oneDNN's packed layout where it can
+        (`linear.Projection`; False: plain F.linear everywhere, for comparisons)."""
         self.shape = s = shape
         self.vocab_size, self.max_positions = s.vocab, s.max_positions
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -244,21 +245,14 @@ class NativeRunner(Runner):
                 raise ValueError(f"checkpoint lacks the tensor {name!r}")
             return weights[name].to(device=self.device, dtype=dtype)
 
-        def transposed(w: torch.Tensor) -> torch.Tensor:  # [out, in] -> [in, out]
-            # float64 (the exactness tests' dtype) keeps HF's storage under a transposed view, so
-            # x @ w is the very BLAS call F.linear makes: bitwise HF even through the float32
-            # RMSNorm statistics, which would amplify any reordered float64 sum to ~1e-8
-            return w.t() if dtype == torch.float64 else w.t().contiguous()
+        def cat(*names: str) -> torch.Tensor:  # [sum of outs, in]
+            return torch.cat([get(n) for n in names])
 
-        def get_t(name: str) -> torch.Tensor:  # [in, out]
-            return transposed(get(name))
+        def proj(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Projection:
+            return Projection(weight, bias, pack=pack_weights)
 
-        def cat(*names: str) -> torch.Tensor:  # [in, sum of outs]
-            return transposed(torch.cat([get(n) for n in names]))
-
-        self.lm_head = get_t("model.embed_tokens.weight" if s.tied else "lm_head.weight")  # [hidden, V]
-        # tied: no second copy, tokens are embedded from lm_head's columns (see _embed)
-        self.embed = None if s.tied else get("model.embed_tokens.weight")  # [V, hidden]
+        self.embed = get("model.embed_tokens.weight")  # [V, hidden]
+        self.lm_head = proj(self.embed if s.tied else get("lm_head.weight"))  # hidden -> V
         self.norm = get("model.norm.weight")  # [hidden]
         self.layers: list[Layer] = []
         for i in range(s.layers):
@@ -266,21 +260,23 @@ class NativeRunner(Runner):
             self.layers.append(
                 Layer(
                     attn_norm=get(f"model.layers.{i}.input_layernorm.weight"),
-                    wqkv=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
-                    bqkv=cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if s.qkv_bias else None,
-                    wo=get_t(a + "o_proj.weight"),
-                    bo=get(a + "o_proj.bias") if s.o_bias else None,
+                    qkv=proj(
+                        cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                        cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if s.qkv_bias else None,
+                    ),
+                    o=proj(get(a + "o_proj.weight"), get(a + "o_proj.bias") if s.o_bias else None),
                     mlp_norm=get(f"model.layers.{i}.post_attention_layernorm.weight"),
-                    w_gate_up=cat(m + "gate_proj.weight", m + "up_proj.weight"),
-                    w_down=get_t(m + "down_proj.weight"),
+                    gate_up=proj(cat(m + "gate_proj.weight", m + "up_proj.weight")),
+                    down=proj(get(m + "down_proj.weight")),
                 )
             )
         for name, got, want in (
-            ("the output projection", self.lm_head.shape, (s.hidden, s.vocab)),
-            ("q/k/v projections", self.layers[0].wqkv.shape, (s.hidden, (s.heads + 2 * s.kv_heads) * s.head_dim)),
-            ("gate/up projections", self.layers[0].w_gate_up.shape, (s.hidden, 2 * s.intermediate)),
+            ("the output projection", self.lm_head, (s.vocab, s.hidden)),
+            ("q/k/v projections", self.layers[0].qkv, ((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden)),
+            ("gate/up projections", self.layers[0].gate_up, (2 * s.intermediate, s.hidden)),
         ):
-            if tuple(got) != want:
+            got = (got.out_features, got.in_features)
+            if got != want:
                 raise ValueError(f"weights do not match the config: {name} {tuple(got)}, expected {want}")
         self.inv_freq = s.inv_freq().to(self.device)  # [D/2] float32
         # flash-attn serves the committed prefix of tree forwards on CUDA (fp16/bf16); the tree
@@ -292,7 +288,7 @@ class NativeRunner(Runner):
 
     # ---- constructors ----------------------------------------------------------------------
     @classmethod
-    def from_hf(cls, model: torch.nn.Module, dtype: torch.dtype | None = None, device=None) -> NativeRunner:
+    def from_hf(cls, model: torch.nn.Module, dtype: torch.dtype | None = None, device=None, pack_weights: bool = True) -> NativeRunner:
         """The weights of an HF `LlamaForCausalLM` / `Qwen2ForCausalLM` / `MistralForCausalLM`,
         copied into the runner's layout (norms and biases shared where dtype and device agree;
         float64 shares everything). dtype/device default to the model's."""
@@ -300,10 +296,10 @@ class NativeRunner(Runner):
 
         param = next(model.parameters())
         shape = LlamaShape.from_config(model.config)
-        return cls(shape, model.state_dict(), eos_token_ids(model), dtype or param.dtype, device or param.device)
+        return cls(shape, model.state_dict(), eos_token_ids(model), dtype or param.dtype, device or param.device, pack_weights)
 
     @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype = torch.float32, device="cpu") -> NativeRunner:
+    def from_pretrained(cls, path, dtype: torch.dtype = torch.float32, device="cpu", pack_weights: bool = True) -> NativeRunner:
         """A local directory with config.json and model.safetensors (or a sharded
         model.safetensors.index.json); no transformers import."""
         from safetensors.torch import load_file
@@ -331,7 +327,7 @@ class NativeRunner(Runner):
             eos = read_json(root / "generation_config.json").get("eos_token_id")
         eos = cfg.get("eos_token_id") if eos is None else eos
         eos_ids = frozenset() if eos is None else frozenset(int(e) for e in ([eos] if isinstance(eos, int) else eos))
-        return cls(shape, weights, eos_ids, dtype, device)
+        return cls(shape, weights, eos_ids, dtype, device, pack_weights)
 
     # ---- the KV cache ---------------------------------------------------------------------
     @property
@@ -413,21 +409,20 @@ class NativeRunner(Runner):
         for layer, k_cache, v_cache in zip(self.layers, pool.k_cache, pool.v_cache):
             # attention: fused q/k/v projection, RoPE on q and k together, k and v into the cache
             h = rms_norm(x, layer.attn_norm, s.eps)
-            qkv = h @ layer.wqkv if layer.bqkv is None else torch.addmm(layer.bqkv, h, layer.wqkv)  # [T, (Hq+2Hkv)*D]
-            qkv = qkv.view(T, Hq + 2 * Hkv, D)
+            qkv = layer.qkv(h).view(T, Hq + 2 * Hkv, D)  # [T, Hq+2Hkv, D]
             qk = rotate(qkv[:, : Hq + Hkv], cos, sin)  # [T, Hq+Hkv, D]
             o = attend(qk[:, :Hq], qk[:, Hq:], qkv[:, Hq + Hkv :], k_cache, v_cache)  # [T, Hq*D]
-            x = x + (o @ layer.wo if layer.bo is None else torch.addmm(layer.bo, o, layer.wo))
+            x = x + layer.o(o)
 
             # MLP: fused gate/up projection, SiLU gate, down projection
             h = rms_norm(x, layer.mlp_norm, s.eps)
-            gate, up = (h @ layer.w_gate_up).chunk(2, dim=-1)  # [T, I] each
-            x = x + (F.silu(gate) * up) @ layer.w_down
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [T, I] each
+            x = x + layer.down(F.silu(gate) * up)
         for lane, S, n in zip(lanes, starts, ns):
             lane.filled = S + n
         if not need_logits:
             return [None] * len(lanes)
-        logits = rms_norm(x, self.norm, s.eps) @ self.lm_head  # [T, V]
+        logits = self.lm_head(rms_norm(x, self.norm, s.eps))  # [T, V]
         return [logits] if one else list(logits.split(ns))
 
     def _lane_attention(self, feed: Feed, S: int):
@@ -469,9 +464,7 @@ class NativeRunner(Runner):
         return attend
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """[n] token ids -> [n, hidden]: rows of the embedding, or columns of a tied lm_head."""
-        if self.embed is None:
-            return self.lm_head.index_select(1, tokens).t().contiguous()  # row-major, as BLAS sees HF's
+        """[n] token ids -> [n, hidden]."""
         return F.embedding(tokens, self.embed)
 
 
