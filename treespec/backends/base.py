@@ -37,7 +37,7 @@ class Feed:
 
     tokens: torch.Tensor  # [n] token ids
     positions: torch.Tensor  # [n] position ids
-    visible: torch.Tensor | None  # [n, S + n] bool attention pattern; None: a prefill (causal)
+    visible: torch.Tensor | None  # [n, S + n] bool attention pattern; None: causal (a prefill, a chain)
 
 
 class Runner(ABC):
@@ -108,6 +108,11 @@ class Runner(ABC):
         self._tokens += [int(t) for t in tokens]
         self._parents += [int(p) for p in parents]
         self._depths += depths
+        if all(d == p0 + i for i, d in enumerate(depths)):
+            # a chain below every pending node (each step of linear drafting, a chain tree):
+            # every new node sees all slots before it, the causal pattern; no tree mask to build
+            ids = torch.tensor([self._tokens[p0:], [c + d for d in depths]], device=self.device)  # [2, n]
+            return Feed(ids[0], ids[1], None)
         # one host -> device copy: tokens, positions and the parent pointers of every pending node
         ids = torch.tensor([self._tokens, [c + d for d in self._depths], self._parents], device=self.device)  # [3, P]
         new = ancestor_rows(ids[2], p0, max(self._depths[p0:]))  # [n, P] ancestor-or-self of the new nodes
