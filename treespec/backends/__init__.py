@@ -79,16 +79,16 @@ def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
 def auto_dtype(device: torch.device | str, role: str = "target") -> torch.dtype:
     """The dtype `dtype="auto"` picks for a model in `role` ("target" or "draft").
 
-    CUDA: bf16 for both. CPU: the draft in fp32 (a small draft is bound by per-op overhead and
-    its lm_head GEMV: 0.50 ms per token in fp32 against 0.82 ms in bf16 for the bundled
-    1.4M-param draft). The target in bf16 where the CPU has AMX; with AVX512-BF16 but no AMX,
-    only where bf16 matrix products measure faster than fp32 on this very CPU
-    (`bf16_matmul_is_faster`, once per process); else fp32. The AVX512-BF16 case really goes
-    both ways: on a 2-core AMD EPYC the bundled target's forward of 1 / 17 tokens cost 5.8 /
-    9.1 ms in bf16 against 8.3 / 18.9 ms in fp32, while on a 2-core Intel Xeon (AVX512-BF16,
-    no AMX exposed) bf16 cost 9.7 / 12.0 ms against 6.9 / 17.8 ms and the batch-8 decode loop
-    spent 211 ms in matrix products in bf16 against 132 ms in fp32 (README, "Defaults").
-    Pass a dtype explicitly to override.
+    CUDA: bf16 for both. CPU: the draft in fp32 (a small draft is bound by per-op overhead:
+    0.30 ms per token in fp32 against 0.39-0.45 ms in bf16 for the bundled 1.4M-param draft,
+    packed projections). The target in bf16 where the CPU has AMX; with AVX512-BF16 but no
+    AMX, only where bf16 products measure faster than fp32 on this very CPU, multiplied as the
+    native backend multiplies (`bf16_matmul_is_faster`, once per process); else fp32. The
+    AVX512-BF16 case goes both ways: on a 2-core AMD EPYC the bundled target's forward of 1 / 13
+    tokens costs 2.0 / 3.6 ms in bf16 against 3.4 / 4.7 ms in fp32 (packed projections), while
+    on a 2-core Intel Xeon (AVX512-BF16, no AMX exposed) bf16 cost 9.7 / 12.0 ms against 6.9 /
+    17.8 ms before packing, and its batch-8 decode loop spent 211 ms in matrix products in
+    bf16 against 132 ms in fp32 (README, "Defaults"). Pass a dtype explicitly to override.
     """
     if role not in ("target", "draft"):
         raise ValueError(f"role must be 'target' or 'draft', got {role!r}")

@@ -43,6 +43,7 @@ from .linear import Projection
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 INITIAL_CAPACITY = 256  # cache slots allocated before the first growth
+FOLD_MAX_QUERIES = 64  # feeds of at most this many tokens fold GQA heads into the query axis
 
 
 # ---- configuration -------------------------------------------------------------------------
@@ -440,23 +441,29 @@ class NativeRunner(Runner):
             mask = feed.visible  # [n, S+n]
             cascade = self.flash and self.n_committed > 0
 
+        fold = n <= FOLD_MAX_QUERIES
+        if fold and mask is not None and not cascade:
+            mask = mask.repeat(g, 1)  # [g*n, S+n]: row j*n + t is token t's, see attend
+
         def attend(q, k, v, k_cache, v_cache):  # q [n, Hq, D], k and v [n, Hkv, D]
             k_cache[r, :, S : S + n] = k.transpose(0, 1)
             v_cache[r, :, S : S + n] = v.transpose(0, 1)
             q = q.transpose(0, 1)[None]  # [1, Hq, n, D]
             keys, values = k_cache[r : r + 1, :, : S + n], v_cache[r : r + 1, :, : S + n]  # [1, Hkv, S+n, D]
-            # GQA in SDPA, the fastest of three on this CPU (2 cores, AMD EPYC with avx512_bf16;
-            # us per call over a 128-slot prefix, target heads 8/2 x 64, 1 thread): unmasked
-            # n=1 -> fold the g query heads sharing a kv head into the query axis (fp32 13.9,
-            # bf16 18.6) over enable_gqa (18.3, 107) and repeat_interleave of k/v (40.5, 120);
-            # masked n=17 -> enable_gqa (fp32 99, bf16 120) over folding with the mask repeated
-            # g times (108, 125) and repeat_interleave (128, 137). scratch_time_native.py --sdpa.
+            # GQA by folding the g query heads that share a kv head into the query axis (row
+            # j*n + t is head kv*g + j, token t; the mask repeated g times to match), the fastest
+            # of three on the 2-core AMD EPYC, masked or not; us per call over a 250-slot prefix,
+            # heads 8/2 x 64: n=7 masked bf16 39.7 folded vs 60.6 enable_gqa vs 64.0
+            # repeat_interleave (fp32 39.1 / 55.0 / 56.4); n=1 unmasked bf16 13.4 vs 85.2; eight
+            # lanes of a packed forward, n=1: bf16 93 vs 648. (An earlier session's Intel Xeon
+            # had masked n=17 within 10% either way.) Prefill-sized feeds keep enable_gqa: a
+            # folded mask would be g times the n x (S+n) one.
             if cascade:  # flash over the committed prefix + the masked tree block, merged by LSE
                 c = self.n_committed
                 o = cascade_attention(q, keys, values, c, mask[:, c:], prefix_attention=self.prefix_attention)
-            elif mask is None:
-                qg = q.reshape(1, Hkv, g * n, D)  # [1, Hkv, g*n, D]: row j*n + t is head kv*g + j, token t
-                o = F.scaled_dot_product_attention(qg, keys, values, scale=D**-0.5)
+            elif fold:
+                qg = q.reshape(1, Hkv, g * n, D)  # [1, Hkv, g*n, D]
+                o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=D**-0.5)
             else:
                 o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=D**-0.5, enable_gqa=True)
             return o.view(Hq, n, D).transpose(0, 1).reshape(n, Hq * D)  # [n, Hq*D]
@@ -492,6 +499,8 @@ class _PackedAttention:
                 self.mask[b, 0, :n, : S + n] = f.visible
             self.mask[b, 0, n:, 0] = True  # padding rows attend somewhere (no NaN); their output is dropped
         self.B, self.n_max, self.heads = B, n_max, heads
+        self.g = heads // lanes[0].shape.kv_heads if n_max <= FOLD_MAX_QUERIES else 1  # GQA folding, see _lane_attention
+        self.mask = self.mask.repeat(1, 1, self.g, 1)  # [B, 1, g*n_max, span]
 
     def __call__(self, q, k, v, k_cache, v_cache):  # q [T, Hq, D], k and v [T, Hkv, D]
         B, n_max, Hq, D = self.B, self.n_max, self.heads, q.shape[-1]
@@ -500,9 +509,9 @@ class _PackedAttention:
         keys, values = k_cache[self.rows, :, : self.span], v_cache[self.rows, :, : self.span]  # [B, Hkv, span, D]
         if self.padded is not None:
             q = q.new_zeros(B * n_max, Hq, D).index_copy_(0, self.padded, q)
-        q = q.view(B, n_max, Hq, D).transpose(1, 2)  # [B, Hq, n_max, D]
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, scale=D**-0.5, enable_gqa=True)
-        o = o.transpose(1, 2).reshape(B * n_max, Hq * D)  # [B*n_max, Hq*D]
+        q = q.view(B, n_max, Hq, D).transpose(1, 2).reshape(B, Hq // self.g, self.g * n_max, D)  # [B, Hkv, g*n_max, D]
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, scale=D**-0.5, enable_gqa=self.g == 1)
+        o = o.view(B, Hq, n_max, D).transpose(1, 2).reshape(B * n_max, Hq * D)  # [B*n_max, Hq*D]
         return o if self.padded is None else o.index_select(0, self.padded)  # [T, Hq*D]
 
 
