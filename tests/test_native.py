@@ -19,6 +19,7 @@ from transformers import (
 
 from treespec.backends import linear, native
 from treespec.backends.attention import reference_prefix_attention
+from treespec.backends.base import prefill_many, score_many
 from treespec.backends.hf import HFRunner, load_model
 from treespec.backends.linear import Projection, packing_available
 from treespec.backends.native import LlamaShape, NativeRunner, unsupported_reason
@@ -180,6 +181,34 @@ def test_llama32_1b_shaped():
         r.prefill(prompt)
     tree = TokenTree([rng.randrange(128256) for _ in range(6)], [-1, 0, 0, 1, 1, 2])
     assert max_diff(hf.score(tree), nat.score(tree)) < 1e-4
+
+
+@pytest.mark.parametrize("fold_max", [0, native.FOLD_MAX_QUERIES])
+def test_both_gqa_layouts_match_hf(fold_max, monkeypatch):
+    """Feeds of at most FOLD_MAX_QUERIES tokens fold the query heads sharing a kv head into the
+    query axis (mask repeated per head), longer ones use SDPA's enable_gqa: both layouts, on
+    one lane and on packed lanes, are HF's attention (float64, 1e-9). fold_max=0: never fold."""
+    monkeypatch.setattr(native, "FOLD_MAX_QUERIES", fold_max)
+    model = build("gqa_tied", torch.float64)
+    rng = random.Random(11)
+    hfs, nat = [HFRunner(model) for _ in range(2)], NativeRunner.from_hf(model)
+    lanes = nat.lanes(2)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (70, 9)]  # one prefill past 64 tokens
+    prefill_many(list(zip(hfs, prompts)))
+    prefill_many(list(zip(lanes, prompts)))
+    for _ in range(3):
+        trees = [random_tree(rng, 9), random_tree(rng, 5)]
+        for want, got in zip(score_many(list(zip(hfs, trees))), score_many(list(zip(lanes, trees)))):
+            assert max_diff(want, got) < 1e-9
+        chains = [random_chain(rng, t) for t in trees]
+        for runners_ in (hfs, lanes):
+            for r, chain in zip(runners_, chains):
+                r.commit(chain)
+    nat.prefill(prompts[0])  # one lane alone: the single-lane attention path
+    hf_alone = HFRunner(model)
+    hf_alone.prefill(prompts[0])
+    tree = random_tree(rng, 9)
+    assert max_diff(hf_alone.score(tree), nat.score(tree)) < 1e-9
 
 
 # ---- 2. many rounds of score + commit --------------------------------------------------------
