@@ -252,6 +252,8 @@ class NativeRunner(Runner):
         def proj(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Projection:
             return Projection(weight, bias, pack=pack_weights)
 
+        # tied embeddings: the lm_head multiplies by the embedding matrix; where it is packed
+        # (CPU) the packed copy sits next to the plain one the lookup reads (one more V x hidden)
         self.embed = get("model.embed_tokens.weight")  # [V, hidden]
         self.lm_head = proj(self.embed if s.tied else get("lm_head.weight"))  # hidden -> V
         self.norm = get("model.norm.weight")  # [hidden]
