@@ -149,3 +149,19 @@ def test_generate_with_penalties(capsys):
     assert capsys.readouterr().out != plain  # greedy, so only the penalties can change it
     assert main(args + ["--repetition-penalty", "0"]) == 2
     assert "--repetition-penalty must be a finite number > 0" in capsys.readouterr().err
+
+
+def test_run_bench_takes_token_id_prompts_without_a_tokenizer(target64, draft64):
+    """What experiments/shaped_bench.py relies on: random-weight models have no tokenizer, so
+    the prompts are token ids (HF generate gets them left-padded, treespec as they are)."""
+    from treespec import SamplingConfig, TreeConfig
+    from treespec.bench import result_table, run_bench
+
+    result = run_bench(target64, draft64, None, [[3, 4, 5, 6], [7, 8]], 5, TreeConfig(2, 2), SamplingConfig(temperature=0),
+                       repeats=1, methods=("hf", "autoregressive", "tree"), backends=("native",))
+    methods = {m.method: m for m in result.methods}
+    assert set(methods) == {"hf", "autoregressive[native]", "tree[native]"}
+    assert all(m.tokens_per_second > 0 for m in methods.values()) and methods["tree[native]"].tokens_per_step >= 1
+    assert "tree[native]" in result_table(result) and "cost [native]" in result_table(result)
+    with pytest.raises(ValueError, match="needs a tokenizer for text prompts"):
+        run_bench(target64, draft64, None, ["text"], 5, TreeConfig(), SamplingConfig(), repeats=1)

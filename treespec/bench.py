@@ -122,7 +122,7 @@ def run_bench(
     target,
     draft,
     tokenizer,
-    prompts: Sequence[str],
+    prompts: Sequence[str | Sequence[int]],
     max_new_tokens: int,
     tree: TreeConfig,
     sampling: SamplingConfig,
@@ -136,7 +136,7 @@ def run_bench(
     batch_size: int = 1,
 ) -> BenchResult:
     """Benchmark HF causal LMs `target` and `draft` (HF generate runs them directly; treespec
-    wraps them once per backend).
+    wraps them once per backend). `prompts`: text (needs `tokenizer`) or lists of token ids.
 
     `batch_size` > 1 times batches instead of single prompts: the prompts, cycled, form
     batches of `batch_size` requests (ceil(len(prompts) / batch_size) of them); HF runs each as
@@ -150,8 +150,8 @@ def run_bench(
     unknown = set(methods) - set(METHODS)
     if unknown:
         raise ValueError(f"unknown bench methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
-    if tokenizer is None:
-        raise ValueError("bench needs a tokenizer for its text prompts")
+    if tokenizer is None and any(isinstance(p, str) for p in prompts):
+        raise ValueError("bench needs a tokenizer for text prompts (or give the prompts as token ids)")
     bad = [v for v in verifications if v not in ("auto",) + RULES]
     if bad or not verifications:
         raise ValueError(f"unknown verification rules {bad}; choose from auto, token, block, traversal")
@@ -162,7 +162,7 @@ def run_bench(
     # linear: a chain of the tree's depth (a Sequoia shape's chain is its depth, drafted i.i.d.)
     linear = TreeConfig(1, tree.depth, "iid" if tree.strategy in ("sequoia", "dynamic") else tree.strategy)
     trees = {"autoregressive": None, "linear": linear, "tree": tree}
-    hf_kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id or 0)
+    hf_kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=_pad_id(tokenizer))
     if sampling.greedy:
         hf_kwargs.update(do_sample=False)
     else:
@@ -229,11 +229,33 @@ def run_bench(
     return BenchResult(config={**(config or {}), "batch_size": batch_size}, cost=cost, methods=results)
 
 
-def _encode(tokenizer, prompts: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch of prompts as left-padded input_ids and attention_mask [B, S] (what HF
-    `generate()` of a decoder-only model expects; the pad id never reaches a model row)."""
-    rows = [tokenizer(p)["input_ids"] for p in prompts]
-    width, pad = max(map(len, rows)), tokenizer.pad_token_id or 0
+def result_table(result: BenchResult) -> str:
+    """The bench's table: one row per method (speedup over HF `generate()` where it ran), then
+    each backend's forward costs."""
+    base = next((r.tokens_per_second for r in result.methods if r.method == "hf"), None)
+    lines = [f"{'method':<30}{'tokens/s':>10}{'speedup':>9}{'tokens/step':>13}{'accept':>8}{'acc.len':>9}  acceptance by depth"]
+    for r in result.methods:
+        speed = f"{r.tokens_per_second / base:.2f}x" if base else "-"
+        tps = f"{r.tokens_per_step:.2f}" if r.tokens_per_step is not None else "-"
+        rate = f"{r.acceptance_rate:.2f}" if r.acceptance_rate else "-"
+        length = f"{r.mean_accepted_length:.2f}" if r.acceptance_rate else "-"
+        acc = " ".join(f"{a:.2f}" for a in r.acceptance_by_depth or [])
+        lines.append(f"{r.method:<30}{r.tokens_per_second:>10.1f}{speed:>9}{tps:>13}{rate:>8}{length:>9}  {acc}")
+    for backend, cost in result.cost.items():
+        lines.append(f"cost [{backend}]: " + ", ".join(f"{k}={v:.4g}" for k, v in cost.items()))
+    return "\n".join(lines)
+
+
+def _encode(tokenizer, prompts: Sequence[str | Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of prompts (text, or token ids) as left-padded input_ids and attention_mask
+    [B, S] (what HF `generate()` of a decoder-only model expects; the pad id never reaches a
+    model row)."""
+    rows = [tokenizer(p)["input_ids"] if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+    width, pad = max(map(len, rows)), _pad_id(tokenizer)
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)  # [B, S]
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)  # [B, S]
     return ids, mask
+
+
+def _pad_id(tokenizer) -> int:
+    return getattr(tokenizer, "pad_token_id", None) or 0

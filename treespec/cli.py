@@ -237,7 +237,7 @@ def cmd_generate(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from .bench import run_bench
+    from .bench import result_table, run_bench
     from .zoo import load_prompts
 
     tree, sampling = _configs(args)
@@ -274,17 +274,7 @@ def cmd_bench(args) -> None:
                        batch_size=args.batch_size)
     if progress is not None:
         print("\r\033[K", end="", file=sys.stderr)
-    base = next((r.tokens_per_second for r in result.methods if r.method == "hf"), None)
-    print(f"{'method':<30}{'tokens/s':>10}{'speedup':>9}{'tokens/step':>13}{'accept':>8}{'acc.len':>9}  acceptance by depth")
-    for r in result.methods:
-        speed = f"{r.tokens_per_second / base:.2f}x" if base else "-"
-        tps = f"{r.tokens_per_step:.2f}" if r.tokens_per_step is not None else "-"
-        rate = f"{r.acceptance_rate:.2f}" if r.acceptance_rate else "-"
-        length = f"{r.mean_accepted_length:.2f}" if r.acceptance_rate else "-"
-        acc = " ".join(f"{a:.2f}" for a in r.acceptance_by_depth or [])
-        print(f"{r.method:<30}{r.tokens_per_second:>10.1f}{speed:>9}{tps:>13}{rate:>8}{length:>9}  {acc}")
-    for backend, cost in result.cost.items():
-        print(f"cost [{backend}]: " + ", ".join(f"{k}={v:.4g}" for k, v in cost.items()))
+    print(result_table(result))
     args.json.write_text(json.dumps(result.to_json(), indent=2))
     print(f"wrote {args.json}")
 
