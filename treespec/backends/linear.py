@@ -53,8 +53,12 @@ class Projection:
         # unpacked: W^T [in, out]. A transposed view makes x @ W^T the very BLAS call F.linear
         # makes (float64: bitwise HF; CUDA: cuBLAS transposes for free); a CPU float32/bf16
         # weight is laid out [in, out], 1.2-1.6x faster per row than F.linear on the CPUs measured
-        copy = weight.device.type == "cpu" and weight.dtype != torch.float64 and self.packed is None
-        self.weight_t = None if self.packed is not None else weight.t().contiguous() if copy else weight.t()
+        if self.packed is not None:
+            self.weight_t = None  # the packed copy replaces it
+        elif weight.device.type == "cpu" and weight.dtype != torch.float64:
+            self.weight_t = weight.t().contiguous()
+        else:
+            self.weight_t = weight.t()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.packed is not None:
@@ -85,8 +89,6 @@ def _packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
 
 def _timing_table() -> None:  # pragma: no cover - a measurement, run by hand
     import time
-
-    torch.set_num_threads(max(1, torch.get_num_threads()))
 
     def median_us(f, n=200):
         for _ in range(20):

@@ -235,7 +235,7 @@ class NativeRunner(Runner):
     ):
         """`weights`: the HF state dict names (model.layers.{i}.self_attn.q_proj.weight, ...).
         `pack_weights`: let each projection take oneDNN's packed layout where it can
-        (`linear.Projection`; False: plain F.linear everywhere, for comparisons)."""
+        (`linear.Projection`; False: plain BLAS products everywhere, for comparisons)."""
         self.shape = s = shape
         self.vocab_size, self.max_positions = s.vocab, s.max_positions
         self.eos_token_ids = frozenset(eos_token_ids)
