@@ -44,6 +44,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--speculate-max-live", type=int, default=None,
+                    help="also time the first tree width with engine(speculate_max_live=N): plain rounds while more than N requests are live")
     ap.add_argument("--out", type=Path, default=None, help="default: experiments/results/batch_T{temperature}.json")
     args = ap.parse_args()
     out_path = args.out or Path(f"experiments/results/batch_T{args.temperature:g}.json")
@@ -53,7 +55,12 @@ def main() -> None:
     target_path, _ = default_pair()
     hf_target = hf.load_model(target_path, dec.target_runner.dtype, dec.target_runner.device)
     trees = {"autoregressive": None, f"linear 1x{args.depth}": TreeConfig(1, args.depth, args.strategy)}
-    trees |= {f"tree {w}x{args.depth}": TreeConfig(w, args.depth, args.strategy) for w in map(int, args.widths.split(","))}
+    widths = [int(w) for w in args.widths.split(",")]
+    trees |= {f"tree {w}x{args.depth}": TreeConfig(w, args.depth, args.strategy) for w in widths}
+    switched = {}  # method -> speculate_max_live
+    if args.speculate_max_live is not None:
+        name = f"tree {widths[0]}x{args.depth} <={args.speculate_max_live}"
+        trees[name], switched[name] = TreeConfig(widths[0], args.depth, args.strategy), args.speculate_max_live
     methods = ["hf generate", *trees]
     prompts = load_prompts(n=args.n_prompts)
     hf_kwargs = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens, pad_token_id=dec.tokenizer.pad_token_id or 0)
@@ -85,8 +92,8 @@ def main() -> None:
                         tokens = out[:, ids.shape[1] :].numel()
                         prefill = hf_prefill
                     else:
-                        outs = dec.generate_batch(requests, args.max_new_tokens, tree=trees[m], sampling=sampling,
-                                                  seeds=seeds, ignore_eos=True, max_batch=B)
+                        outs = dec.generate_batch(requests, args.max_new_tokens, tree=trees[m], sampling=sampling, seeds=seeds,
+                                                  ignore_eos=True, max_batch=B, speculate_max_live=switched.get(m))
                         tokens = sum(o.stats.tokens for o in outs)
                         prefill = max(o.stats.prefill_seconds for o in outs)  # all admitted in one prefill
                         steps[m][0] += tokens
@@ -118,7 +125,7 @@ def main() -> None:
               f"{r['tokens_per_second'] / one_by_one[r['method']]:>7.2f}x{r['tokens_per_second'] / hf_same:>7.2f}x{tps:>9}"
               f"{r['decode_tokens_per_second']:>14.1f}{r['decode_tokens_per_second'] / decode_one[r['method']]:>7.2f}x")
     for B in sorted({r["batch_size"] for r in rows}):
-        best = max((r for r in rows if r["batch_size"] == B and r["method"] not in ("hf generate", "autoregressive")),
+        best = max((r for r in rows if r["batch_size"] == B and r["method"] not in ("hf generate", "autoregressive", *switched)),
                    key=lambda r: r["tokens_per_second"])
         print(f"best speculative config at batch {B}: {best['method']} ({best['tokens_per_second']:.1f} tokens/s)")
     print(f"wrote {out_path}")

@@ -181,6 +181,46 @@ def test_batch_of_two_toy_requests_is_lossless_by_enumeration():
     assert max_abs_diff(got, want) < 1e-9
 
 
+def test_plain_rounds_above_speculate_max_live_stay_lossless_by_enumeration():
+    """speculate_max_live=1: while both requests are live every round is plain; once the short
+    one finishes, the long one speculates. Every draw and coin enumerated: the joint is still
+    the product of the target's joints, across the switch."""
+    target, draft = toy_pair()
+    dec = SpeculativeDecoder(TableRunner(target), TableRunner(draft))
+    a = (TOY_PROMPT, TreeConfig(2, 2), TOY_SAMPLINGS["T1"], 1)
+    b = ((0, 2, 1), TreeConfig(2, 2), TOY_SAMPLINGS["T0.6-topk2"], 3)
+
+    def run(rng):
+        eng = dec.engine(max_live=2, speculate_max_live=1)
+        ids = [eng.add(list(p), n, tree=t, sampling=s, rng=rng, ignore_eos=True) for p, t, s, n in (a, b)]
+        outs = eng.run()
+        return tuple(tuple(outs[i].token_ids) for i in ids)
+
+    got = enumerate_outcomes(run)
+    ja, jb = (target.joint(tuple(p), n, s) for p, _, s, n in (a, b))
+    want = {(x, y): pa * pb for x, pa in ja.items() for y, pb in jb.items()}
+    assert abs(sum(got.values()) - 1) < 1e-9
+    assert max_abs_diff(got, want) < 1e-9
+
+
+def test_speculate_max_live_switches_rounds_to_plain(models):
+    """Above the limit a round's tree is its root (no draft forward); below it the requests
+    speculate again. Greedy outputs stay those of generate() alone."""
+    dec = SpeculativeDecoder(*models, backend="native")
+    short, long_ = (PROMPTS[1], 3), (PROMPTS[2], 24)
+    outs = dec.generate_batch([short[0], long_[0]], [short[1], long_[1]], tree=TreeConfig(1, 4), sampling=GREEDY,
+                              ignore_eos=True, trace=True, speculate_max_live=1)
+    for out, (prompt, n) in zip(outs, (short, long_)):
+        assert out.token_ids == dec.generate(prompt, n, tree=TreeConfig(1, 4), sampling=GREEDY, ignore_eos=True).token_ids
+    assert all(len(r.tree) == 1 for r in outs[0].trace)  # two live: plain rounds only
+    assert outs[0].stats.draft_forwards == 0
+    rounds = outs[1].trace
+    assert all(len(r.tree) == 1 for r in rounds[:3]) and any(len(r.tree) > 1 for r in rounds[3:])
+    assert outs[1].stats.draft_forwards > 0
+    with pytest.raises(ValueError, match="speculate_max_live must be None or an integer >= 1"):
+        dec.engine(speculate_max_live=0)
+
+
 def test_each_request_of_a_batch_matches_the_target_chi_square():
     """Many seeded requests in batches of 16, two settings interleaved: each setting's
     K-grams fit the target's exact joint (and clearly not another temperature's)."""

@@ -191,6 +191,7 @@ class SpeculativeDecoder:
         verification: str | None | Sequence[str | None] = None,
         max_batch: int = 16,
         trace: bool = False,
+        speculate_max_live: int | None = None,
     ) -> list[GenerationOutput]:
         """`generate()` for many prompts at once; one output per prompt, in order.
 
@@ -203,7 +204,7 @@ class SpeculativeDecoder:
         stop lists); `seeds` a list. Requests finish independently; at most `max_batch` run
         at once (the rest wait for a free lane). `trace=True` records every request's rounds
         (`out.trace`, as in `generate()`). Every request is checked before any runs: a bad one
-        raises ValueError naming its index.
+        raises ValueError naming its index. `speculate_max_live`: see `engine()`.
         """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise ValueError("generate_batch() takes a list of prompts (text or token id lists); use generate() for one")
@@ -221,7 +222,7 @@ class SpeculativeDecoder:
             "stop": _per_request("stop", stop, n, _listed(stop) and bool(stop) and all(v is None or _listed(v) for v in stop)),
             "seed": _per_request("seeds", seeds, n, seeds is not None),
         }
-        engine = self.engine(max_live=min(n, max_batch))
+        engine = self.engine(max_live=min(n, max_batch), speculate_max_live=speculate_max_live)
         requests = []
         for i, prompt in enumerate(prompts):  # every request checked (built) before any runs
             try:
@@ -232,10 +233,18 @@ class SpeculativeDecoder:
         outputs = engine.run()
         return [outputs[i] for i in ids]
 
-    def engine(self, max_live: int = 8, max_kv_tokens: int | None = None) -> Engine:
+    def engine(self, max_live: int = 8, max_kv_tokens: int | None = None, speculate_max_live: int | None = None) -> Engine:
         """A continuous-batching `Engine` over `max_live` lanes of this decoder's models: add
         requests (`generate()`'s arguments), `step()` rounds, stream, `cancel()`. `max_kv_tokens`
-        caps the cache slots live requests reserve together (None: no cap beyond the lanes)."""
+        caps the cache slots live requests reserve together (None: no cap beyond the lanes).
+
+        `speculate_max_live`: with more live requests than this, a round drafts nothing and
+        every request decodes one token plainly (vLLM's speculative_disable_by_batch_size):
+        where the batched target forward is compute-bound, speculation's extra tokens cost
+        about their full price (README, "Batched decoding"). Every round is exact either way,
+        so outputs keep the target's distribution, but a request that switched mode is no
+        longer token-identical to `generate()` alone (its draws are consumed differently).
+        None (default): always speculate."""
         if not isinstance(max_live, int) or isinstance(max_live, bool) or max_live < 1:
             raise ValueError(f"max_live must be an integer >= 1, got {max_live!r}")
         if max_kv_tokens is not None and (not isinstance(max_kv_tokens, int) or isinstance(max_kv_tokens, bool) or max_kv_tokens < 1):
@@ -245,8 +254,12 @@ class SpeculativeDecoder:
                 "a Drafter instance holds one sequence's state, so it cannot serve several requests at once; "
                 "batch with a named drafter ('model', 'ngram', 'lookup', 'merged') or use max_live=1"
             )
+        if speculate_max_live is not None and (
+            not isinstance(speculate_max_live, int) or isinstance(speculate_max_live, bool) or speculate_max_live < 1
+        ):
+            raise ValueError(f"speculate_max_live must be None or an integer >= 1, got {speculate_max_live!r}")
         targets, drafts = self._lanes(max_live)
-        return Engine(self, targets, drafts, max_kv_tokens)
+        return Engine(self, targets, drafts, max_kv_tokens, speculate_max_live)
 
     def _lanes(self, n: int) -> tuple[list[Runner], list[Runner | None]]:
         """`n` target lanes and `n` draft lanes (kept for the next batch of the same size)."""

@@ -73,9 +73,13 @@ class Engine:
     Made by `SpeculativeDecoder.engine()`; `add()` takes `generate()`'s arguments.
     """
 
-    def __init__(self, decoder, targets: list[Runner], drafts: list[Runner | None], max_kv_tokens: int | None = None):
+    def __init__(
+        self, decoder, targets: list[Runner], drafts: list[Runner | None], max_kv_tokens: int | None = None,
+        speculate_max_live: int | None = None,
+    ):
         self.decoder, self.targets, self.drafts = decoder, targets, drafts
         self.max_live, self.max_kv_tokens = len(targets), max_kv_tokens
+        self.speculate_max_live = speculate_max_live  # more live requests: plain rounds
         self.requests: dict[int, Request] = {}
         self.waiting: list[Request] = []  # admission order
         self.live: dict[int, Request] = {}  # lane -> request
@@ -119,8 +123,10 @@ class Engine:
         live = list(self.live.values())
         clock = time.perf_counter
         t0 = clock()
-        # 1. propose: every request's tree, never deeper than the tokens it still wants
-        depths = [0 if r.drafter is None else min(r.depth.depth, r.out.remaining - 1) for r in live]
+        # 1. propose: every request's tree, never deeper than the tokens it still wants; with
+        # more than speculate_max_live requests live, none (depth 0: the tree is its root)
+        speculate = self.speculate_max_live is None or len(live) <= self.speculate_max_live
+        depths = [0 if r.drafter is None or not speculate else min(r.depth.depth, r.out.remaining - 1) for r in live]
         drafted = propose_many([r.drafter.propose_steps(r.context, d) for r, d in zip(live, depths) if d])
         drafts, it = [], iter(drafted)
         for r, d in zip(live, depths):
