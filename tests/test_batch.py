@@ -163,13 +163,19 @@ def test_batch_of_two_toy_requests_is_lossless_by_enumeration():
     """Two requests in one engine, every draw and coin of both enumerated (their choices
     interleave round by round): the joint of their outputs is the product of the target's
     joints, for different trees and sampling configs."""
-    target, draft = toy_pair()
-    dec = SpeculativeDecoder(TableRunner(target), TableRunner(draft))
     a = (TOY_PROMPT, TreeConfig(2, 2), TOY_SAMPLINGS["T1"], 2)
     b = ((0, 2, 1), TreeConfig(2, 1, "without_replacement"), TOY_SAMPLINGS["T0.6-topk2"], 2)
+    assert_two_toy_requests_lossless(a, b)
+
+
+def assert_two_toy_requests_lossless(a, b, **engine_settings) -> None:
+    """Requests a and b = (prompt, tree, sampling, max_new_tokens) in one engine, every draw
+    and coin enumerated: their joint output distribution == the product of the target's."""
+    target, draft = toy_pair()
+    dec = SpeculativeDecoder(TableRunner(target), TableRunner(draft))
 
     def run(rng):
-        eng = dec.engine(max_live=2)
+        eng = dec.engine(max_live=2, **engine_settings)
         ids = [eng.add(list(p), n, tree=t, sampling=s, rng=rng, ignore_eos=True) for p, t, s, n in (a, b)]
         outs = eng.run()
         return tuple(tuple(outs[i].token_ids) for i in ids)
@@ -185,22 +191,9 @@ def test_plain_rounds_above_speculate_max_live_stay_lossless_by_enumeration():
     """speculate_max_live=1: while both requests are live every round is plain; once the short
     one finishes, the long one speculates. Every draw and coin enumerated: the joint is still
     the product of the target's joints, across the switch."""
-    target, draft = toy_pair()
-    dec = SpeculativeDecoder(TableRunner(target), TableRunner(draft))
     a = (TOY_PROMPT, TreeConfig(2, 2), TOY_SAMPLINGS["T1"], 1)
     b = ((0, 2, 1), TreeConfig(2, 2), TOY_SAMPLINGS["T0.6-topk2"], 3)
-
-    def run(rng):
-        eng = dec.engine(max_live=2, speculate_max_live=1)
-        ids = [eng.add(list(p), n, tree=t, sampling=s, rng=rng, ignore_eos=True) for p, t, s, n in (a, b)]
-        outs = eng.run()
-        return tuple(tuple(outs[i].token_ids) for i in ids)
-
-    got = enumerate_outcomes(run)
-    ja, jb = (target.joint(tuple(p), n, s) for p, _, s, n in (a, b))
-    want = {(x, y): pa * pb for x, pa in ja.items() for y, pb in jb.items()}
-    assert abs(sum(got.values()) - 1) < 1e-9
-    assert max_abs_diff(got, want) < 1e-9
+    assert_two_toy_requests_lossless(a, b, speculate_max_live=1)
 
 
 def test_speculate_max_live_switches_rounds_to_plain(models):
