@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -28,8 +27,8 @@ import torch
 from tqdm import tqdm
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
-from treespec.backends import cpu_bf16_flags, hf
-from treespec.bench import _encode
+from treespec.backends import hf
+from treespec.bench import _encode, machine_info
 from treespec.zoo import default_pair, load_prompts
 
 
@@ -109,8 +108,7 @@ def main() -> None:
             })
     config = vars(args) | {
         "out": str(out_path), "dtype_target": str(dec.target_runner.dtype), "dtype_draft": str(dec.draft_runner.dtype),
-        "backend": type(dec.target_runner).__name__, "cpu": platform.processor() or platform.machine(),
-        "cpu_bf16_flags": sorted(cpu_bf16_flags()), "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "backend": type(dec.target_runner).__name__, **machine_info(dec.target_runner.device),
     }
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({"config": config, "rows": rows}, indent=2))

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 from pathlib import Path
 
@@ -31,10 +30,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from treespec import SamplingConfig, TreeConfig
-from treespec.backends import cpu_bf16_flags
 from treespec.backends.hf import HFRunner, quiet_transformers
 from treespec.backends.native import NativeRunner
-from treespec.bench import forward_seconds, memory_bandwidth, result_table, run_bench
+from treespec.bench import forward_seconds, machine_info, memory_bandwidth, result_table, run_bench
 
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
                    high_freq_factor=4.0, original_max_position_embeddings=8192)
@@ -104,9 +102,7 @@ def main() -> int:
     print(result_table(result))
     report = result.to_json()
     report["config"] = {**vars(args), "out": str(out), "weight_bytes": weight_bytes, "bandwidth_bytes_per_s": bandwidth,
-                        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-                        "cpu_bf16_flags": sorted(cpu_bf16_flags()), "threads": torch.get_num_threads(),
-                        "torch": torch.__version__, "draft": "the target itself (alpha = 1 at T = 0)"}
+                        **machine_info(device), "draft": "the target itself (alpha = 1 at T = 0)"}
     report["forward_costs"] = costs
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .backends import Runner
+from .backends import Runner, cpu_bf16_flags
 from .config import SamplingConfig, TreeConfig
 from .decoder import SpeculativeDecoder
 from .stats import GenerationStats
@@ -56,6 +56,26 @@ class BenchResult:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+def machine_info(device: torch.device | str = "cpu") -> dict:
+    """What a measurement ran on, for its JSON and its report: the device (CPU model or GPU
+    name), the CPU's bf16 matrix flags, torch threads and versions."""
+    device = torch.device(device)
+    return {
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model(),
+        "cpu_bf16_flags": sorted(cpu_bf16_flags()),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+
+
+def _cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    try:
+        with open(cpuinfo) as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "cpu")
+    except OSError:
+        return "cpu"
 
 
 def _sync(device: torch.device) -> None:

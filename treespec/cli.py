@@ -18,8 +18,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 from .config import STRATEGIES, SamplingConfig, TreeConfig
 
 COLOURS = {"accepted": "\033[32m", "correction": "\033[33m", "bonus": "\033[36m"}  # green, yellow, cyan
@@ -251,7 +249,8 @@ def cmd_bench(args) -> None:
     _check_writable(args.json, "--json")
     if (args.target is None) != (args.draft is None):
         raise CliError("give --target and --draft together (or neither, for the bundled pair)")
-    from .backends import cpu_bf16_flags, hf
+    from .backends import hf
+    from .bench import machine_info
     from .decoder import _resolve_dtype, resolve_device
     from .zoo import default_pair
 
@@ -264,9 +263,11 @@ def cmd_bench(args) -> None:
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
     # a progress line redrawn in place: terminal control codes, so only on a terminal
     progress = (lambda msg: print(f"\r\033[K{msg}", end="", file=sys.stderr)) if use_colour("auto", sys.stderr) else None
+    machine = machine_info(device)
     config.update(n_prompts=len(prompts), dtype=str(dtype).removeprefix("torch."),
-                  draft_dtype=str(draft_dtype).removeprefix("torch."),
-                  cpu_bf16_flags=sorted(cpu_bf16_flags()), threads=torch.get_num_threads(), torch=torch.__version__)
+                  draft_dtype=str(draft_dtype).removeprefix("torch."), **machine)
+    print(f"{machine['device_name']} ({', '.join(machine['cpu_bf16_flags']) or 'no bf16 matrix flags'}), "
+          f"{machine['threads']} threads; target {config['dtype']}, draft {config['draft_dtype']}", file=sys.stderr)
     result = run_bench(target, draft, hf.load_tokenizer(paths[0]), prompts, args.max_new_tokens, tree, sampling,
                        args.repeats, methods, backends, drafter=args.drafter,
                        progress=progress, config=config,
