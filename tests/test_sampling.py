@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from treespec import SamplingConfig
-from treespec.sampling import check_finite, probs, remove_token, residual
+from treespec.sampling import check_finite, nonfinite_rows, probs, remove_token, residual
 
 LOGITS = torch.log(torch.tensor([0.05, 0.4, 0.3, 0.15, 0.1], dtype=torch.float64))
 
@@ -73,3 +73,22 @@ def test_check_finite():
     for bad in ([0.0, float("nan")], [0.0, float("inf")], [float("-inf"), float("-inf")]):
         with pytest.raises(ValueError, match="target"):
             check_finite(torch.tensor(bad), "target")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_nonfinite_rows_flags_nan_posinf_and_all_neginf_rows(dtype):
+    inf = float("inf")
+    rows = torch.tensor([
+        [0.0, 1.0, 2.0],  # fine
+        [-inf, 1.0, -inf],  # forbidden tokens are fine
+        [0.0, float("nan"), 5.0],  # NaN anywhere
+        [inf, 0.0, 1.0],  # +inf
+        [-inf, -inf, -inf],  # nothing left to sample
+        [float("nan"), -inf, -inf],
+    ], dtype=dtype)
+    assert nonfinite_rows(rows).tolist() == [False, False, True, True, True, True]
+    assert nonfinite_rows(rows[0]).item() is False  # a single row
+    for bad in rows[2:]:
+        with pytest.raises(ValueError):
+            check_finite(bad[None], "target")
+    check_finite(rows[:2], "target")

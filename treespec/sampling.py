@@ -25,15 +25,20 @@ from .tree import TokenTree
 EPS = 1e-12  # a residual with less mass than this had (numerically) zero probability
 
 
+def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...] bool: rows with a NaN or +inf, or with every token at -inf. One
+    reduction: a row's max is finite iff none of these holds (amax propagates NaN)."""
+    return ~torch.isfinite(logits.amax(dim=-1))
+
+
 def check_finite(logits: torch.Tensor, who: str) -> None:
     """NaN or +inf logits are an error, never a silently sampled token.
 
     -inf is allowed for individual tokens (a model may forbid tokens that way) but not for
-    a whole row, which leaves nothing to sample.
-    One reduction and one host read when the logits are fine: a row's max is finite iff the
-    row has no NaN (amax propagates it), no +inf and not only -inf.
+    a whole row, which leaves nothing to sample. Fine logits cost one reduction and one host
+    read (`nonfinite_rows`); the precise diagnosis runs only on a failure.
     """
-    if bool(torch.isfinite(logits.amax(dim=-1)).all()):
+    if not bool(nonfinite_rows(logits).any()):
         return
     if torch.isnan(logits).any() or torch.isposinf(logits).any():
         raise ValueError(

@@ -60,7 +60,10 @@ import torch
 from .config import SamplingConfig
 from .proposal import DraftTree, Draw, ProposalGroup
 from .rng import Rng
-from .sampling import PenaltyContext, check_finite, one_hot, penalize, probs, remove_token, residual, tree_token_counts, weighted_residual
+from .sampling import (
+    PenaltyContext, check_finite, nonfinite_rows, one_hot, penalize, probs, remove_token, residual, tree_token_counts,
+    weighted_residual,
+)
 from .trace import ProposalTrace, WalkTrace
 
 Rule = Literal["token", "block", "traversal"]
@@ -135,7 +138,7 @@ def check_rule(draft: DraftTree, rule: str) -> None:
 
 
 def _verify_greedy(draft: DraftTree, logits: torch.Tensor, trace: list[ProposalTrace] | None = None) -> Walk:
-    best, bad = torch.stack([logits.argmax(-1), _bad_rows(logits)]).tolist()  # [2, N]: the one transfer
+    best, bad = torch.stack([logits.argmax(-1), nonfinite_rows(logits)]).tolist()  # [2, N]: the one transfer
     node, path = 0, [0]
     while True:
         if bad[node]:
@@ -295,16 +298,11 @@ def _q(group: ProposalGroup, x: int, like: torch.Tensor) -> torch.Tensor:
     return one_hot(x, like[0]) if group.q is None else group.q.to(like.device, like.dtype)
 
 
-def _bad_rows(logits: torch.Tensor) -> torch.Tensor:
-    """[N] bool: rows with NaN or +inf, or with no finite-or-allowed token (all -inf)."""
-    return (logits.isnan() | logits.isposinf()).any(-1) | logits.isneginf().all(-1)
-
-
 def _check_inputs(draft: DraftTree, logits: torch.Tensor) -> None:
     """Every row finite and every stochastic proposal drawn from a q that gives it mass:
     one host transfer for the whole tree."""
     qx = [g.q[list(g.tokens)].to(logits.device, logits.dtype) for g in draft.groups if g.q is not None]
-    flags = [_bad_rows(logits).any()[None].to(logits.dtype)] + [(x <= 0).any()[None].to(logits.dtype) for x in qx]
+    flags = [nonfinite_rows(logits).any()[None].to(logits.dtype)] + [(x <= 0).any()[None].to(logits.dtype) for x in qx]
     bad_row, *bad_q = torch.cat(flags).tolist()
     if bad_row:
         check_finite(logits, "target")
