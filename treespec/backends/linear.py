@@ -2,9 +2,10 @@
 
 On CPU the products are most of a forward (76% of the bundled target's 1-token forward in the
 profiler), and how the weight is stored decides their speed more than the dtype does. oneDNN
-multiplies by a weight reordered once into its own blocked layout without re-laying it out per
-call (what inductor's weight freezing and IPEX do); plain `x @ W` / `F.linear` re-lay it out on
-every call. Median us per product on a 2-core AMD EPYC (avx512_bf16), 2 threads:
+can multiply by a weight reordered once into its kernel's blocked layout (what inductor's
+weight freezing and IPEX do); plain `x @ W` / `F.linear` hand the library a strided matrix
+on every call, so whatever reordering its kernel needs is redone per call. Median us per
+product on a 2-core AMD EPYC (avx512_bf16), 2 threads:
 
     weight [out, in]     rows   fp32 F.linear  fp32 packed   bf16 F.linear  bf16 packed
     2752 x 512              1         72.5          45.5           90.5          31.2
