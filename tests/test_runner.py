@@ -194,6 +194,9 @@ def test_auto_dtype_follows_the_cpu_flags_and_measurement(monkeypatch, tmp_path,
     assert backends.auto_dtype("cpu", "draft") == torch.float32  # a small draft is op-bound on CPU
     assert backends.auto_dtype("cuda") == backends.auto_dtype("cuda", "draft") == torch.bfloat16  # no device is touched
     assert read("/nonexistent") == set()
+    assert backends.cpu_model(str(cpuinfo)) == backends.cpu_model("/nonexistent") == "cpu"  # no model name line
+    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: AMD EPYC 9454\nflags\t\t: {flags}\n")
+    assert backends.cpu_model(str(cpuinfo)) == "AMD EPYC 9454" and read(str(cpuinfo)) == set(flags.split()) & {"amx_bf16", "avx512_bf16"}
 
 
 def test_bf16_probe_answers_and_is_cached():

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .backends import Runner, cpu_bf16_flags
+from .backends import Runner, cpu_bf16_flags, cpu_model
 from .config import SamplingConfig, TreeConfig
 from .decoder import SpeculativeDecoder
 from .stats import GenerationStats
@@ -63,19 +63,11 @@ def machine_info(device: torch.device | str = "cpu") -> dict:
     name), the CPU's bf16 matrix flags, torch threads and versions."""
     device = torch.device(device)
     return {
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model(),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model(),
         "cpu_bf16_flags": sorted(cpu_bf16_flags()),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
-
-
-def _cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
-    try:
-        with open(cpuinfo) as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "cpu")
-    except OSError:
-        return "cpu"
 
 
 def _sync(device: torch.device) -> None:

@@ -68,12 +68,21 @@ BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")  # bf16 matrix instructions (AMX ti
 
 def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
     """Which of `BF16_CPU_FLAGS` this CPU reports (Linux; an empty set where unreadable)."""
+    return set(BF16_CPU_FLAGS) & set(_cpuinfo_field("flags", cpuinfo).split())
+
+
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name as /proc/cpuinfo gives it ("cpu" where unreadable)."""
+    return _cpuinfo_field("model name", cpuinfo) or "cpu"
+
+
+def _cpuinfo_field(key: str, cpuinfo: str) -> str:
+    """The value of the first `key : value` line of `cpuinfo` ("" if absent or unreadable)."""
     try:
         with open(cpuinfo) as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(key)), "")
     except OSError:
-        return set()
-    return set(BF16_CPU_FLAGS) & set(flags)
+        return ""
 
 
 def auto_dtype(device: torch.device | str, role: str = "target") -> torch.dtype:
@@ -128,4 +137,4 @@ def bf16_matmul_is_faster(margin: float = 0.9) -> bool:
     return all(median[torch.bfloat16, rows] < margin * median[torch.float32, rows] for rows in (1, 16))
 
 
-__all__ = ["BACKENDS", "Runner", "auto_dtype", "bf16_matmul_is_faster", "check_backend", "cpu_bf16_flags", "make_runner", "use_native"]
+__all__ = ["BACKENDS", "Runner", "auto_dtype", "bf16_matmul_is_faster", "check_backend", "cpu_bf16_flags", "cpu_model", "make_runner", "use_native"]
