@@ -15,7 +15,10 @@ import pytest
 import torch
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
+from treespec.backends.base import extend_many, prefill_many, score_many
+from treespec.backends.hf import HFRunner
 from treespec.backends.native import NativeRunner
+from treespec.tree import TokenTree
 
 from .conftest import VOCAB, perturbed, tiny_llama
 from .test_exact_enumeration import PROMPT as TOY_PROMPT
@@ -108,6 +111,73 @@ def test_one_target_forward_per_round_for_all_requests(models, monkeypatch):
     draft_calls = [c for c in calls if c[0] != target_pool]
     assert max(n for _, n, _ in draft_calls) == 4
     assert len(draft_calls) <= 1 + rounds * (tree.depth + 1)  # a prefill, then (catch-up +) one per depth
+
+
+def test_hf_lanes_share_one_batched_forward(models):
+    """HF lanes too: one model call per round for all requests (their caches copied into one
+    padded batch), not one per request."""
+    target, draft = models
+    calls = {"target": [], "draft": []}
+    hooks = [m.register_forward_pre_hook(lambda mod, args, kw, name=name: calls[name].append(tuple(kw["input_ids"].shape)),
+                                         with_kwargs=True)
+             for name, m in (("target", target), ("draft", draft))]
+    try:
+        dec = SpeculativeDecoder(target, draft, backend="hf")
+        tree = TreeConfig(2, 3)
+        outs = dec.generate_batch(PROMPTS[:4], max_new_tokens=12, tree=tree, sampling=T1, seeds=[0, 1, 2, 3], ignore_eos=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    rounds = max(o.stats.target_steps for o in outs)
+    assert len(calls["target"]) == rounds + 1  # one prefill for all four, then one forward per round
+    # the prefill: every prompt but its last token (fed with the first tree), ragged, padded
+    assert calls["target"][0] == (sum(len(p) > 1 for p in PROMPTS[:4]), max(len(p) for p in PROMPTS[:4]) - 1)
+    assert max(b for b, _ in calls["target"]) == 4 and max(b for b, _ in calls["draft"]) == 4
+    assert len(calls["draft"]) <= 1 + rounds * (tree.depth + 1)
+
+
+def tiny_gpt2() -> torch.nn.Module:
+    """A non-Llama family for the HF backend: absolute position embeddings, MHA."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256, bos_token_id=0,
+                        eos_token_id=1, attn_implementation="sdpa")
+    return GPT2LMHeadModel(config).double().eval()
+
+
+@pytest.mark.parametrize("family", ["llama-sdpa", "llama-eager", "gpt2"])
+def test_hf_batched_forward_equals_lone_forwards(family):
+    """The padded batch of HF lanes (ragged caches, one lane still empty, trees of different
+    sizes, chains) gives each lane the logits and the cache its lone runner gets."""
+    model = tiny_gpt2() if family == "gpt2" else tiny_llama(0, attn=family.split("-")[1])
+    tol = 1e-6 if family == "llama-eager" else 1e-9  # HF's eager softmax runs in float32
+    lanes, alone_ = HFRunner(model).lanes(3), [HFRunner(model) for _ in range(3)]
+    prefill_many([(lane, PROMPTS[i]) for i, lane in enumerate(lanes) if i != 2])  # lane 2 starts empty
+    for i in (0, 1):
+        alone_[i].prefill(PROMPTS[i])
+    rng = torch.Generator().manual_seed(0)
+    for rnd in range(4):
+        trees = []
+        for b in range(3):
+            size = 1 + (b * 3 + rnd) % 6
+            parents = [-1] + [int(torch.randint(0, i, (1,), generator=rng)) for i in range(1, size)]
+            trees.append(TokenTree(torch.randint(2, VOCAB, (size,), generator=rng).tolist(), parents))
+        got = score_many(list(zip(lanes, trees)))
+        for b in range(3):
+            assert (got[b] - alone_[b].score(trees[b])).abs().max() < tol
+            chain = trees[b].path_to(len(trees[b]) - 1)[: 1 + rnd % 3]
+            lanes[b].commit(chain)
+            alone_[b].commit(chain)
+        steps = [[int(t)] for t in torch.randint(2, VOCAB, (3,), generator=rng)]  # a chain step each
+        for b, logits in enumerate(extend_many([(lane, step, [-1]) for lane, step in zip(lanes, steps)])):
+            assert (logits - alone_[b].extend(steps[b], [-1])).abs().max() < tol
+            lanes[b].commit([0])
+            alone_[b].commit([0])
+    for lane, lone in zip(lanes, alone_):
+        assert lane.committed == lone.committed
+        for a, b in zip(lane.cache.layers, lone.cache.layers):
+            assert a.keys.shape == b.keys.shape and (a.keys - b.keys).abs().max() < tol
 
 
 @pytest.mark.parametrize("backend", ["native", "hf"])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .base import Runner
+from .base import Feed, Runner
 
 # Attention implementations that take a custom 4D mask as given. flash_attention_* ignore
 # 4D masks and flex_attention rebuilds its own, so tree attention would silently be wrong.
@@ -48,7 +48,10 @@ class HFRunner(Runner):
 
     def _mask(self, visible: torch.Tensor) -> torch.Tensor:
         """[n, S+n] visibility -> the 4D mask the attention implementation expects."""
-        visible = visible[None, None]  # [1, 1, n, S+n]
+        return self._mask_4d(visible[None, None])  # [1, 1, n, S+n]
+
+    def _mask_4d(self, visible: torch.Tensor) -> torch.Tensor:
+        """[B, 1, n, S+n] visibility -> what the attention implementation expects."""
         if self.attn_impl == "sdpa":
             return visible  # bool, True = attend
         # eager adds the mask to the scores: 0 where visible, dtype min elsewhere
@@ -67,6 +70,30 @@ class HFRunner(Runner):
         )
         return out.logits[0] if need_logits else None  # [n, V]
 
+    @classmethod
+    def _forward_many(cls, runners: list[HFRunner], feeds: list[Feed], need_logits: bool) -> list[torch.Tensor | None]:
+        """Lanes of one model run as ONE batched forward (`_batched_forward`); a lone runner,
+        or lanes whose caches are not plain `DynamicLayer`s (sliding windows, quantized
+        caches), run one forward each."""
+        out: list[torch.Tensor | None] = [None] * len(runners)
+        by_model: dict[int, list[int]] = {}
+        for i, r in enumerate(runners):
+            by_model.setdefault(id(r.model), []).append(i)
+        for idx in by_model.values():
+            lanes, lane_feeds = [runners[i] for i in idx], [feeds[i] for i in idx]
+            if len(lanes) > 1 and all(lane._plain_cache() for lane in lanes):
+                results = _batched_forward(lanes, lane_feeds, need_logits)
+            else:
+                results = [r._forward(f.tokens, f.positions, f.visible, need_logits) for r, f in zip(lanes, lane_feeds)]
+            for i, logits in zip(idx, results):
+                out[i] = logits
+        return out
+
+    def _plain_cache(self) -> bool:
+        from transformers.cache_utils import DynamicLayer
+
+        return all(type(layer) is DynamicLayer for layer in self.cache.layers)
+
     @torch.inference_mode()
     def _keep(self, nodes: list[int]) -> None:
         c, k = self.n_committed, len(nodes)
@@ -84,6 +111,62 @@ class HFRunner(Runner):
             if getattr(layer, "is_initialized", False):
                 layer.keys = layer.keys[..., :n_slots, :]
                 layer.values = layer.values[..., :n_slots, :]
+
+
+@torch.inference_mode()
+def _batched_forward(lanes: list[HFRunner], feeds: list[Feed], need_logits: bool) -> list[torch.Tensor | None]:
+    """B lanes of one model in one forward. Each lane's cache (S_b slots) is copied into one
+    batched `DynamicCache`, right-padded to S = max S_b; the new tokens are padded to
+    [B, n_max]; a [B, 1, n_max, S + n_max] mask lets lane b's row i see its own S_b slots
+    and its own new ancestors only (padding rows see slot 0, and their outputs are dropped).
+    After the forward each lane appends its own new keys and values. The copy is the price
+    of HF's cache layout (one tensor per layer for the whole batch); the native backend's
+    lanes share one static cache and pay nothing."""
+    from transformers import DynamicCache
+
+    first, B = lanes[0], len(lanes)
+    device, dtype = first.device, first.dtype
+    starts = [lane.cache.get_seq_length() for lane in lanes]  # S_b
+    ns = [f.tokens.shape[0] for f in feeds]
+    S, n_max = max(starts), max(ns)
+    tokens = torch.zeros(B, n_max, dtype=torch.long, device=device)  # [B, n_max]
+    positions = torch.zeros(B, n_max, dtype=torch.long, device=device)  # [B, n_max]
+    mask = torch.zeros(B, 1, n_max, S + n_max, dtype=torch.bool, device=device)  # [B, 1, n_max, S + n_max]
+    for b, (f, S_b, n) in enumerate(zip(feeds, starts, ns)):
+        tokens[b, :n], positions[b, :n] = f.tokens, f.positions
+        visible = f.visible if f.visible is not None else torch.ones(n, S_b + n, dtype=torch.bool, device=device).tril(S_b)
+        mask[b, 0, :n, :S_b] = visible[:, :S_b]  # its cached slots
+        mask[b, 0, :n, S : S + n] = visible[:, S_b:]  # its new tokens (after the padded cache)
+        mask[b, 0, n:, 0] = True  # padding rows attend somewhere (no NaN)
+    cache = DynamicCache()
+    if S > 0:  # every layer's keys and values, each lane right-padded to S slots
+        ref = next(lane for lane, S_b in zip(lanes, starts) if S_b > 0).cache.layers
+
+        def padded(lane: HFRunner, S_b: int, layer: int, which: str) -> torch.Tensor:  # [1, H, S, D]
+            if S_b == 0:
+                like = getattr(ref[layer], which)
+                return like.new_zeros(1, like.shape[1], S, like.shape[3])
+            t = getattr(lane.cache.layers[layer], which)
+            return torch.nn.functional.pad(t, (0, 0, 0, S - S_b)) if S_b < S else t
+
+        cache = DynamicCache(ddp_cache_data=[
+            tuple(torch.cat([padded(lane, S_b, layer, which) for lane, S_b in zip(lanes, starts)]) for which in ("keys", "values"))
+            for layer in range(len(ref))
+        ])
+    out = first.model(
+        input_ids=tokens,
+        position_ids=positions,
+        attention_mask=first._mask_4d(mask),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=0 if need_logits else 1,
+    )
+    for b, (lane, n) in enumerate(zip(lanes, ns)):
+        for i, layer in enumerate(cache.layers):
+            lane.cache.update(layer.keys[b : b + 1, :, S : S + n], layer.values[b : b + 1, :, S : S + n], i)
+    if not need_logits:
+        return [None] * B
+    return [out.logits[b, :n] for b, n in enumerate(ns)]  # [n_b, V] each
 
 
 def eos_token_ids(model) -> frozenset[int]:
