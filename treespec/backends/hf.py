@@ -125,7 +125,7 @@ def _batched_forward(lanes: list[HFRunner], feeds: list[Feed], need_logits: bool
     from transformers import DynamicCache
 
     first, B = lanes[0], len(lanes)
-    device, dtype = first.device, first.dtype
+    device = first.device
     starts = [lane.cache.get_seq_length() for lane in lanes]  # S_b
     ns = [f.tokens.shape[0] for f in feeds]
     S, n_max = max(starts), max(ns)
