@@ -146,6 +146,19 @@ def tiny_gpt2() -> torch.nn.Module:
     return GPT2LMHeadModel(config).double().eval()
 
 
+def test_gpt2_batch_equals_each_request_alone():
+    """A family only the HF backend serves, end to end: every request of a batch (mixed
+    trees, samplings, lengths) gets exactly what it gets alone through generate()."""
+    target = tiny_gpt2()
+    dec = SpeculativeDecoder(target, perturbed(target, noise=0.3, seed=1))
+    assert type(dec.target_runner).__name__ == "HFRunner"
+    want = [alone(dec, i) for i in range(len(REQUESTS))]
+    trees, samplings, lengths, seeds = (list(x) for x in zip(*REQUESTS))
+    got = dec.generate_batch(PROMPTS, max_new_tokens=lengths, tree=trees, sampling=samplings, seeds=seeds)
+    for g, w in zip(got, want):
+        assert_same(g, w)
+
+
 @pytest.mark.parametrize("family", ["llama-sdpa", "llama-eager", "gpt2"])
 def test_hf_batched_forward_equals_lone_forwards(family):
     """The padded batch of HF lanes (ragged caches, one lane still empty, trees of different
