@@ -149,10 +149,9 @@ def _batched_forward(lanes: list[HFRunner], feeds: list[Feed], need_logits: bool
             t = getattr(lane.cache.layers[layer], which)
             return torch.nn.functional.pad(t, (0, 0, 0, S - S_b)) if S_b < S else t
 
-        cache = DynamicCache(ddp_cache_data=[
-            tuple(torch.cat([padded(lane, S_b, layer, which) for lane, S_b in zip(lanes, starts)]) for which in ("keys", "values"))
-            for layer in range(len(ref))
-        ])
+        for layer in range(len(ref)):  # [B, H, S, D] each
+            keys, values = (torch.cat([padded(lane, S_b, layer, which) for lane, S_b in zip(lanes, starts)]) for which in ("keys", "values"))
+            cache.update(keys, values, layer)
     out = first.model(
         input_ids=tokens,
         position_ids=positions,
