@@ -150,7 +150,8 @@ def _batched_forward(lanes: list[HFRunner], feeds: list[Feed], need_logits: bool
             return torch.nn.functional.pad(t, (0, 0, 0, S - S_b)) if S_b < S else t
 
         for layer in range(len(ref)):  # [B, H, S, D] each
-            keys, values = (torch.cat([padded(lane, S_b, layer, which) for lane, S_b in zip(lanes, starts)]) for which in ("keys", "values"))
+            keys, values = (torch.cat([padded(lane, S_b, layer, which) for lane, S_b in zip(lanes, starts)])
+                            for which in ("keys", "values"))
             cache.update(keys, values, layer)
     out = first.model(
         input_ids=tokens,
