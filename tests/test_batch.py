@@ -193,6 +193,31 @@ def test_hf_batched_forward_equals_lone_forwards(family):
             assert a.keys.shape == b.keys.shape and (a.keys - b.keys).abs().max() < tol
 
 
+def test_hf_lanes_with_sliding_window_caches_run_one_forward_each():
+    """Cache layers the padded batch does not handle (here Mistral's sliding-window layers)
+    fall back to one forward per lane, with the same answers."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=64, attn_implementation="sdpa")
+    model = MistralForCausalLM(config).double().eval()
+    lanes, alone_ = HFRunner(model).lanes(2), [HFRunner(model) for _ in range(2)]
+    assert not any(lane._plain_cache() for lane in lanes)
+    calls = []
+    hook = model.register_forward_pre_hook(lambda mod, args, kw: calls.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        prefill_many([(lane, PROMPTS[i + 1]) for i, lane in enumerate(lanes)])
+        trees = [TokenTree([3, 4, 5], [-1, 0, 0]), TokenTree([6, 7], [-1, 0])]
+        got = score_many(list(zip(lanes, trees)))
+    finally:
+        hook.remove()
+    assert calls == [1, 1, 1, 1]  # two prefills, two tree forwards: one lane each
+    for b in range(2):
+        alone_[b].prefill(PROMPTS[b + 1])
+        assert (got[b] - alone_[b].score(trees[b])).abs().max() < 1e-9
+
+
 @pytest.mark.parametrize("backend", ["native", "hf"])
 def test_engine_add_step_stream_cancel(models, backend):
     """Continuous batching: requests join between rounds, stream, and one is cancelled
