@@ -20,7 +20,9 @@ TREE_MASK_ATTENTION = ("sdpa", "eager")
 
 
 class HFRunner(Runner):
-    """A Hugging Face causal LM (tested on `LlamaForCausalLM`) over a `DynamicCache`."""
+    """A Hugging Face causal LM over a `DynamicCache` (tested on Llama, with sdpa and eager
+    attention, and GPT-2). Lanes of one model (`lanes(n)`, batched decoding) run as one
+    padded forward per round (`_batched_forward`)."""
 
     def __init__(self, model: torch.nn.Module):
         impl = getattr(model.config, "_attn_implementation", None) or "eager"
