@@ -23,7 +23,7 @@ this very bookkeeping with table-defined toy models.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -210,12 +210,27 @@ def prefill_many(jobs: Sequence[tuple[Runner, Sequence[int]]]) -> None:
 
 def _run(runners: list[Runner], feeds: list[Feed], need_logits: bool) -> list[torch.Tensor | None]:
     """Forward `feeds`, grouping runners by class so a batched backend sees all its lanes."""
-    out: list[torch.Tensor | None] = [None] * len(runners)
-    by_class: dict[type, list[int]] = {}
-    for i, r in enumerate(runners):
-        by_class.setdefault(type(r), []).append(i)
-    for cls, idx in by_class.items():
-        for i, logits in zip(idx, cls._forward_many([runners[i] for i in idx], [feeds[i] for i in idx], need_logits)):
-            out[i] = logits
-            runners[i].forwards += 1
+    out = forward_grouped(runners, feeds, type, lambda group, fs: type(group[0])._forward_many(group, fs, need_logits))
+    for r in runners:
+        r.forwards += 1
     return out
+
+
+def forward_grouped(runners: list[Runner], feeds: list[Feed], key: Callable[[Runner], Hashable],
+                    forward: Callable[[list[Runner], list[Feed]], list]) -> list:
+    """`forward(group, group_feeds)` once per group of runners sharing `key(runner)` (one
+    result per runner of the group); the results in the order of `runners`."""
+    groups: dict[Hashable, list[int]] = {}
+    for i, r in enumerate(runners):
+        groups.setdefault(key(r), []).append(i)
+    out: list = [None] * len(runners)
+    for idx in groups.values():
+        for i, result in zip(idx, forward([runners[i] for i in idx], [feeds[i] for i in idx])):
+            out[i] = result
+    return out
+
+
+def causal_visible(n: int, S: int, device: torch.device) -> torch.Tensor:
+    """[n, S+n] bool: n new tokens fed causally after S cached slots (what a Feed's
+    `visible=None` stands for)."""
+    return torch.ones(n, S + n, dtype=torch.bool, device=device).tril(S)

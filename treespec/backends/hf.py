@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .base import Feed, Runner
+from .base import Feed, Runner, causal_visible, forward_grouped
 
 # Attention implementations that take a custom 4D mask as given. flash_attention_* ignore
 # 4D masks and flex_attention rebuilds its own, so tree attention would silently be wrong.
@@ -77,19 +77,13 @@ class HFRunner(Runner):
         """Lanes of one model run as ONE batched forward (`_batched_forward`); a lone runner,
         or lanes whose caches are not plain `DynamicLayer`s (sliding windows, quantized
         caches), run one forward each."""
-        out: list[torch.Tensor | None] = [None] * len(runners)
-        by_model: dict[int, list[int]] = {}
-        for i, r in enumerate(runners):
-            by_model.setdefault(id(r.model), []).append(i)
-        for idx in by_model.values():
-            lanes, lane_feeds = [runners[i] for i in idx], [feeds[i] for i in idx]
+
+        def model_forward(lanes: list[HFRunner], lane_feeds: list[Feed]) -> list[torch.Tensor | None]:
             if len(lanes) > 1 and all(lane._plain_cache() for lane in lanes):
-                results = _batched_forward(lanes, lane_feeds, need_logits)
-            else:
-                results = [r._forward(f.tokens, f.positions, f.visible, need_logits) for r, f in zip(lanes, lane_feeds)]
-            for i, logits in zip(idx, results):
-                out[i] = logits
-        return out
+                return _batched_forward(lanes, lane_feeds, need_logits)
+            return [r._forward(f.tokens, f.positions, f.visible, need_logits) for r, f in zip(lanes, lane_feeds)]
+
+        return forward_grouped(runners, feeds, lambda r: id(r.model), model_forward)
 
     def _plain_cache(self) -> bool:
         from transformers.cache_utils import DynamicLayer
@@ -136,7 +130,7 @@ def _batched_forward(lanes: list[HFRunner], feeds: list[Feed], need_logits: bool
     mask = torch.zeros(B, 1, n_max, S + n_max, dtype=torch.bool, device=device)  # [B, 1, n_max, S + n_max]
     for b, (f, S_b, n) in enumerate(zip(feeds, starts, ns)):
         tokens[b, :n], positions[b, :n] = f.tokens, f.positions
-        visible = f.visible if f.visible is not None else torch.ones(n, S_b + n, dtype=torch.bool, device=device).tril(S_b)
+        visible = f.visible if f.visible is not None else causal_visible(n, S_b, device)
         mask[b, 0, :n, :S_b] = visible[:, :S_b]  # its cached slots
         mask[b, 0, :n, S : S + n] = visible[:, S_b:]  # its new tokens (after the padded cache)
         mask[b, 0, n:, 0] = True  # padding rows attend somewhere (no NaN)

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import cascade_attention, flash_available, flash_prefix_attention
-from .base import Feed, Runner
+from .base import Feed, Runner, causal_visible, forward_grouped
 from .linear import Projection
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -378,17 +378,13 @@ class NativeRunner(Runner):
     @classmethod
     def _forward_many(cls, runners, feeds, need_logits):
         """Lanes of one pool run as one packed forward; lanes of different pools one forward each."""
-        out: list[torch.Tensor | None] = [None] * len(runners)
-        by_pool: dict[int, list[int]] = {}
-        for i, r in enumerate(runners):
-            by_pool.setdefault(id(r.pool), []).append(i)
-        for idx in by_pool.values():
-            lanes = [runners[i] for i in idx]
+
+        def pool_forward(lanes: list[NativeRunner], lane_feeds: list[Feed]) -> list[torch.Tensor | None]:
             if len({lane.row for lane in lanes}) < len(lanes):
                 raise RuntimeError("one forward cannot feed the same lane twice")
-            for i, logits in zip(idx, lanes[0]._packed_forward(lanes, [feeds[i] for i in idx], need_logits)):
-                out[i] = logits
-        return out
+            return lanes[0]._packed_forward(lanes, lane_feeds, need_logits)
+
+        return forward_grouped(runners, feeds, lambda r: id(r.pool), pool_forward)
 
     @torch.inference_mode()
     def _packed_forward(self, lanes: list[NativeRunner], feeds: list[Feed], need_logits: bool) -> list[torch.Tensor | None]:
@@ -438,7 +434,7 @@ class NativeRunner(Runner):
         mask, cascade = None, False
         if feed.visible is None:
             if n > 1:
-                mask = torch.ones(n, S + n, dtype=torch.bool, device=self.device).tril(S)  # [n, S+n]
+                mask = causal_visible(n, S, self.device)  # [n, S+n]
         elif n > 1 or S != self.n_committed:
             mask = feed.visible  # [n, S+n]
             cascade = self.flash and self.n_committed > 0
@@ -496,7 +492,7 @@ class _PackedAttention:
         self.mask = torch.zeros(B, 1, n_max, self.span, dtype=torch.bool, device=device)  # [B, 1, n_max, span]
         for b, (f, S, n) in enumerate(zip(feeds, starts, ns)):
             if f.visible is None:  # a prefill: causal after the S cached slots
-                self.mask[b, 0, :n, : S + n] = torch.ones(n, S + n, dtype=torch.bool, device=device).tril(S)
+                self.mask[b, 0, :n, : S + n] = causal_visible(n, S, device)
             else:
                 self.mask[b, 0, :n, : S + n] = f.visible
             self.mask[b, 0, n:, 0] = True  # padding rows attend somewhere (no NaN); their output is dropped
