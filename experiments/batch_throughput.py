@@ -43,6 +43,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--drafter", default="model", choices=("model", "ngram", "lookup", "merged"),
+                    help="who proposes the trees (default: the draft model)")
     ap.add_argument("--backend", default="auto", choices=("auto", "native", "hf"),
                     help="treespec's runners (auto: native on the bundled pair; hf: the HF modules, batched by padding)")
     ap.add_argument("--speculate-max-live", type=int, default=None,
@@ -52,7 +54,7 @@ def main() -> None:
     out_path = args.out or Path(f"experiments/results/batch_T{args.temperature:g}.json")
 
     sampling = SamplingConfig(temperature=args.temperature)
-    dec = SpeculativeDecoder.from_pretrained(dtype=args.dtype, backend=args.backend)
+    dec = SpeculativeDecoder.from_pretrained(dtype=args.dtype, backend=args.backend, drafter=args.drafter)
     target_path, _ = default_pair()
     hf_target = hf.load_model(target_path, dec.target_runner.dtype, dec.target_runner.device)
     trees = {"autoregressive": None, f"linear 1x{args.depth}": TreeConfig(1, args.depth, args.strategy)}
