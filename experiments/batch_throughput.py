@@ -47,8 +47,9 @@ def main() -> None:
                     help="who proposes the trees (default: the draft model)")
     ap.add_argument("--backend", default="auto", choices=("auto", "native", "hf"),
                     help="treespec's runners (auto: native on the bundled pair; hf: the HF modules, batched by padding)")
-    ap.add_argument("--speculate-max-live", type=int, default=None,
-                    help="also time the first tree width with engine(speculate_max_live=N): plain rounds while more than N requests are live")
+    ap.add_argument("--speculate-max-live", type=lambda v: v if v == "auto" else int(v), default=None,
+                    help="also time the first tree width with engine(speculate_max_live=N): plain rounds while more than N "
+                         "requests are live; 'auto': speculative or plain rounds, whichever measures faster at each live count")
     ap.add_argument("--out", type=Path, default=None, help="default: experiments/results/batch_T{temperature}.json")
     args = ap.parse_args()
     out_path = args.out or Path(f"experiments/results/batch_T{args.temperature:g}.json")
@@ -62,7 +63,8 @@ def main() -> None:
     trees |= {f"tree {w}x{args.depth}": TreeConfig(w, args.depth, args.strategy) for w in widths}
     switched = {}  # method -> speculate_max_live
     if args.speculate_max_live is not None:
-        name = f"tree {widths[0]}x{args.depth} <={args.speculate_max_live}"
+        limit = args.speculate_max_live
+        name = f"tree {widths[0]}x{args.depth} {'auto' if limit == 'auto' else f'<={limit}'}"
         trees[name], switched[name] = TreeConfig(widths[0], args.depth, args.strategy), args.speculate_max_live
     methods = ["hf generate", *trees]
     prompts = load_prompts(n=args.n_prompts)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
+from treespec.adaptive import GoodputSwitch
 from treespec.backends.base import extend_many, prefill_many, score_many
 from treespec.backends.hf import HFRunner
 from treespec.backends.native import NativeRunner
@@ -276,14 +277,17 @@ def test_batch_of_two_toy_requests_is_lossless_by_enumeration():
     assert_two_toy_requests_lossless(a, b)
 
 
-def assert_two_toy_requests_lossless(a, b, **engine_settings) -> None:
+def assert_two_toy_requests_lossless(a, b, switch=None, **engine_settings) -> None:
     """Requests a and b = (prompt, tree, sampling, max_new_tokens) in one engine, every draw
-    and coin enumerated: their joint output distribution == the product of the target's."""
+    and coin enumerated: their joint output distribution == the product of the target's.
+    `switch`: makes the engine's speculate-or-not switch for each run."""
     target, draft = toy_pair()
     dec = SpeculativeDecoder(TableRunner(target), TableRunner(draft))
 
     def run(rng):
         eng = dec.engine(max_live=2, **engine_settings)
+        if switch is not None:
+            eng.switch = switch()
         ids = [eng.add(list(p), n, tree=t, sampling=s, rng=rng, ignore_eos=True) for p, t, s, n in (a, b)]
         outs = eng.run()
         return tuple(tuple(outs[i].token_ids) for i in ids)
@@ -318,8 +322,86 @@ def test_speculate_max_live_switches_rounds_to_plain(models):
     rounds = outs[1].trace
     assert all(len(r.tree) == 1 for r in rounds[:3]) and any(len(r.tree) > 1 for r in rounds[3:])
     assert outs[1].stats.draft_forwards > 0
-    with pytest.raises(ValueError, match="speculate_max_live must be None or an integer >= 1"):
-        dec.engine(speculate_max_live=0)
+    for bad in (0, "always", 1.5):
+        with pytest.raises(ValueError, match="speculate_max_live must be None, an integer >= 1 or 'auto'"):
+            dec.engine(speculate_max_live=bad)
+
+
+class _OddTokensSwitch(GoodputSwitch):
+    """Speculates after a round that emitted an odd number of tokens (and first): a switch
+    whose every decision depends on the sampled outcomes so far, as a measured one does."""
+
+    def __init__(self):
+        super().__init__()
+        self.last = 1
+
+    def speculate(self, live: int) -> bool:
+        return self.last % 2 == 1
+
+    def record(self, live: int, speculative: bool, tokens: int, seconds: float) -> None:
+        self.last = tokens
+
+
+def test_outcome_dependent_switching_stays_lossless_by_enumeration():
+    """Whether a round drafts may depend on everything committed so far (GoodputSwitch's
+    timings and token counts do): every draw and coin enumerated, the joint is still the
+    product of the target's joints."""
+    a = (TOY_PROMPT, TreeConfig(2, 2), TOY_SAMPLINGS["T1"], 2)
+    b = ((0, 2, 1), TreeConfig(2, 2), TOY_SAMPLINGS["T0.6-topk2"], 3)
+    assert_two_toy_requests_lossless(a, b, switch=_OddTokensSwitch, speculate_max_live="auto")
+
+
+def test_goodput_switch_runs_explores_follows_drift_and_buckets_live_counts():
+    def decide(sw, n, live=8, spec_seconds=2.5):  # speculative round: 3 tokens per request; plain: 1, in 1 s
+        got = []
+        for _ in range(n):
+            got.append(sw.speculate(live))
+            sw.record(live, got[-1], tokens=3 * live if got[-1] else live, seconds=spec_seconds if got[-1] else 1.0)
+        return got
+
+    sw = GoodputSwitch(run_rounds=2, explore_every=3, decay=0.5)
+    decisions = decide(sw, 16)
+    assert sw.speedup(8) == pytest.approx(1.2)
+    # runs of 2 rounds: warm-up (speculative, plain), then speculative but for every 3rd run, which explores
+    assert decisions == [True, True, False, False, True, True, True, True, False, False, True, True, True, True, False, False]
+    wide = GoodputSwitch(run_rounds=2, explore_every=3, decay=0.5)
+    decisions = decide(wide, 28, spec_seconds=1.5)  # 2x faster: explores every 12th run only
+    assert wide.speedup(8) == pytest.approx(2) and [i for i, k in enumerate(decisions) if not k] == [2, 3, 26, 27]
+    for _ in range(3):  # plain rounds get 4x faster (say, the batch became compute-bound): the sums follow
+        sw.record(8, False, tokens=8, seconds=0.25)
+    assert sw.speedup(7) < 1 and not sw.speculate(7)  # 5-8 live share a bucket; a new run begins
+    assert sw.speedup(4) is None and sw.speculate(4)  # 3-4 live: a fresh bucket, warming up speculative first
+    assert [sw.bucket(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [0, 1, 2, 2, 3, 3, 4]
+
+
+def test_auto_switch_tries_both_kinds_then_keeps_the_faster(models):
+    """speculate_max_live="auto": at each live count both kinds of round are tried, then the
+    one with more tokens per (here: fake) second runs; greedy outputs stay those of
+    generate() alone whichever ran."""
+    for plain_seconds, spec_seconds, faster in ((1.0, 1.0, "speculative"), (1.0, 50.0, "plain")):
+        dec = SpeculativeDecoder(*models, backend="native")
+        eng = dec.engine(max_live=2, speculate_max_live="auto")
+        kinds = []  # (live requests, speculative) of every decision
+        clock, calls = [0.0], [0]
+
+        def tick():  # called at the start and at the end of each round: a round takes its kind's seconds
+            calls[0] += 1
+            if calls[0] % 2 == 0:
+                clock[0] += spec_seconds if kinds[-1][1] else plain_seconds
+            return clock[0]
+
+        eng.switch.clock = tick
+        decide = eng.switch.speculate
+        eng.switch.speculate = lambda live: kinds.append((live, decide(live))) or kinds[-1][1]
+        ids = [eng.add(PROMPTS[i], 40, tree=TreeConfig(1, 3), sampling=GREEDY, ignore_eos=True) for i in (1, 2)]
+        outs = eng.run()
+        for i, rid in zip((1, 2), ids):
+            assert outs[rid].token_ids == dec.generate(PROMPTS[i], 40, tree=TreeConfig(1, 3), sampling=GREEDY, ignore_eos=True).token_ids
+        two_live = [k for live, k in kinds if live == 2]
+        assert two_live[:16] == [True] * 8 + [False] * 8  # warm-up: a speculative run, then a plain one
+        after = two_live[16:22]
+        assert len(after) == 6 and after == [faster == "speculative"] * 6, (faster, kinds)
+        assert dec.engine(speculate_max_live="auto").switch is eng.switch  # what it measured carries over
 
 
 def test_each_request_of_a_batch_matches_the_target_chi_square():

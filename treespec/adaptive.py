@@ -1,4 +1,5 @@
-"""Each round's draft depth, decided by the decode loop for every drafter (`TreeConfig.adaptive`).
+"""Each round's draft depth, decided by the decode loop for every drafter (`TreeConfig.adaptive`),
+and whether a batched round drafts at all (`GoodputSwitch`, `speculate_max_live="auto"`).
 
 The loop owns one `DepthPolicy` per request: it asks `policy.depth` before drafting, passes
 it to `drafter.propose(context, depth)`, and after verification calls `policy.update(...)`
@@ -20,6 +21,8 @@ outcomes, so the output law is unchanged (the enumeration tests cover both).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .config import TreeConfig
@@ -59,3 +62,64 @@ class DepthPolicy:
             self.depth = round(cfg.depth_max - self.entropy_ema * (cfg.depth_max - cfg.depth_min))
         self.depth = max(cfg.depth_min, min(cfg.depth_max, self.depth)) if cfg.adaptive else cfg.depth
         return DepthStep(round_depth, entropy, from_drafter, self.depth)
+
+
+class GoodputSwitch:
+    """`engine(speculate_max_live="auto")`: speculate or not, by which has given more tokens
+    per second at about this many live requests on this machine.
+
+    Where a batched target forward is bound by memory, speculation's extra rows are nearly
+    free; where it is bound by compute (a CPU at batch 8), they cost about their full price
+    and plain rounds win. The crossover depends on the hardware, the models, the sampling and
+    the drafts' acceptance, so it is measured, not configured. Live counts are bucketed by
+    powers of two (1, 2, 3-4, 5-8, ...). Each bucket runs one kind of round for `run_rounds`
+    rounds at a time: the first run speculative, the second plain, then the kind with more
+    tokens per second so far, except every `explore_every`-th run after those (every
+    4 * `explore_every`-th where one kind is 1.25x faster), which takes the other kind so
+    that a drift (acceptance, context length) is noticed. Tokens/s per bucket and kind is
+    a ratio of sums decayed by `decay` per round: whole runs, so a speculative run pays for
+    the draft's catch-up on the tokens a plain run emitted, and one noisy round (T=1, batch
+    1) cannot flip a decision. Decisions depend on past timings and committed outcomes only,
+    never on a coming draw, so every round stays exact; at temperature > 0 a request's output
+    is then no longer reproducible from its seed alone (as with any `speculate_max_live`).
+    """
+
+    def __init__(self, run_rounds: int = 8, explore_every: int = 16, decay: float = 0.9,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.run_rounds, self.explore_every, self.decay, self.clock = run_rounds, explore_every, decay, clock
+        self.sums: dict[tuple[int, bool], tuple[float, float]] = {}  # (bucket, speculative) -> decayed tokens, seconds
+        self.runs: dict[int, tuple[bool, int, int]] = {}  # bucket -> kind of its run, rounds left in it, runs begun
+
+    @staticmethod
+    def bucket(live: int) -> int:
+        return (live - 1).bit_length()  # 1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, ...
+
+    def speedup(self, live: int) -> float | None:
+        """Measured tokens/s of speculative rounds over plain ones at `live` (None: not yet)."""
+        b = self.bucket(live)
+        if (b, True) not in self.sums or (b, False) not in self.sums:
+            return None
+        (ts, ss), (tp, sp) = self.sums[(b, True)], self.sums[(b, False)]
+        return (ts / ss) / (tp / sp)
+
+    def speculate(self, live: int) -> bool:
+        """Whether the next round, with `live` requests, drafts."""
+        b = self.bucket(live)
+        speculative, left, runs = self.runs.get(b, (True, 0, 0))
+        if left == 0:  # a new run: warm-up (speculative, then plain), then the faster kind, or explore
+            runs += 1
+            speedup = self.speedup(live)
+            if speedup is None:
+                speculative = (b, True) not in self.sums
+            else:
+                every = self.explore_every * (1 if 0.8 < speedup < 1.25 else 4)  # a wide gap: explore 4x less
+                speculative = (speedup >= 1) != ((runs - 2) % every == 0)  # runs 1, 2: warm-up
+            left = self.run_rounds
+        self.runs[b] = (speculative, left - 1, runs)
+        return speculative
+
+    def record(self, live: int, speculative: bool, tokens: int, seconds: float) -> None:
+        """A finished round: `tokens` emitted by all `live` requests in `seconds`."""
+        key = (self.bucket(live), speculative)
+        t, s = self.sums.get(key, (0.0, 0.0))
+        self.sums[key] = (self.decay * t + tokens, self.decay * s + seconds)

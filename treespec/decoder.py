@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .backends import Runner, auto_dtype, check_backend, make_runner, use_native
+from .adaptive import GoodputSwitch
 from .config import SamplingConfig, TreeConfig
 from .drafters import Drafter, MergedDrafter, ModelDrafter, NgramDrafter, PromptLookupDrafter
 from .engine import Engine, Request
@@ -89,6 +90,7 @@ class SpeculativeDecoder:
         )
         self.eos_token_ids = set(self.target_runner.eos_token_ids)
         self._lane_cache: tuple[int, list[Runner], list[Runner | None]] | None = None  # see _lanes()
+        self._goodput: GoodputSwitch | None = None  # speculate_max_live="auto", kept across engines
 
     @classmethod
     def from_pretrained(
@@ -191,7 +193,7 @@ class SpeculativeDecoder:
         verification: str | None | Sequence[str | None] = None,
         max_batch: int = 16,
         trace: bool = False,
-        speculate_max_live: int | None = None,
+        speculate_max_live: int | str | None = None,
     ) -> list[GenerationOutput]:
         """`generate()` for many prompts at once; one output per prompt, in order.
 
@@ -233,7 +235,7 @@ class SpeculativeDecoder:
         outputs = engine.run()
         return [outputs[i] for i in ids]
 
-    def engine(self, max_live: int = 8, max_kv_tokens: int | None = None, speculate_max_live: int | None = None) -> Engine:
+    def engine(self, max_live: int = 8, max_kv_tokens: int | None = None, speculate_max_live: int | str | None = None) -> Engine:
         """A continuous-batching `Engine` over `max_live` lanes of this decoder's models: add
         requests (`generate()`'s arguments), `step()` rounds, stream, `cancel()`. `max_kv_tokens`
         caps the cache slots live requests reserve together (None: no cap beyond the lanes).
@@ -244,6 +246,9 @@ class SpeculativeDecoder:
         about their full price (README, "Batched decoding"). Every round is exact either way,
         so outputs keep the target's distribution, but a request that switched mode is no
         longer token-identical to `generate()` alone (its draws are consumed differently).
+        "auto": no fixed limit; each round speculates or not by which has measured more tokens
+        per second at about this many live requests (`treespec.adaptive.GoodputSwitch`; one
+        per decoder, so what its engines measured carries over to the next).
         None (default): always speculate."""
         if not isinstance(max_live, int) or isinstance(max_live, bool) or max_live < 1:
             raise ValueError(f"max_live must be an integer >= 1, got {max_live!r}")
@@ -254,12 +259,16 @@ class SpeculativeDecoder:
                 "a Drafter instance holds one sequence's state, so it cannot serve several requests at once; "
                 "batch with a named drafter ('model', 'ngram', 'lookup', 'merged') or use max_live=1"
             )
-        if speculate_max_live is not None and (
+        if speculate_max_live not in (None, "auto") and (
             not isinstance(speculate_max_live, int) or isinstance(speculate_max_live, bool) or speculate_max_live < 1
         ):
-            raise ValueError(f"speculate_max_live must be None or an integer >= 1, got {speculate_max_live!r}")
+            raise ValueError(f"speculate_max_live must be None, an integer >= 1 or 'auto', got {speculate_max_live!r}")
         targets, drafts = self._lanes(max_live)
-        return Engine(self, targets, drafts, max_kv_tokens, speculate_max_live)
+        if speculate_max_live != "auto":
+            return Engine(self, targets, drafts, max_kv_tokens, speculate_max_live)
+        if self._goodput is None:
+            self._goodput = GoodputSwitch()
+        return Engine(self, targets, drafts, max_kv_tokens, switch=self._goodput)
 
     def _lanes(self, n: int) -> tuple[list[Runner], list[Runner | None]]:
         """`n` target lanes and `n` draft lanes (kept for the next batch of the same size)."""

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .adaptive import DepthPolicy
+from .adaptive import DepthPolicy, GoodputSwitch
 from .backends.base import Runner, prefill_many, score_many
 from .config import SamplingConfig, TreeConfig
 from .drafters import Drafter, propose_many
@@ -75,11 +75,12 @@ class Engine:
 
     def __init__(
         self, decoder, targets: list[Runner], drafts: list[Runner | None], max_kv_tokens: int | None = None,
-        speculate_max_live: int | None = None,
+        speculate_max_live: int | None = None, switch: GoodputSwitch | None = None,
     ):
         self.decoder, self.targets, self.drafts = decoder, targets, drafts
         self.max_live, self.max_kv_tokens = len(targets), max_kv_tokens
         self.speculate_max_live = speculate_max_live  # more live requests: plain rounds
+        self.switch = switch  # speculate_max_live="auto": each round decided by measured tokens/s
         self.requests: dict[int, Request] = {}
         self.waiting: list[Request] = []  # admission order
         self.live: dict[int, Request] = {}  # lane -> request
@@ -123,9 +124,14 @@ class Engine:
         live = list(self.live.values())
         clock = time.perf_counter
         t0 = clock()
-        # 1. propose: every request's tree, never deeper than the tokens it still wants; with
-        # more than speculate_max_live requests live, none (depth 0: the tree is its root)
-        speculate = self.speculate_max_live is None or len(live) <= self.speculate_max_live
+        # 1. propose: every request's tree, never deeper than the tokens it still wants; none
+        # (depth 0: the tree is its root) with more than speculate_max_live requests live, or
+        # when the switch ("auto") has measured plain rounds faster at this many
+        switched = self.switch is not None and any(r.drafter is not None for r in live)
+        if switched:
+            t_round, speculate = self.switch.clock(), self.switch.speculate(len(live))
+        else:
+            speculate = self.speculate_max_live is None or len(live) <= self.speculate_max_live
         depths = [0 if r.drafter is None or not speculate else min(r.depth.depth, r.out.remaining - 1) for r in live]
         drafted = propose_many([r.drafter.propose_steps(r.context, d) for r, d in zip(live, depths) if d])
         drafts, it = [], iter(drafted)
@@ -160,6 +166,8 @@ class Engine:
             r.context += emitted[r.id]
             if r.out.done:
                 self._finish(r, r.out.finish_reason)
+        if switched:
+            self.switch.record(len(live), any(depths), sum(map(len, emitted.values())), self.switch.clock() - t_round)
         return emitted
 
     def run(self) -> dict[int, GenerationOutput]:

@@ -489,13 +489,16 @@ class _PackedAttention:
         self.row_of, self.slot_of = idx[0], idx[1]
         self.padded = None if min(ns) == n_max else idx[2]  # equal sizes: no padding at all
         self.rows = slice(rows[0], rows[0] + B) if rows == list(range(rows[0], rows[0] + B)) else torch.tensor(rows, device=device)
-        self.mask = torch.zeros(B, 1, n_max, self.span, dtype=torch.bool, device=device)  # [B, 1, n_max, span]
+        # every lane causal after its S cached slots (row i sees slots <= S + i); a padding row
+        # (i >= n) sees slot 0 only, so it has no NaN, and its output is dropped; a tree feed's
+        # own pattern replaces its causal one. Built in a few ops for all lanes at once.
+        S_n = torch.tensor([starts, ns], device=device)[:, :, None, None]  # [2, B, 1, 1]
+        i = torch.arange(n_max, device=device)[:, None]  # [n_max, 1]
+        j = torch.arange(self.span, device=device)  # [span]
+        self.mask = torch.where(i < S_n[1], j <= S_n[0] + i, j == 0)[:, None]  # [B, 1, n_max, span]
         for b, (f, S, n) in enumerate(zip(feeds, starts, ns)):
-            if f.visible is None:  # a prefill: causal after the S cached slots
-                self.mask[b, 0, :n, : S + n] = causal_visible(n, S, device)
-            else:
+            if f.visible is not None:
                 self.mask[b, 0, :n, : S + n] = f.visible
-            self.mask[b, 0, n:, 0] = True  # padding rows attend somewhere (no NaN); their output is dropped
         self.B, self.n_max, self.heads = B, n_max, heads
         self.g = heads // lanes[0].shape.kv_heads if n_max <= FOLD_MAX_QUERIES else 1  # GQA folding, see _lane_attention
         self.mask = self.mask.repeat(1, 1, self.g, 1)  # [B, 1, g*n_max, span]
