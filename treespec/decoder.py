@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .backends import Runner, auto_dtype, check_backend, make_runner, use_native
 from .adaptive import GoodputSwitch
+from .backends import Runner, auto_dtype, check_backend, make_runner, use_native
 from .config import SamplingConfig, TreeConfig
 from .drafters import Drafter, MergedDrafter, ModelDrafter, NgramDrafter, PromptLookupDrafter
 from .engine import Engine, Request
