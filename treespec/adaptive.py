@@ -122,4 +122,4 @@ class GoodputSwitch:
         """A finished round: `tokens` emitted by all `live` requests in `seconds`."""
         key = (self.bucket(live), speculative)
         t, s = self.sums.get(key, (0.0, 0.0))
-        self.sums[key] = (self.decay * t + tokens, self.decay * s + seconds)
+        self.sums[key] = (self.decay * t + tokens, self.decay * s + max(seconds, 1e-9))  # a coarse clock may read 0
