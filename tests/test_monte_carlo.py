@@ -8,6 +8,7 @@ so the test is deterministic; the threshold is p < 1e-3.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 
 import pytest
@@ -103,14 +104,25 @@ def test_sampled_output_matches_target_joint(models, case, backend):
     assert chi2_pvalue(counts, exact_joint(target, other), N) < 1e-3
 
 
-def test_gumbel_top_k_is_sequential_sampling_without_replacement():
-    q = torch.tensor([0.5, 0.25, 0.15, 0.1], dtype=torch.float64)
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_torch_rng_without_replacement_is_sequential_sampling(k, dtype):
+    q = torch.tensor([0.45, 0.0, 0.25, 0.15, 0.1, 0.05, 0.0], dtype=dtype)  # zeros: never drawn
+    support = [i for i, p in enumerate(q.tolist()) if p > 0]
     exact = {}
-    for a, b in itertools.permutations(range(4), 2):
-        exact[(a, b)] = float(q[a] * q[b] / (1 - q[a]))
+    for seq in itertools.permutations(support, k):
+        prob, left = 1.0, 1.0
+        for x in seq:
+            prob, left = prob * float(q[x]) / left, left - float(q[x])
+        exact[seq] = prob
     rng, n = TorchRng(0), 8000
-    counts = Counter(tuple(rng.without_replacement(q, 2)) for _ in range(n))
+    counts = Counter(tuple(rng.without_replacement(q, k)) for _ in range(n))
+    assert set(counts) <= set(exact)
     assert chi2_pvalue(counts, exact, n) > 1e-3
+    # power: the same draws are clearly not i.i.d. tokens from q (k > 1) / not from a flatter q
+    wrong = {seq: math.prod(float(q[x]) for x in seq) for seq in itertools.product(support, repeat=k)} if k > 1 else \
+        {(x,): 1 / len(support) for x in support}
+    assert chi2_pvalue(counts, wrong, n) < 1e-3
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
