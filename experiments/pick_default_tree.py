@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
+from treespec.sequoia import optimal_shape
 from treespec.zoo import load_prompts
 
 CANDIDATES = (
@@ -32,15 +33,24 @@ CANDIDATES = (
 )
 
 
-def parse(spec: str) -> TreeConfig:
+def parse(spec: str, acceptance: list[float] | None = None) -> TreeConfig:
+    """"strategy:WIDTHxDEPTH", or "sequoia:NODESxDEPTH": the Sequoia-optimal shape of at most
+    NODES draft nodes and depth DEPTH for a calibrated acceptance vector (`--sequoia`)."""
     strategy, shape = spec.split(":")
-    width, depth = (int(x) for x in shape.split("x"))
-    return TreeConfig(width=width, depth=depth, strategy=strategy)
+    a, b = (int(x) for x in shape.split("x"))
+    if strategy == "sequoia":
+        if acceptance is None:
+            raise SystemExit(f"{spec}: pass --sequoia with a calibrate_sequoia.py JSON (its acceptance vector)")
+        return TreeConfig(strategy="sequoia", shape=optimal_shape(acceptance, a, b), depth=b)
+    return TreeConfig(width=a, depth=b, strategy=strategy)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--candidates", default=",".join(CANDIDATES), help="strategy:WIDTHxDEPTH, comma-separated")
+    ap.add_argument("--candidates", default=",".join(CANDIDATES),
+                    help="strategy:WIDTHxDEPTH or sequoia:NODESxDEPTH, comma-separated")
+    ap.add_argument("--sequoia", type=Path, default=None,
+                    help="calibrate_sequoia.py output whose acceptance vector shapes the sequoia:NODESxDEPTH candidates")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--n-prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -53,7 +63,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    candidates = {spec: parse(spec) for spec in args.candidates.split(",")}
+    acceptance = json.loads(args.sequoia.read_text())["acceptance"] if args.sequoia else None
+    candidates = {spec: parse(spec, acceptance) for spec in args.candidates.split(",")}
     temperatures = [float(t) for t in args.temperatures.split(",")]
     dec = SpeculativeDecoder.from_pretrained(dtype=args.dtype, backend=args.backend)
     prompts = [dec.tokenizer(p)["input_ids"] for p in load_prompts(n=args.n_prompts)]
@@ -83,7 +94,7 @@ def main() -> None:
         rows.append(row)
     rows.sort(key=lambda r: -r["geomean_speedup"])
     runner = dec.target_runner
-    config = dict(vars(args), out=str(args.out), dtype=str(runner.dtype), backend=type(runner).__name__,
+    config = dict(vars(args), out=str(args.out), sequoia=args.sequoia and str(args.sequoia), dtype=str(runner.dtype), backend=type(runner).__name__,
                   threads=torch.get_num_threads(), torch=torch.__version__)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"config": config, "results": rows}, indent=1) + "\n")
