@@ -6,7 +6,7 @@
 
 Each part is timed by wrapping the engine's calls to it (a wrapper adds about a microsecond
 per call): the target's and the draft's forwards (`NativeRunner._packed_forward`; prefills,
-fed with no mask, apart), drafting (`propose_many`, its draft forwards taken out: what is
+the forwards that need no logits, apart), drafting (`propose_many`, its draft forwards taken out: what is
 left is the drafter's Python and small ops), verification (`verify`), and the rest of
 `Engine.step` (tree masks, commits, stats, emission). Milliseconds per round, medians over the
 repeats; the trees are interleaved per prompt so that a slow minute of a shared machine does
@@ -57,10 +57,9 @@ class Timers:
 
     def install(self) -> None:
         def forward_part(args) -> str:
-            runner, feeds = args[0], args[2]
+            runner, need_logits = args[0], args[3]  # a prefill is the one forward that needs no logits
             role = "target" if runner.pool is self.target.pool else "draft"
-            prefill = all(f.visible is None for f in feeds) and max(f.tokens.shape[0] for f in feeds) > 16
-            return f"{role}_prefill" if prefill else ("target_forward" if role == "target" else "draft_forwards")
+            return f"{role}_prefill" if not need_logits else ("target_forward" if role == "target" else "draft_forwards")
 
         self.wrap(NativeRunner, "_packed_forward", forward_part)
         self.wrap(engine, "propose_many", lambda _: "propose")
