@@ -461,7 +461,7 @@ BAD_BATCHES = [
     (dict(prompts=[[2, 3], [4, VOCAB + 5]]), r"request 1: prompt token ids \[101\]"),
     (dict(prompts=[[2, 3], [4]], seeds=[0, -1]), r"request 1: seed must be"),
     (dict(prompts=[[2, 3], [4]], max_new_tokens=[4, 10_000]), "request 1: prompt .* exceeds"),
-    (dict(prompts=[[2, 3], [4]], max_batch=0), "max_live must be an integer >= 1"),
+    (dict(prompts=[[2, 3], [4]], max_batch=0), "max_batch must be an integer >= 1"),
     (dict(prompts=[[2, 3], [4]], seeds=7), "seeds must be a list"),
 ]
 

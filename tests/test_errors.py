@@ -183,7 +183,7 @@ BAD_INPUTS = [
     ("string ids", _gen(("3", "4")), r"must be ints, got '3' \(str\)"),
     ("float tensor", _gen(torch.tensor([3.0, 4.0])), "must be integers, got an array of torch.float32"),
     ("2-D tensor", _gen(torch.tensor([[3, 4]])), r"must be 1-D token ids, got shape \(1, 2\)"),
-    ("int prompt", _gen(7), "must be text or a list of int token ids, got int"),
+    ("int prompt", _gen(7), "must be text, a chat or a list of int token ids, got int"),
     # seeds
     ("fractional seed", _gen(seed=2.5), r"seed must be None or an integer in \[0, 2\*\*64\), got 2.5"),
     ("huge seed", _gen(seed=2**64), r"seed must be None or an integer in \[0, 2\*\*64\)"),

@@ -22,7 +22,8 @@ from treespec.backends.attention import reference_prefix_attention
 from treespec.backends.base import prefill_many, score_many
 from treespec.backends.hf import HFRunner, load_model
 from treespec.backends.linear import Projection, packing_available
-from treespec.backends.native import LlamaShape, NativeRunner, unsupported_reason
+from treespec.backends.checkpoint import LlamaShape, unsupported_reason
+from treespec.backends.native import NativeRunner
 from treespec.tree import TokenTree
 
 VOCAB = 96

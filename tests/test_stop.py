@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
-from treespec.stats import OutputBuilder, StopMatcher
+from treespec.output import OutputBuilder, StopMatcher
 
 from .conftest import tiny_llama
 

@@ -46,7 +46,7 @@ def test_draft_padded_beyond_the_tokenizer(draft_rows):
     tok = make_tokenizer()
     dec = SpeculativeDecoder(tiny_llama(0), small(1, draft_rows), tokenizer=tok, draft_tokenizer=make_tokenizer())
     assert dec.draft_support == 90 and dec.vocab_size == 96
-    drafter = dec._drafter(TreeConfig(3, 2))
+    drafter = dec.drafter.make(TreeConfig(3, 2), dec.draft_runner)
     assert isinstance(drafter, ModelDrafter)
     drafter.start([3, 4, 5], SamplingConfig(temperature=1.0), TorchRng(0))
     draft = drafter.propose([3, 4, 5], 2)

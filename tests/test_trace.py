@@ -47,10 +47,10 @@ def test_trace_is_reproducible_and_agrees_with_the_output(case):
         else:  # block and traversal weigh every node
             assert recorded == set(range(1, len(r.tree)))
         assert r.kind == ("bonus" if r.tree.is_leaf(r.path[-1]) else "correction")
-        assert r.depth is not None and r.depth.depth == r.tree.max_depth or len(r.tree) == 1
+        assert r.depth_step is not None and r.depth_step.depth == r.tree.max_depth or len(r.tree) == 1
         assert render_round(r).startswith(f"round {r.index} (")
     if CASES[case][0].adaptive:
-        assert len({r.depth.depth for r in out.trace if r.depth is not None}) > 1  # the depth moved, and the trace shows it
+        assert len({r.depth_step.depth for r in out.trace if r.depth_step is not None}) > 1  # the depth moved, and the trace shows it
 
 
 def test_trace_records_the_p_and_q_the_walk_used():

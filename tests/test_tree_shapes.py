@@ -5,7 +5,7 @@ from __future__ import annotations
 from treespec import ModelDrafter, SamplingConfig, TreeConfig
 from treespec.adaptive import DepthPolicy
 from treespec.rng import TorchRng
-from treespec.verify import Walk
+from treespec.proposal import Walk
 
 from .toy import TableModel, TableRunner
 

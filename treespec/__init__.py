@@ -15,15 +15,20 @@ from .proposal import DraftTree, Draw, ProposalGroup
 from .rng import Rng, TorchRng
 from .backends import Runner
 from .backends.hf import HFRunner
-from .stats import GenerationOutput, GenerationStats
+from .engine import Engine
+from .output import GenerationOutput
+from .request import Request
+from .stats import GenerationStats
 from .tree import TokenTree
-from .verify import Walk, verify
+from .proposal import Walk
+from .verify import verify
 
 __all__ = [
     "BigramDrafter",
     "DraftTree",
     "Draw",
     "Drafter",
+    "Engine",
     "GenerationOutput",
     "GenerationStats",
     "HFRunner",
@@ -32,6 +37,7 @@ __all__ = [
     "NgramDrafter",
     "PromptLookupDrafter",
     "ProposalGroup",
+    "Request",
     "Rng",
     "Runner",
     "SamplingConfig",

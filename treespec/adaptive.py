@@ -26,18 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .config import TreeConfig
-from .proposal import DraftTree
-from .verify import Walk
-
-
-@dataclass(frozen=True)
-class DepthStep:
-    """One round's depth decision, as recorded in the trace."""
-
-    depth: int  # the depth this round was drafted at
-    entropy: float | None  # the uncertainty signal it produced ("entropy" mode), None otherwise
-    from_drafter: bool  # the entropy came from the drafter's distribution (else the fallback)
-    next_depth: int  # the depth chosen for the next round
+from .proposal import DepthStep, DraftTree, Walk
 
 
 class DepthPolicy:

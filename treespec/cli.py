@@ -251,13 +251,13 @@ def cmd_bench(args) -> None:
         raise CliError("give --target and --draft together (or neither, for the bundled pair)")
     from .backends import hf
     from .bench import machine_info
-    from .decoder import _resolve_dtype, resolve_device
+    from .loading import resolve_device, resolve_dtype
     from .zoo import default_pair
 
     paths = (args.target, args.draft) if args.target is not None else default_pair()
     device = resolve_device(args.device)
-    dtype = _resolve_dtype(args.dtype, device, "target")
-    draft_dtype = _resolve_dtype(args.dtype if args.draft_dtype is None else args.draft_dtype, device, "draft")
+    dtype = resolve_dtype(args.dtype, device, "target")
+    draft_dtype = resolve_dtype(args.dtype if args.draft_dtype is None else args.draft_dtype, device, "draft")
     target, draft = hf.load_model(paths[0], dtype, device), hf.load_model(paths[1], draft_dtype, device)
     backends = ("native", "hf") if args.backend == "auto" else (args.backend,)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}

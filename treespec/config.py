@@ -85,6 +85,14 @@ class SamplingConfig:
         return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
 
 
+def check_positive_int(name: str, value, none_ok: bool = False) -> None:
+    """ValueError unless `value` is an int >= 1 (or None, if `none_ok`), naming `name`."""
+    if value is None and none_ok:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be {'None or ' if none_ok else ''}an integer >= 1, got {value!r}")
+
+
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -143,10 +151,8 @@ class TreeConfig:
     shape: object = None  # "sequoia": the TreeShape to draft along
 
     def __post_init__(self) -> None:
-        for name in ("width", "depth", "depth_min", "depth_max") + (("budget",) if self.budget is not None else ()):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"TreeConfig.{name} must be an integer >= 1, got {v!r}")
+        for name in ("width", "depth", "depth_min", "depth_max", "budget"):
+            check_positive_int(f"TreeConfig.{name}", getattr(self, name), none_ok=name == "budget")
         if self.strategy not in STRATEGIES:
             raise ValueError(
                 f"TreeConfig.strategy must be one of {', '.join(STRATEGIES)}; got {self.strategy!r}"
@@ -191,6 +197,17 @@ class TreeConfig:
             n = w + (d - 1) * w * w
             return max(n, self.budget or 0)
         return w * d
+
+    @property
+    def siblings(self) -> str:
+        """How this tree's sibling proposals are drawn (the key of `treespec.request.RULES_FOR`):
+        "chain" (width 1, or a Sequoia shape that is a chain), "iid", or "distinct" (drawn
+        without replacement or deterministically)."""
+        if self.strategy == "sequoia":
+            chain = all(len(c) <= 1 for c in self.shape.children())
+        else:
+            chain = self.width == 1
+        return "chain" if chain else "iid" if self.strategy == "iid" else "distinct"
 
     @property
     def node_budget(self) -> int:

@@ -10,9 +10,9 @@
             emit the round's tokens           its own length limit, EOS, stops, streaming
         finished and cancelled requests free their lanes; waiting requests are admitted
 
-`SpeculativeDecoder.generate()` is this loop with one request and the decoder's own runners;
-`generate_batch()` and `SpeculativeDecoder.engine()` (continuous batching: add, step,
-stream, cancel between rounds) run it over `Runner.lanes` of the target and draft models.
+The engine takes requests as data (`treespec.request.Request`) and typed collaborators: the
+target's and the draft's lanes (`Runner`s, one cache row each), a `DrafterFactory` and the
+tokenizer (for stop strings and output text). It knows nothing of how they were loaded.
 Nothing a request computes depends on the others: its draws come from its own `Rng` in the
 same order as alone, and its forwards see only its own cache row (a batched forward packs
 the requests' tokens, it does not mix them), so each request's output is the one it would
@@ -22,17 +22,19 @@ get alone.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from .adaptive import DepthPolicy, GoodputSwitch
 from .backends.base import Runner, prefill_many, score_many
-from .config import SamplingConfig, TreeConfig
-from .drafters import Drafter, propose_many
+from .drafters import Drafter, DrafterFactory, check_draft, propose_many
+from .output import GenerationOutput, OutputBuilder, StopMatcher
 from .proposal import DraftTree
-from .rng import Rng
+from .request import Request, choose_rule, make_request
+from .rng import Rng, TorchRng
 from .sampling import PenaltyContext
-from .stats import GenerationOutput, GenerationStats, OutputBuilder
+from .stats import GenerationStats
 from .trace import RoundTrace
 from .verify import verify
 
@@ -40,81 +42,91 @@ Status = Literal["waiting", "live", "finished", "cancelled"]
 
 
 @dataclass
-class Request:
-    """One sequence and everything that is its own: settings, randomness, output, statistics."""
+class RequestState:
+    """One request while the engine holds it: its randomness, output so far and statistics."""
 
     id: int
-    prompt: list[int]  # token ids, validated
-    tree: TreeConfig | None  # None: plain decoding (one token per round)
-    sampling: SamplingConfig
-    rule: str  # verification rule
+    request: Request
+    rule: str  # the verification rule it runs
     rng: Rng
-    out: OutputBuilder  # length limit, EOS, stops, streaming
-    slots: int  # cache slots it may need: prompt + max_new_tokens + deepest tree
+    builder: OutputBuilder  # length limit, EOS, stops, streaming
     status: Status = "waiting"
     stats: GenerationStats = field(default_factory=GenerationStats)
-    lane: int | None = None  # index of its target (and draft) runner while live
+    lane: int | None = None  # index of its target (and draft) lane while live
     drafter: Drafter | None = None
-    depth: DepthPolicy | None = None  # decides each round's draft depth (TreeConfig.adaptive)
-    trace: list[RoundTrace] | None = None  # one entry per round when generate(trace=True)
+    depth_policy: DepthPolicy | None = None  # decides each round's draft depth (TreeConfig.adaptive)
+    rounds: list[RoundTrace] | None = None  # one entry per round when request.trace
     context: list[int] = field(default_factory=list)  # prompt + emitted tokens
     output: GenerationOutput | None = None  # once finished or cancelled
-    _draft_forwards0: int = 0
-    _t_start: float = 0.0
+    draft_forwards_before: int = 0  # the draft lane's forward count when it was admitted
+    started: float = 0.0  # perf_counter at admission
 
 
 class Engine:
-    """Continuous batching over `max_live` lanes: requests are added, stepped, streamed and
-    cancelled between rounds. Admission is limited by free lanes and by `max_kv_tokens`, the
-    cache slots live requests may reserve together (each reserves prompt + max_new_tokens +
-    its deepest tree); a request beyond either limit waits, in order, and is admitted when a
-    request finishes: nothing is dropped. A request that could never fit is refused by `add`.
+    """Continuous batching over lanes: requests are added, stepped, streamed and cancelled
+    between rounds. Admission is limited by free lanes and by `max_kv_tokens`, the cache slots
+    live requests may reserve together (each reserves `Request.slots`); a request beyond either
+    limit waits, in order, and is admitted when a request finishes: nothing is dropped. A
+    request that could never fit is refused by `add`.
 
-    Made by `SpeculativeDecoder.engine()`; `add()` takes `generate()`'s arguments.
+    `targets[i]` and `drafts[i]` are lane i of the target and draft models (`Runner.lanes`);
+    `drafts` may hold None where no draft model is loaded. `speculate_max_live`: with more
+    live requests, rounds draft nothing (plain decoding); `switch` decides each round instead
+    (`GoodputSwitch`).
     """
 
     def __init__(
-        self, decoder, targets: list[Runner], drafts: list[Runner | None], max_kv_tokens: int | None = None,
-        speculate_max_live: int | None = None, switch: GoodputSwitch | None = None,
+        self,
+        targets: Sequence[Runner],
+        drafts: Sequence[Runner | None],
+        drafter: DrafterFactory,
+        tokenizer=None,
+        eos_token_ids: frozenset[int] | None = None,
+        max_kv_tokens: int | None = None,
+        speculate_max_live: int | None = None,
+        switch: GoodputSwitch | None = None,
     ):
-        self.decoder, self.targets, self.drafts = decoder, targets, drafts
-        self.max_live, self.max_kv_tokens = len(targets), max_kv_tokens
-        self.speculate_max_live = speculate_max_live  # more live requests: plain rounds
-        self.switch = switch  # speculate_max_live="auto": each round decided by measured tokens/s
-        self.requests: dict[int, Request] = {}
-        self.waiting: list[Request] = []  # admission order
-        self.live: dict[int, Request] = {}  # lane -> request
+        if len(targets) != len(drafts) or not targets:
+            raise ValueError(f"need one draft lane (or None) per target lane, got {len(targets)} and {len(drafts)}")
+        self.targets, self.drafts, self.drafter = list(targets), list(drafts), drafter
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(targets[0].eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self.vocab_size = targets[0].vocab_size
+        self.max_live, self.max_kv_tokens = len(self.targets), max_kv_tokens
+        self.speculate_max_live = speculate_max_live
+        self.switch = switch
+        self.requests: dict[int, RequestState] = {}
+        self.waiting: list[RequestState] = []  # admission order
+        self.live: dict[int, RequestState] = {}  # lane -> request
         self._next_id = 0
 
     # ---- the public API -------------------------------------------------------------------
-    def add(self, prompt, max_new_tokens: int = 128, **settings) -> int:
-        """Queue a request (`generate()`'s arguments); its id. Bad input raises ValueError
-        here, before anything runs; other requests are untouched."""
-        return self._submit(self.decoder._request(self._next_id, prompt, max_new_tokens, **settings))
-
-    def _submit(self, request: Request) -> int:
-        """Queue a checked request built for this engine (its id is the next one)."""
-        if request.id != self._next_id:
-            raise RuntimeError(f"request id {request.id} is not this engine's next id {self._next_id}")
-        if self.max_kv_tokens is not None and request.slots > self.max_kv_tokens:
-            raise ValueError(
-                f"the request needs up to {request.slots} KV cache slots (prompt {len(request.prompt)} + max_new_tokens "
-                f"{request.out.max_new_tokens} + tree depth), more than max_kv_tokens={self.max_kv_tokens}; "
-                f"raise max_kv_tokens or shorten the request"
-            )
+    def add(self, prompt, max_new_tokens: int | None = None, **settings) -> int:
+        """Queue a request; its id. `prompt` is a `Request`, or text / a chat / token ids with
+        the other `Request` fields as keywords (`stop` as a string, an id or a list). Bad input
+        raises ValueError here, before anything runs; other requests are untouched."""
+        if isinstance(prompt, Request):
+            if settings or max_new_tokens is not None:
+                raise ValueError("add(request) takes a Request alone; its settings are its fields")
+            request = prompt
+        else:
+            if max_new_tokens is not None:
+                settings["max_new_tokens"] = max_new_tokens
+            request = make_request(prompt, self.tokenizer, **settings)
+        state = self._state(request)
         self._next_id += 1
-        self.requests[request.id] = request
-        self.waiting.append(request)
-        return request.id
+        self.requests[state.id] = state
+        self.waiting.append(state)
+        return state.id
 
     def cancel(self, request_id: int) -> GenerationOutput:
         """Stop a request now; its output so far (finish_reason "cancelled"). The others go on."""
-        request = self._get(request_id)
-        if request.status in ("waiting", "live"):
-            if request.status == "waiting":
-                self.waiting.remove(request)
-            self._finish(request, "cancelled")
-        return request.output
+        state = self._get(request_id)
+        if state.status in ("waiting", "live"):
+            if state.status == "waiting":
+                self.waiting.remove(state)
+            self._finish(state, "cancelled")
+        return state.output
 
     def step(self) -> dict[int, list[int]]:
         """Admit what fits, then one round for every live request; the tokens each emitted."""
@@ -132,13 +144,16 @@ class Engine:
             t_round, speculate = self.switch.clock(), self.switch.speculate(len(live))
         else:
             speculate = self.speculate_max_live is None or len(live) <= self.speculate_max_live
-        depths = [0 if r.drafter is None or not speculate else min(r.depth.depth, r.out.remaining - 1) for r in live]
-        drafted = propose_many([r.drafter.propose_steps(r.context, d) for r, d in zip(live, depths) if d])
-        drafts, it = [], iter(drafted)
-        for r, d in zip(live, depths):
-            drafts.append(next(it) if d else DraftTree.root_only(r.context[-1]))
-            if d:
-                self.decoder._check_draft(drafts[-1], r.context, r.drafter)
+        depths = [
+            min(r.depth_policy.depth, r.builder.remaining - 1) if r.drafter is not None and speculate else 0
+            for r in live
+        ]
+        drafted = iter(propose_many([r.drafter.propose_steps(r.context, d) for r, d in zip(live, depths) if d]))
+        drafts = [next(drafted) if d else DraftTree.root_only(r.context[-1]) for r, d in zip(live, depths)]
+        if self.drafter.custom:
+            for r, draft, d in zip(live, drafts, depths):
+                if d:
+                    check_draft(draft, r.context[-1], self.vocab_size, self.drafter.name)
         t1 = clock()
         # 2. score every request's tree in one target forward
         logits = score_many([(self.targets[r.lane], draft.tree) for r, draft in zip(live, drafts)])
@@ -146,28 +161,30 @@ class Engine:
         walks = []
         for r, draft, rows in zip(live, drafts, logits):
             # 3. verify with the request's own sampling and coins; 4. commit its accepted path
-            walk = verify(draft, rows, r.sampling, r.rng, r.rule, PenaltyContext(r.context, len(r.prompt)), r.trace is not None)
+            committed = PenaltyContext(r.context, len(r.request.prompt))
+            walk = verify(draft, rows, r.request.sampling, r.rng, r.rule, committed, r.rounds is not None,
+                          check_structure=self.drafter.custom)
             self.targets[r.lane].commit(walk.path)
             walks.append(walk)
         t2 = clock()
-        steps = []
+        steps = []  # each request's depth decision (None: it drafted nothing)
         for r, draft, walk, d in zip(live, drafts, walks, depths):
-            steps.append(None)
             if d:
                 r.drafter.observe(draft, walk)
-                steps[-1] = r.depth.update(r.drafter, draft, walk, d)
+            steps.append(r.depth_policy.update(r.drafter, draft, walk, d) if d else None)
         t3 = clock()
         for r, draft, walk, step in zip(live, drafts, walks, steps):
             r.stats.record_round(draft, walk, draft_seconds=(t1 - t0) + (t3 - t2), verify_seconds=t2 - t1)
-            emitted[r.id] = r.out.add(walk.emitted(draft), walk.kind)
-            if r.trace is not None:
-                r.trace.append(RoundTrace(len(r.trace), draft.tree, r.rule, walk.trace.proposals, walk.path, walk.token,
-                                          walk.kind, walk.trace.source, tuple(emitted[r.id]), step))
+            emitted[r.id] = r.builder.add(walk.emitted(draft), walk.kind)
+            if r.rounds is not None:
+                r.rounds.append(RoundTrace(len(r.rounds), draft.tree, r.rule, walk.trace.proposals, walk.path,
+                                           walk.token, walk.kind, walk.trace.source, tuple(emitted[r.id]), step))
             r.context += emitted[r.id]
-            if r.out.done:
-                self._finish(r, r.out.finish_reason)
+            if r.builder.done:
+                self._finish(r, r.builder.finish_reason)
         if switched:
-            self.switch.record(len(live), any(depths), sum(map(len, emitted.values())), self.switch.clock() - t_round)
+            tokens = sum(map(len, emitted.values()))
+            self.switch.record(len(live), any(depths), tokens, self.switch.clock() - t_round)
         return emitted
 
     def run(self) -> dict[int, GenerationOutput]:
@@ -183,52 +200,93 @@ class Engine:
     @property
     def kv_tokens(self) -> int:
         """Cache slots reserved by live requests."""
-        return sum(r.slots for r in self.live.values())
+        return sum(r.request.slots for r in self.live.values())
 
-    # ---- admission and release ------------------------------------------------------------
+    # ---- checks, admission and release ----------------------------------------------------
+    def _state(self, request: Request) -> RequestState:
+        """What only the models can tell about `request`, checked; its state, waiting."""
+        V = self.vocab_size
+        for what, ids in (("prompt token ids", request.prompt), ("stop token ids", request.stop_token_ids)):
+            bad = [t for t in ids if t >= V]
+            if bad:
+                raise ValueError(f"{what} {bad[:5]} are outside the vocabulary [0, {V})")
+        if request.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to decode the output; pass tokenizer=... or stop token ids")
+        tree = request.tree
+        uses_draft = tree is not None and self.drafter.needs_draft_model
+        if uses_draft and self.drafts[0] is None:
+            raise ValueError(
+                f"drafter={self.drafter.name} needs a draft model; pass draft=..., use drafter='ngram' or "
+                f"'lookup', or tree=None for plain decoding"
+            )
+        for name, runner in (("target", self.targets[0]), ("draft", self.drafts[0] if uses_draft else None)):
+            limit = getattr(runner, "max_positions", None)
+            if limit is not None and len(request.prompt) + request.max_new_tokens > limit:
+                raise ValueError(
+                    f"prompt ({len(request.prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds "
+                    f"the {name} model's {limit} positions; shorten the prompt or lower max_new_tokens"
+                )
+        if self.max_kv_tokens is not None and request.slots > self.max_kv_tokens:
+            raise ValueError(
+                f"the request needs up to {request.slots} KV cache slots (prompt {len(request.prompt)} + "
+                f"max_new_tokens {request.max_new_tokens} + tree depth), more than max_kv_tokens="
+                f"{self.max_kv_tokens}; raise max_kv_tokens or shorten the request"
+            )
+        # plain decoding verifies no draft: every rule is the same there
+        rule = choose_rule("custom" if tree is None else self.drafter.siblings(tree), request.verification)
+        stop = None
+        if request.stop_strings or request.stop_token_ids:
+            stop = StopMatcher(list(request.stop_strings), set(request.stop_token_ids), self.tokenizer)
+        eos = frozenset() if request.ignore_eos else self.eos_token_ids
+        builder = OutputBuilder(request.max_new_tokens, eos, request.on_tokens, stop)
+        rng = TorchRng(request.seed, self.targets[0].device) if request.rng is None else request.rng
+        return RequestState(self._next_id, request, rule, rng, builder, rounds=[] if request.trace else None)
+
     def _admit(self) -> None:
         admitted = []
         while self.waiting and len(self.live) < self.max_live:
-            request = self.waiting[0]
-            if self.max_kv_tokens is not None and self.kv_tokens + request.slots > self.max_kv_tokens:
+            state = self.waiting[0]
+            if self.max_kv_tokens is not None and self.kv_tokens + state.request.slots > self.max_kv_tokens:
                 break  # in order: it waits for a finishing request to free slots
             self.waiting.pop(0)
-            request.lane = next(i for i in range(self.max_live) if i not in self.live)
-            self.live[request.lane] = request
-            admitted.append(request)
+            state.lane = next(i for i in range(self.max_live) if i not in self.live)
+            self.live[state.lane] = state
+            admitted.append(state)
         if not admitted:
             return
         t0 = time.perf_counter()
         for r in admitted:
-            r._t_start = t0
-            r.status, r.context = "live", list(r.prompt)
+            r.started = t0
+            r.status, r.context = "live", list(r.request.prompt)
             self.targets[r.lane].reset()
         # the target holds all but the last prompt token (the root of the first tree)
-        prefill_many([(self.targets[r.lane], r.prompt[:-1]) for r in admitted])
+        prefill_many([(self.targets[r.lane], r.context[:-1]) for r in admitted])
         for r in admitted:
-            if r.tree is not None:
-                r.drafter = self.decoder._drafter(r.tree, self.drafts[r.lane])
-                r.depth = DepthPolicy(r.tree)
-                r.drafter.start(r.prompt, r.sampling, r.rng)
-                r._draft_forwards0 = sum(x.forwards for x in r.drafter.runners())
+            tree = r.request.tree
+            if tree is not None:
+                r.drafter = self.drafter.make(tree, self.drafts[r.lane])
+                r.depth_policy = DepthPolicy(tree)
+                r.drafter.start(r.request.prompt, r.request.sampling, r.rng)
+                r.draft_forwards_before = sum(x.forwards for x in r.drafter.runners())
         t1 = time.perf_counter()
         for r in admitted:
             r.stats.prefill_seconds = t1 - t0
 
-    def _finish(self, request: Request, reason: str) -> None:
-        stats, out = request.stats, request.out
-        stats.tokens = len(out.token_ids)
-        if request.drafter is not None:
-            stats.draft_forwards = sum(x.forwards for x in request.drafter.runners()) - request._draft_forwards0
-        stats.total_seconds = time.perf_counter() - request._t_start if request._t_start else 0.0
-        tokenizer = self.decoder.tokenizer
-        text = tokenizer.decode(out.token_ids, skip_special_tokens=True) if tokenizer is not None else None
-        request.output = GenerationOutput(out.token_ids, out.sources, stats, text, reason, out.stop_match, request.rule, request.trace)
-        if request.status == "live":
-            del self.live[request.lane]  # the lane's cache is reset when the next request takes it
-        request.status = "finished" if reason != "cancelled" else "cancelled"
+    def _finish(self, state: RequestState, reason: str) -> None:
+        stats, builder = state.stats, state.builder
+        stats.tokens = len(builder.token_ids)
+        if state.drafter is not None:
+            stats.draft_forwards = sum(x.forwards for x in state.drafter.runners()) - state.draft_forwards_before
+        stats.total_seconds = time.perf_counter() - state.started if state.started else 0.0
+        ids = builder.token_ids
+        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
+        state.output = GenerationOutput(ids, builder.sources, stats, text, reason, builder.stop_match, state.rule,
+                                        state.rounds)
+        if state.status == "live":
+            del self.live[state.lane]  # the lane's cache is reset when the next request takes it
+        state.status = "finished" if reason != "cancelled" else "cancelled"
 
-    def _get(self, request_id: int) -> Request:
+    def _get(self, request_id: int) -> RequestState:
         if request_id not in self.requests:
             raise ValueError(f"no request with id {request_id!r} in this engine")
         return self.requests[request_id]

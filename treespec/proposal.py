@@ -1,8 +1,14 @@
-"""What a drafter hands to verification: a token tree plus how each child was proposed.
+"""A round's data: what a drafter proposes, and what verification makes of it.
+
+    DraftTree      a token tree plus how each child was proposed (its `ProposalGroup`s)
+    Walk           verification's answer: the accepted path and the token that ends the round
+    WalkTrace      (trace=True) every proposal's p, q, coin and outcome (`ProposalTrace`)
+    DepthStep      the depth decision taken after the round (`treespec.adaptive`)
 
 A *proposal group* is a set of sibling proposals that share one parent and one draw scheme.
 Verification tries the groups of a node in list order and the proposals of a group in draw
-order, so the order never depends on the drawn values.
+order, so the order never depends on the drawn values. Drafters, the depth policy and the
+trace import these types, never the verifier.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Literal
 
 import torch
 
@@ -90,3 +97,48 @@ class DraftTree:
 
     def groups_at(self, node: int) -> Sequence[ProposalGroup]:
         return self._by_parent.get(node, ())
+
+
+Outcome = Literal["accepted", "rejected", "untried"]
+
+
+@dataclass(frozen=True)
+class ProposalTrace:
+    node: int  # the child node carrying the proposal
+    parent: int
+    token: int
+    draw: str  # "iid", "without_replacement" or "deterministic"
+    p: float  # target probability of `token` after the parent (after the sampling transforms)
+    q: float  # draft probability the proposal was tried with
+    coin: float  # probability of the coin flipped for it (see the module docstring)
+    outcome: Outcome  # accepted: on the accepted path; untried: the walk stopped before it
+
+
+@dataclass(frozen=True)
+class WalkTrace:
+    """What `verify(..., trace=True)` records next to the `Walk`."""
+
+    proposals: tuple[ProposalTrace, ...]  # in the order the rule considered them
+    source: str  # where the final token's distribution came from, e.g. "residual at node 2"
+
+
+@dataclass(frozen=True)
+class Walk:
+    path: tuple[int, ...]  # accepted nodes, root first; path[1:] are accepted draft tokens
+    token: int  # the correction or bonus token that ends the round
+    kind: Literal["correction", "bonus"]  # correction: all proposals at path[-1] rejected
+    trace: WalkTrace | None = field(default=None, compare=False, repr=False)  # verify(..., trace=True)
+
+    def emitted(self, draft: DraftTree) -> list[int]:
+        """Tokens this round appends to the sequence."""
+        return [draft.tree.tokens[n] for n in self.path[1:]] + [self.token]
+
+
+@dataclass(frozen=True)
+class DepthStep:
+    """One round's depth decision, as recorded in the trace."""
+
+    depth: int  # the depth this round was drafted at
+    entropy: float | None  # the uncertainty signal it produced ("entropy" mode), None otherwise
+    from_drafter: bool  # the entropy came from the drafter's distribution (else the fallback)
+    next_depth: int  # the depth chosen for the next round

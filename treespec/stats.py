@@ -1,22 +1,12 @@
-"""What a generation returns: the tokens, how each was produced, and the round statistics."""
+"""Round statistics of a generation: steps, drafted and accepted tokens by depth, seconds."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .proposal import DraftTree
-    from .trace import RoundTrace
-    from .verify import Walk
-
-# How an emitted token was produced:
-#   accepted   - a draft token the target accepted
-#   correction - drawn from the residual after every proposal at a node was rejected
-#   bonus      - drawn from the target's p at a leaf (or at the root of a tree=None step)
-TokenSource = Literal["accepted", "correction", "bonus"]
-
+    from .proposal import DraftTree, Walk
 
 @dataclass
 class GenerationStats:
@@ -104,105 +94,3 @@ def _add_by_depth(total: list[int], counts: list[int]) -> None:
     total.extend([0] * (len(counts) - len(total)))
     for d, c in enumerate(counts):
         total[d] += c
-
-
-OnTokens = Callable[[list[int], list[TokenSource]], None]
-FinishReason = Literal["eos", "length", "stop"]
-
-
-class StopMatcher:
-    """Stop strings and stop token ids, checked after every emitted token.
-
-    Semantics are Hugging Face's `generate(stop_strings=...)`: generation ends at the token
-    that *completes* a stop string, and that token is kept, so the text ends with the stop
-    string or runs past it by the rest of that token (e.g. stop "\n\n" completed by a token
-    "\n\n\n"). Strings are matched on the decoded generated text (prompt excluded), so a stop
-    string may span tokens accepted in different rounds. A stop token id ends generation at
-    that token, kept, like EOS.
-    """
-
-    def __init__(self, strings: list[str], token_ids: set[int], tokenizer=None):
-        self.strings, self.token_ids, self.tokenizer = strings, token_ids, tokenizer
-        self.longest = max((len(x) for x in strings), default=0)
-
-    def match(self, ids: list[int]) -> str | int | None:
-        """The stop string or id that the last of `ids` (the generated tokens) completes."""
-        if ids[-1] in self.token_ids:
-            return ids[-1]
-        if not self.strings:
-            return None
-        # decode a tail long enough to hold any stop string overlapping the last token, plus a
-        # margin for a character cut at the window's start (byte-level tokens)
-        need = self.longest + len(self._decode(ids[-1:])) + 8
-        w = min(len(ids), self.longest + 8)
-        while True:
-            text = self._decode(ids[-w:])
-            if len(text) >= need or w == len(ids):
-                break
-            w = min(len(ids), 2 * w)
-        return next((x for x in self.strings if x in text), None)
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-class OutputBuilder:
-    """Collects a sequence's new tokens round by round: the length limit, EOS, stop strings
-    and stop ids (`StopMatcher`), streaming. Nothing past a stop reaches `on_tokens`."""
-
-    def __init__(
-        self,
-        max_new_tokens: int,
-        eos_token_ids: set[int] | frozenset[int],
-        on_tokens: OnTokens | None = None,
-        stop: StopMatcher | None = None,
-    ):
-        self.max_new_tokens, self.eos, self.on_tokens, self.stop = max_new_tokens, eos_token_ids, on_tokens, stop
-        self.token_ids: list[int] = []
-        self.sources: list[TokenSource] = []
-        self.finish_reason: FinishReason | None = None
-        self.stop_match: str | int | None = None  # the stop string or id that ended generation
-
-    @property
-    def remaining(self) -> int:
-        return self.max_new_tokens - len(self.token_ids)
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    def add(self, tokens: list[int], last_kind: TokenSource) -> list[int]:
-        """Append a round's tokens (accepted drafts, then one `last_kind` token), cut at the
-        limit or at the first EOS; returns the tokens actually kept."""
-        kinds: list[TokenSource] = ["accepted"] * (len(tokens) - 1) + [last_kind]
-        n = min(len(tokens), self.remaining)
-        start = len(self.token_ids)
-        for t, kind in zip(tokens[:n], kinds):
-            self.token_ids.append(t)
-            self.sources.append(kind)
-            if t in self.eos:
-                self.finish_reason = "eos"
-                break
-            if self.stop is not None:
-                self.stop_match = self.stop.match(self.token_ids)
-                if self.stop_match is not None:
-                    self.finish_reason = "stop"
-                    break
-        if self.finish_reason is None and len(self.token_ids) == self.max_new_tokens:
-            self.finish_reason = "length"
-        kept = self.token_ids[start:]
-        if self.on_tokens is not None:
-            self.on_tokens(kept, self.sources[start:])
-        return kept
-
-
-@dataclass
-class GenerationOutput:
-    token_ids: list[int]  # generated tokens only (prompt excluded), EOS included if hit
-    sources: list[TokenSource]  # how each generated token was produced
-    stats: GenerationStats
-    text: str | None = None  # decoded token_ids, when a tokenizer is known
-    finish_reason: FinishReason = "length"  # "stop": a stop string or id (see StopMatcher)
-    stop: str | int | None = None  # the stop string or stop token id that ended generation
-    verification: str = "token"  # the rule that verified every round ("token", "block", "traversal")
-    trace: list[RoundTrace] | None = None  # generate(trace=True): one treespec.trace.RoundTrace per round

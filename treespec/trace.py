@@ -23,35 +23,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
 
+from .proposal import DepthStep, Outcome, ProposalTrace
 from .tree import TokenTree
-
-if TYPE_CHECKING:
-    from .adaptive import DepthStep
-
-Outcome = Literal["accepted", "rejected", "untried"]
-
-
-@dataclass(frozen=True)
-class ProposalTrace:
-    node: int  # the child node carrying the proposal
-    parent: int
-    token: int
-    draw: str  # "iid", "without_replacement" or "deterministic"
-    p: float  # target probability of `token` after the parent (after the sampling transforms)
-    q: float  # draft probability the proposal was tried with
-    coin: float  # probability of the coin flipped for it (see the module docstring)
-    outcome: Outcome  # accepted: on the accepted path; untried: the walk stopped before it
-
-
-@dataclass(frozen=True)
-class WalkTrace:
-    """What `verify(..., trace=True)` records next to the `Walk`."""
-
-    proposals: tuple[ProposalTrace, ...]  # in the order the rule considered them
-    source: str  # where the final token's distribution came from, e.g. "residual at node 2"
-
 
 @dataclass(frozen=True)
 class RoundTrace:
@@ -64,7 +38,7 @@ class RoundTrace:
     kind: str  # "correction" or "bonus"
     source: str  # where that token's distribution came from
     emitted: tuple[int, ...]  # tokens this round added to the output (after length / stop cuts)
-    depth: DepthStep | None  # the depth decision (None: plain decoding or a zero-depth round)
+    depth_step: DepthStep | None  # the depth decision (None: plain decoding or a zero-depth round)
 
 
 MARK = {"accepted": "✓", "rejected": "✗", "untried": "·"}
@@ -81,8 +55,8 @@ def render_round(round_: RoundTrace, decode: Callable[[int], str] = str, colour:
     tree = round_.tree
     by_node = proposals_by_node(round_)
     head = f"round {round_.index} ({round_.rule}"
-    if round_.depth is not None:
-        d = round_.depth
+    if round_.depth_step is not None:
+        d = round_.depth_step
         entropy = "" if d.entropy is None else f", entropy {d.entropy:.3f}{'' if d.from_drafter else ' (rejection rate)'}"
         head += f", depth {d.depth}{entropy} -> next {d.next_depth}"
     lines = [head + ")", f"{decode(tree.tokens[0])!r}"]

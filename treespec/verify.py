@@ -58,28 +58,15 @@ from typing import Literal
 import torch
 
 from .config import SamplingConfig
-from .proposal import DraftTree, Draw, ProposalGroup
+from .proposal import DraftTree, Draw, ProposalGroup, ProposalTrace, Walk, WalkTrace
 from .rng import Rng
 from .sampling import (
     PenaltyContext, check_finite, nonfinite_rows, one_hot, penalize, probs, remove_token, residual, tree_token_counts,
     weighted_residual,
 )
-from .trace import ProposalTrace, WalkTrace
 
 Rule = Literal["token", "block", "traversal"]
 RULES: tuple[str, ...] = ("token", "block", "traversal")
-
-
-@dataclass(frozen=True)
-class Walk:
-    path: tuple[int, ...]  # accepted nodes, root first; path[1:] are accepted draft tokens
-    token: int  # the correction or bonus token that ends the round
-    kind: Literal["correction", "bonus"]  # correction: all proposals at path[-1] rejected
-    trace: WalkTrace | None = field(default=None, compare=False, repr=False)  # verify(..., trace=True)
-
-    def emitted(self, draft: DraftTree) -> list[int]:
-        """Tokens this round appends to the sequence."""
-        return [draft.tree.tokens[n] for n in self.path[1:]] + [self.token]
 
 
 def verify(
@@ -90,6 +77,7 @@ def verify(
     rule: Rule = "token",
     committed: PenaltyContext | None = None,
     trace: bool = False,
+    check_structure: bool = True,
 ) -> Walk:
     """Walk `draft` given the target's logits at each node (`[N, V]`, row i = after node i),
     under verification `rule` ("token", "block" or "traversal"; see the module docstring).
@@ -97,10 +85,13 @@ def verify(
     `committed` (the prompt + emitted tokens) is required when `sampling` has penalties: row
     i is penalised for the committed tokens plus node i's own path below the root. `trace=True`
     records every proposal's p, q, coin and outcome in `walk.trace` (`treespec.trace`); off, it
-    costs nothing."""
+    costs nothing. `check_structure=False` skips checking that the tree has the structure
+    `rule` needs (`check_rule`): for callers that decided the rule from how the tree is drawn
+    (the engine does, for every built-in drafter)."""
     if target_logits.shape[0] != len(draft.tree):
         raise ValueError(f"{target_logits.shape[0]} logit rows for {len(draft.tree)} tree nodes")
-    check_rule(draft, rule)
+    if check_structure:
+        check_rule(draft, rule)
     counts = None
     if sampling.penalized:
         if committed is None:

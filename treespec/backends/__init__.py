@@ -56,7 +56,8 @@ def make_runner(model, backend: str = "auto") -> Runner:
             f"load one with SpeculativeDecoder.from_pretrained(path)"
         )
     from .hf import HFRunner
-    from .native import NativeRunner, unsupported_reason
+    from .checkpoint import unsupported_reason
+    from .native import NativeRunner
 
     if backend != "hf" and use_native(backend, unsupported_reason(model.config), "this model"):
         return NativeRunner.from_hf(model)

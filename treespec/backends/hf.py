@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from .base import Feed, Runner, causal_visible, forward_grouped
+from .checkpoint import eos_ids
 
 # Attention implementations that take a custom 4D mask as given. flash_attention_* ignore
 # 4D masks and flex_attention rebuilds its own, so tree attention would silently be wrong.
@@ -172,12 +173,8 @@ def eos_token_ids(model) -> frozenset[int]:
         if eos is None:
             eos = getattr(cfg, "eos_token_ids", None)
         if eos is not None:
-            return frozenset(int(e) for e in ([eos] if isinstance(eos, int) else eos))
+            return eos_ids(eos)
     return frozenset()
-
-
-def is_hf_model(model) -> bool:
-    return isinstance(model, torch.nn.Module) and hasattr(model, "config") and hasattr(model, "generate")
 
 
 # what a Hugging Face hub id looks like: "name" or "org/name"
@@ -242,17 +239,6 @@ def load_tokenizer(path):
         return AutoTokenizer.from_pretrained(str(resolve_path(path)))
     except (OSError, ValueError):
         return None
-
-
-def load_config(path) -> dict:
-    """config.json of a local model directory or a cached hub id, as a plain dict."""
-    from transformers import AutoConfig
-
-    path = resolve_path(path)
-    try:
-        return AutoConfig.from_pretrained(str(path)).to_dict()
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read a model config from {str(path)!r}: {str(e).splitlines()[0]}") from e
 
 
 def quiet_transformers() -> None:

@@ -5,8 +5,8 @@ sliding window) load: GQA, any head_dim, tied or untied embeddings, default or l
 q/k/v(/o) biases; a handful of tensor ops per layer and no module stack. Weights come from an
 HF model (`NativeRunner.from_hf`) or straight from a local safetensors checkpoint
 (`NativeRunner.from_pretrained`, no transformers import).
-Anything else is refused by `unsupported_reason(config)`, so callers fall back to the HF
-runner instead of getting a wrong answer.
+Anything else is refused by `checkpoint.unsupported_reason(config)`, so callers fall back to
+the HF runner instead of getting a wrong answer.
 
 The KV cache is one preallocated tensor (a `KVPool`)
 
@@ -29,133 +29,18 @@ float64 models) and the weight applied in the input dtype; logits in the model d
 from __future__ import annotations
 
 import copy
-import json
-import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from .attention import cascade_attention, flash_available, flash_prefix_attention
 from .base import Feed, Runner, causal_visible, forward_grouped
+from .checkpoint import LlamaShape, read_checkpoint
 from .linear import Projection
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 INITIAL_CAPACITY = 256  # cache slots allocated before the first growth
 FOLD_MAX_QUERIES = 64  # feeds of at most this many tokens fold GQA heads into the query axis
-
-
-# ---- configuration -------------------------------------------------------------------------
-def _as_dict(config) -> dict:
-    """An HF config object or a parsed config.json, as a plain dict."""
-    return dict(config) if isinstance(config, dict) else config.to_dict()
-
-
-def _rope(cfg: dict) -> dict:
-    """RoPE settings as one flat dict with rope_type and rope_theta, from transformers 5.x
-    `rope_parameters` or the older top-level `rope_theta` + `rope_scaling`."""
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope.setdefault("rope_type", rope.get("type", "default"))
-    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    return rope
-
-
-def unsupported_reason(config) -> str | None:
-    """Why the native backend cannot run this model (one line), or None if it can.
-
-    `config`: an HF config object or the dict of a config.json."""
-    cfg = _as_dict(config)
-    model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        return f"model_type {model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}"
-    if cfg.get("quantization_config"):
-        return "quantized checkpoints are not supported"
-    if cfg.get("hidden_act", "silu") != "silu":
-        return f"activation {cfg.get('hidden_act')!r} (only silu)"
-    if cfg.get("mlp_bias"):
-        return "mlp_bias=True"
-    if model_type == "mistral" and cfg.get("sliding_window") is not None:
-        return "sliding-window attention"
-    if model_type == "qwen2" and (
-        cfg.get("use_sliding_window") or any(t != "full_attention" for t in cfg.get("layer_types") or ())
-    ):
-        return "sliding-window attention"
-    raw = cfg.get("rope_parameters") or {}
-    if any(isinstance(v, dict) for v in raw.values()):
-        return "per-layer-type RoPE parameters"
-    rope = _rope(cfg)
-    if rope["rope_type"] not in ("default", "llama3"):
-        return f"rope_type {rope['rope_type']!r} (only default and llama3)"
-    if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) not in (None, 1, 1.0):
-        return "partial rotary embeddings"
-    if rope["rope_type"] == "llama3":
-        missing = {"factor", "low_freq_factor", "high_freq_factor"} - set(rope)
-        if missing:
-            return f"llama3 rope_parameters lack {sorted(missing)}"
-    return None
-
-
-@dataclass(frozen=True)
-class LlamaShape:
-    """The numbers the forward needs, read from a config (defaults as in LlamaConfig)."""
-
-    vocab: int
-    hidden: int
-    layers: int
-    heads: int  # query heads, Hq
-    kv_heads: int  # Hkv (GQA when < Hq)
-    head_dim: int  # D
-    intermediate: int  # I
-    eps: float
-    max_positions: int | None
-    tied: bool  # lm_head is the embedding matrix
-    qkv_bias: bool
-    o_bias: bool
-    rope: dict  # rope_type, rope_theta and the llama3 parameters
-
-    @classmethod
-    def from_config(cls, config) -> LlamaShape:
-        reason = unsupported_reason(config)
-        if reason:
-            raise ValueError(f"the native backend cannot run this model: {reason}")
-        cfg = _as_dict(config)
-        heads = int(cfg["num_attention_heads"])
-        qwen2 = cfg["model_type"] == "qwen2"
-        bias = bool(cfg.get("attention_bias", False))  # llama: q, k, v and o; qwen2: q, k, v always
-        rope = _rope(cfg)
-        rope.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
-        return cls(
-            vocab=int(cfg["vocab_size"]),
-            hidden=int(cfg["hidden_size"]),
-            layers=int(cfg["num_hidden_layers"]),
-            heads=heads,
-            kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-            intermediate=int(cfg["intermediate_size"]),
-            eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_positions=cfg.get("max_position_embeddings"),
-            tied=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=qwen2 or bias,
-            o_bias=bias and not qwen2,
-            rope=rope,
-        )
-
-    def inv_freq(self) -> torch.Tensor:
-        """RoPE inverse frequencies [D/2], float32, computed exactly as transformers does."""
-        D, rope = self.head_dim, self.rope
-        inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
-        if rope["rope_type"] == "llama3":  # transformers' _compute_llama3_parameters
-            factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
-            old_context_len = rope["original_max_position_embeddings"]
-            low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
-            wavelen = 2 * math.pi / inv_freq
-            inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-            smooth = (old_context_len / wavelen - low) / (high - low)
-            smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
-            is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-            inv_freq = torch.where(is_medium, smoothed, inv_freq_llama)
-        return inv_freq
 
 
 @dataclass
@@ -304,32 +189,8 @@ class NativeRunner(Runner):
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype = torch.float32, device="cpu", pack_weights: bool = True) -> NativeRunner:
         """A local directory with config.json and model.safetensors (or a sharded
-        model.safetensors.index.json); no transformers import."""
-        from safetensors.torch import load_file
-
-        root = Path(path).expanduser()
-        if not root.is_dir():
-            raise ValueError(f"no model directory at {str(path)!r}")
-        cfg = read_json(root / "config.json")
-        shape = LlamaShape.from_config(cfg)
-        index = root / "model.safetensors.index.json"
-        if (root / "model.safetensors").is_file():
-            files = [root / "model.safetensors"]
-        elif index.is_file():
-            files = [root / f for f in sorted(set(read_json(index).get("weight_map", {}).values()))]
-        else:
-            raise ValueError(f"no model.safetensors (or model.safetensors.index.json) in {root}")
-        weights: dict[str, torch.Tensor] = {}
-        for f in files:
-            try:
-                weights.update(load_file(str(f), device="cpu"))
-            except Exception as e:  # safetensors raises its own error type for corrupt files
-                raise ValueError(f"cannot read weights from {f}: {e}") from e
-        eos = None
-        if (root / "generation_config.json").is_file():
-            eos = read_json(root / "generation_config.json").get("eos_token_id")
-        eos = cfg.get("eos_token_id") if eos is None else eos
-        eos_ids = frozenset() if eos is None else frozenset(int(e) for e in ([eos] if isinstance(eos, int) else eos))
+        model.safetensors.index.json); no transformers import (`checkpoint.read_checkpoint`)."""
+        shape, weights, eos_ids = read_checkpoint(path)
         return cls(shape, weights, eos_ids, dtype, device, pack_weights)
 
     # ---- the KV cache ---------------------------------------------------------------------
@@ -514,12 +375,3 @@ class _PackedAttention:
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, scale=D**-0.5, enable_gqa=self.g == 1)
         o = o.view(B, Hq, n_max, D).transpose(1, 2).reshape(B * n_max, Hq * D)  # [B*n_max, Hq*D]
         return o if self.padded is None else o.index_select(0, self.padded)  # [T, Hq*D]
-
-
-def read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise ValueError(f"no {path.name} in {path.parent}")
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from e

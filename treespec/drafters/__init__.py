@@ -1,9 +1,24 @@
 """Draft samplers: anything that proposes a token tree for the target to verify."""
 
-from .base import DraftForward, Drafter, propose_many
+from .base import DraftForward, Drafter, check_draft, propose_many
 from .counts import BigramDrafter, CountDrafter, UnigramDrafter
+from .factory import DRAFTER_KINDS, DrafterFactory
 from .merged import MergedDrafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter, PromptLookupDrafter
 
-__all__ = ["BigramDrafter", "CountDrafter", "DraftForward", "Drafter", "MergedDrafter", "ModelDrafter", "NgramDrafter", "PromptLookupDrafter", "UnigramDrafter", "propose_many"]
+__all__ = [
+    "DRAFTER_KINDS",
+    "BigramDrafter",
+    "CountDrafter",
+    "DraftForward",
+    "Drafter",
+    "DrafterFactory",
+    "MergedDrafter",
+    "ModelDrafter",
+    "NgramDrafter",
+    "PromptLookupDrafter",
+    "UnigramDrafter",
+    "check_draft",
+    "propose_many",
+]

@@ -10,9 +10,8 @@ import torch
 
 from ..backends.base import Runner, extend_many
 from ..config import SamplingConfig
-from ..proposal import DraftTree
+from ..proposal import DraftTree, Walk
 from ..rng import Rng
-from ..verify import Walk
 
 
 @dataclass(frozen=True)
@@ -69,6 +68,23 @@ class Drafter(ABC):
         Override to report others."""
         runner = getattr(self, "runner", None)
         return [runner] if isinstance(runner, Runner) else []
+
+
+def check_draft(draft: DraftTree, root: int, vocab_size: int, name: str) -> None:
+    """A custom drafter's tree must fit the target: rooted at the last committed token `root`,
+    token ids and q inside the target's vocabulary."""
+    tokens = draft.tree.tokens
+    if tokens[0] != root:
+        raise ValueError(f"{name} proposed a tree rooted at token {tokens[0]}, not at the last committed token {root}")
+    if max(tokens) >= vocab_size:
+        bad = sorted({t for t in tokens if t >= vocab_size})
+        raise ValueError(f"{name} proposed token ids {bad[:5]} outside the target's vocabulary [0, {vocab_size})")
+    for g in draft.groups:
+        if g.q is not None and g.q.shape[-1] != vocab_size:
+            raise ValueError(
+                f"{name} proposed from a q over {g.q.shape[-1]} tokens, but the target's vocabulary has {vocab_size}; "
+                f"give q one entry per target token id"
+            )
 
 
 def propose_many(steps: Sequence[ProposeSteps]) -> list[DraftTree]:

@@ -12,10 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..config import SamplingConfig
-from ..proposal import DraftTree, ProposalGroup
+from ..proposal import DraftTree, ProposalGroup, Walk
 from ..rng import Rng
 from ..tree import TokenTree
-from ..verify import Walk
 from .base import Drafter, ProposeSteps, propose_many
 
 

@@ -21,12 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SamplingConfig, TreeConfig
-from ..proposal import DraftTree, Draw, ProposalGroup
+from ..proposal import DraftTree, Draw, ProposalGroup, Walk
 from ..rng import Rng
 from ..backends.base import Runner
 from ..sampling import PenaltyContext, check_finite, penalize, probs, tree_token_counts
 from ..tree import TokenTree
-from ..verify import Walk
 from ..vocab import fit_logits
 from .base import DraftForward, Drafter, ProposeSteps, propose_many
 

@@ -1,0 +1,65 @@
+"""Which drafter each request gets, and how its trees draw siblings.
+
+A decoder names one drafter kind for all its requests ("model", "ngram", "lookup",
+"merged") or hands over one `Drafter` instance. The engine asks the factory for each
+request's drafter when the request is admitted (a named kind gets a fresh drafter over the
+request's lane of the draft model), and the request's verification rule is chosen from how
+that drafter draws siblings (`siblings`, the key of `treespec.request.RULES_FOR`).
+"""
+
+from __future__ import annotations
+
+from ..backends.base import Runner
+from ..config import TreeConfig
+from .base import Drafter
+from .merged import MergedDrafter
+from .model import ModelDrafter
+from .ngram import NgramDrafter, PromptLookupDrafter
+
+DRAFTER_KINDS = ("model", "ngram", "lookup", "merged")
+
+
+class DrafterFactory:
+    """Makes each request's drafter. `kind`: a name in `DRAFTER_KINDS`, or a `Drafter` used as
+    it is (it holds one sequence's state, so it serves one request at a time). `vocab_size`:
+    the length of q (the target's rows); `support`: q puts mass only on ids below it."""
+
+    def __init__(self, kind: str | Drafter = "model", vocab_size: int | None = None, support: int | None = None):
+        if not isinstance(kind, Drafter) and kind not in DRAFTER_KINDS:
+            raise ValueError(f"drafter must be one of {', '.join(DRAFTER_KINDS)} or a Drafter, got {kind!r}")
+        self.kind, self.vocab_size, self.support = kind, vocab_size, support
+
+    @property
+    def custom(self) -> bool:
+        """A user's `Drafter`: its trees are checked every round (nothing is known in advance)."""
+        return isinstance(self.kind, Drafter)
+
+    @property
+    def needs_draft_model(self) -> bool:
+        return self.kind in ("model", "merged")
+
+    @property
+    def name(self) -> str:
+        return type(self.kind).__name__ if self.custom else repr(self.kind)
+
+    def siblings(self, tree: TreeConfig) -> str:
+        """How the drafter's trees for `tree` draw siblings ("chain", "distinct", "iid",
+        "merged" or "custom")."""
+        if self.custom:
+            return "custom"
+        if self.kind == "merged":
+            return "merged"
+        if self.kind in ("ngram", "lookup"):  # deterministic proposals
+            return "chain" if tree.width == 1 else "distinct"
+        return tree.siblings
+
+    def make(self, tree: TreeConfig, draft: Runner | None) -> Drafter:
+        """The drafter of one request, drafting with `draft` (its lane of the draft model)."""
+        if self.custom:
+            return self.kind
+        if self.kind == "ngram":
+            return NgramDrafter(tree.width)
+        if self.kind == "lookup":
+            return PromptLookupDrafter(tree.width)
+        model = ModelDrafter(draft, tree, vocab_size=self.vocab_size, support=self.support)
+        return model if self.kind == "model" else MergedDrafter([model, NgramDrafter(tree.width)])

@@ -1,0 +1,102 @@
+"""Loading models, tokenizers and checkpoints: devices, dtypes, local directories, hub ids, GGUF.
+
+    resolve_device / resolve_dtype   what a user typed, as a torch device and dtype that exist
+    checkpoint(path)                 a model directory: a local one, a hub id, or a GGUF file
+                                     converted once into a cached directory (`loading.gguf`)
+    load_runner(path, ...)           a `Runner`: the native backend straight from safetensors
+                                     where it supports the architecture, else Hugging Face's
+    load_tokenizer(path)             the tokenizer saved with a model (None if there is none)
+
+Everything here runs once, before decoding; nothing here decides how to decode.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ..backends import Runner, auto_dtype, check_backend, make_runner, use_native
+
+
+def resolve_device(device) -> torch.device:
+    """`device` (None = CPU) as a torch.device that exists on this machine, or a ValueError
+    saying which devices do."""
+    if device is None:
+        return torch.device("cpu")
+    if not isinstance(device, (str, torch.device)) and not (isinstance(device, int) and not isinstance(device, bool)):
+        raise ValueError(f"device must be a string like 'cpu' or 'cuda:0', got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"unknown device {device!r}; use 'cpu', 'cuda' or 'cuda:N' (or 'mps' on a Mac)") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "meta":
+        raise ValueError("device 'meta' holds no weights; use 'cpu' or 'cuda'")
+    backend = getattr(torch, dev.type, None) if dev.type != "mps" else getattr(torch.backends, "mps", None)
+    available = getattr(backend, "is_available", None)
+    if available is None or not available():
+        raise ValueError(
+            f"device {device!r} is not available on this machine (torch {torch.__version__}); use device='cpu'"
+        )
+    count = getattr(backend, "device_count", None)
+    n = count() if count is not None else 1
+    if dev.index is not None and dev.index >= n:
+        raise ValueError(
+            f"device {device!r} is not available: this machine has {n} {dev.type} device(s), "
+            f"{dev.type}:0 .. {dev.type}:{n - 1}"
+        )
+    return dev
+
+
+def resolve_dtype(dtype, device: torch.device, role: str = "target") -> torch.dtype:
+    """A torch dtype, or its name, or "auto" (`treespec.backends.auto_dtype` for `role`)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return auto_dtype(device, role)
+    if not isinstance(dtype, str) or not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use 'auto', 'float32' or 'bfloat16'")
+    return getattr(torch, dtype)
+
+
+def checkpoint(path) -> str | Path:
+    """The model directory behind `path`: a GGUF file (or a directory holding one and no
+    config.json) is converted once into a cached directory; a local directory is checked; any
+    other string is a hub id, returned as given."""
+    from ..backends import hf
+
+    if isinstance(path, (str, os.PathLike)):
+        local = Path(path).expanduser()
+        holds_gguf = local.is_dir() and not (local / "config.json").exists() and any(local.glob("*.gguf"))
+        if local.suffix == ".gguf" or holds_gguf:
+            from . import gguf
+
+            return gguf.convert(local)
+    return hf.resolve_path(path)
+
+
+def load_runner(path, dtype: torch.dtype, device: torch.device, backend: str = "auto") -> Runner:
+    """A runner for the checkpoint at `path` (`checkpoint`): native straight from safetensors
+    when the backend allows it and the directory holds a supported checkpoint, else through HF."""
+    from ..backends import hf
+
+    check_backend(backend)
+    local = checkpoint(path)
+    if backend != "hf" and isinstance(local, Path):
+        from ..backends.checkpoint import read_json, unsupported_reason
+        from ..backends.native import NativeRunner
+
+        if use_native(backend, unsupported_reason(read_json(local / "config.json")), repr(str(path))):
+            return NativeRunner.from_pretrained(local, dtype=dtype, device=device)
+        backend = "hf"  # the fallback notice has been printed
+    return make_runner(hf.load_model(local, dtype, device), backend)
+
+
+def load_tokenizer(path):
+    """The tokenizer saved with the model at `path` (`checkpoint`), or None."""
+    from ..backends import hf
+
+    return hf.load_tokenizer(checkpoint(path))
