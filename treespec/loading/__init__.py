@@ -25,12 +25,16 @@ def resolve_device(device) -> torch.device:
     saying which devices do."""
     if device is None:
         return torch.device("cpu")
-    if not isinstance(device, (str, torch.device)) and not (isinstance(device, int) and not isinstance(device, bool)):
+    if not isinstance(device, (str, torch.device)) and not (
+        isinstance(device, int) and not isinstance(device, bool)
+    ):
         raise ValueError(f"device must be a string like 'cpu' or 'cuda:0', got {type(device).__name__}")
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError, TypeError):
-        raise ValueError(f"unknown device {device!r}; use 'cpu', 'cuda' or 'cuda:N' (or 'mps' on a Mac)") from None
+        raise ValueError(
+            f"unknown device {device!r}; use 'cpu', 'cuda' or 'cuda:N' (or 'mps' on a Mac)"
+        ) from None
     if dev.type == "cpu":
         return dev
     if dev.type == "meta":
@@ -39,7 +43,8 @@ def resolve_device(device) -> torch.device:
     available = getattr(backend, "is_available", None)
     if available is None or not available():
         raise ValueError(
-            f"device {device!r} is not available on this machine (torch {torch.__version__}); use device='cpu'"
+            f"device {device!r} is not available on this machine (torch {torch.__version__}); use "
+            "device='cpu'"
         )
     count = getattr(backend, "device_count", None)
     n = count() if count is not None else 1
@@ -69,11 +74,11 @@ def checkpoint(path) -> str | Path:
     from ..backends import hf
 
     if isinstance(path, (str, os.PathLike)):
+        from . import gguf
+
         local = Path(path).expanduser()
         holds_gguf = local.is_dir() and not (local / "config.json").exists() and any(local.glob("*.gguf"))
-        if local.suffix == ".gguf" or holds_gguf:
-            from . import gguf
-
+        if local.suffix == ".gguf" or gguf.is_gguf(local) or holds_gguf:
             return gguf.convert(local)
     return hf.resolve_path(path)
 

