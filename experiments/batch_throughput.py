@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.backends import hf
-from treespec.bench import _encode, machine_info
+from treespec.bench import encode_batch, machine_info
 from treespec.zoo import default_pair, load_prompts
 
 
@@ -81,7 +81,7 @@ def main() -> None:
         dec.generate_batch([[1, 2]] * B, max_new_tokens=4, max_batch=B)  # warm-up: lanes allocated
         for rep in tqdm(range(args.repeats), desc=f"batch {B}"):
             for j, batch in enumerate(batches):
-                ids, mask = _encode(dec.tokenizer, batch, hf_target.device)
+                ids, mask = encode_batch(dec.tokenizer, batch, hf_target.device)
                 requests = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
                 seeds = [rep * 1000 + j * B + k for k in range(B)]
                 with torch.inference_mode():  # HF's prefill of this batch, timed apart (generate() hides it)

@@ -208,7 +208,9 @@ def test_merge_empty_side_and_extreme_magnitudes():
     torch.testing.assert_close(merge_attention(out_a, big, out_b, big), (out_a + out_b) / 2)
     # a gap of log(3): weights 3/4 and 1/4
     gap = torch.log(torch.tensor(3.0)).expand(3)
-    torch.testing.assert_close(merge_attention(out_a, gap, out_b, torch.zeros(3)), 0.75 * out_a + 0.25 * out_b)
+    torch.testing.assert_close(
+        merge_attention(out_a, gap, out_b, torch.zeros(3)), 0.75 * out_a + 0.25 * out_b
+    )
 
 
 def test_merge_bf16_in_fp32_returns_out_a_dtype():
@@ -233,9 +235,7 @@ class FakeFlash:
     def __init__(self):
         self.calls = []
 
-    def __call__(
-        self, q, k_cache, v_cache, cache_seqlens=None, causal=False, return_softmax_lse=False
-    ):
+    def __call__(self, q, k_cache, v_cache, cache_seqlens=None, causal=False, return_softmax_lse=False):
         self.calls.append((q, k_cache, v_cache))
         B, n, Hq, D = q.shape
         Bc, S, Hkv, _ = k_cache.shape
@@ -286,7 +286,7 @@ def test_cascade_with_fake_flash(fake_flash, g, prefix_len, B, dtype):
 
     out = cascade_attention(q, k, v, prefix_len, tmask, prefix_attention=flash_prefix_attention)
 
-    (fq, fk, fv), = fake_flash.calls
+    ((fq, fk, fv),) = fake_flash.calls
     assert fk.data_ptr() == k.data_ptr() and fv.data_ptr() == v.data_ptr()  # the cache, not a copy
     assert fq.shape == (B, n, 2 * g, q.shape[-1]) and fk.shape == (B, k.shape[2], 2, k.shape[-1])
     reference = cascade_attention(q, k, v, prefix_len, tmask, prefix_attention=reference_prefix_attention)

@@ -22,15 +22,15 @@ from treespec.backends.native import NativeRunner
 from treespec.tree import TokenTree
 
 from .conftest import VOCAB, perturbed, tiny_llama
-from .test_exact_enumeration import PROMPT as TOY_PROMPT
-from .test_exact_enumeration import SAMPLINGS as TOY_SAMPLINGS
-from .test_exact_enumeration import pair as toy_pair
-from .test_monte_carlo import K as MC_K
-from .test_monte_carlo import PROMPT as MC_PROMPT
-from .test_monte_carlo import V as MC_V
-from .test_monte_carlo import chi2_pvalue, exact_joint
-from .test_runner import assert_cache_equals_prefill
+from .llamas import assert_cache_equals_prefill
+from .mc import PROMPT as MC_PROMPT
+from .mc import K as MC_K
+from .mc import V as MC_V
+from .mc import chi2_pvalue, exact_joint
+from .toy import PROMPT as TOY_PROMPT
+from .toy import SAMPLINGS as TOY_SAMPLINGS
 from .toy import TableRunner, enumerate_outcomes, max_abs_diff
+from .toy import pair as toy_pair
 
 GREEDY = SamplingConfig(temperature=0)
 T1 = SamplingConfig(temperature=1.0)
@@ -46,7 +46,12 @@ REQUESTS = [
     (TreeConfig(2, 4, "topk"), GREEDY, 5, 4),
     (TreeConfig(2, 2, adaptive="hf", depth_min=1, depth_max=5), T1, 17, 5),
     (TreeConfig(1, 6), T1, 30, 6),
-    (TreeConfig(2, 3), SamplingConfig(temperature=0.9, repetition_penalty=1.3, presence_penalty=0.2), 16, 7),  # per-path context
+    (
+        TreeConfig(2, 3),
+        SamplingConfig(temperature=0.9, repetition_penalty=1.3, presence_penalty=0.2),
+        16,
+        7,
+    ),  # per-path context
 ]
 
 
@@ -66,7 +71,14 @@ def assert_same(got, want) -> None:
     assert got.sources == want.sources
     assert got.finish_reason == want.finish_reason
     assert got.verification == want.verification
-    for name in ("target_steps", "tokens", "tree_nodes", "accepted_by_depth", "attempted_by_depth", "draft_forwards"):
+    for name in (
+        "target_steps",
+        "tokens",
+        "tree_nodes",
+        "accepted_by_depth",
+        "attempted_by_depth",
+        "draft_forwards",
+    ):
         assert getattr(got.stats, name) == getattr(want.stats, name), name
 
 
@@ -79,14 +91,23 @@ def test_each_request_of_a_batch_equals_it_alone(models, backend, max_batch):
     dec = SpeculativeDecoder(*models, backend=backend)
     want = [alone(dec, i) for i in range(len(REQUESTS))]
     trees, samplings, lengths, seeds = (list(x) for x in zip(*REQUESTS))
-    got = dec.generate_batch(PROMPTS, max_new_tokens=lengths, tree=trees, sampling=samplings, seeds=seeds, max_batch=max_batch,
-                             trace=True)
+    got = dec.generate_batch(
+        PROMPTS,
+        max_new_tokens=lengths,
+        tree=trees,
+        sampling=samplings,
+        seeds=seeds,
+        max_batch=max_batch,
+        trace=True,
+    )
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
         assert_same(g, w)
         # every round of a batched request is the round it has alone
         traced = alone(dec, i, trace=True).trace
-        assert [(t.path, t.token, t.emitted) for t in g.trace] == [(t.path, t.token, t.emitted) for t in traced]
+        assert [(t.path, t.token, t.emitted) for t in g.trace] == [
+            (t.path, t.token, t.emitted) for t in traced
+        ]
     assert len({len(w.token_ids) for w in want}) > 3  # the requests really finished at different rounds
 
 
@@ -103,7 +124,9 @@ def test_one_target_forward_per_round_for_all_requests(models, monkeypatch):
     monkeypatch.setattr(NativeRunner, "_packed_forward", counting)
     dec = SpeculativeDecoder(*models, backend="native")
     tree = TreeConfig(2, 3)
-    outs = dec.generate_batch(PROMPTS[:4], max_new_tokens=12, tree=tree, sampling=T1, seeds=[0, 1, 2, 3], ignore_eos=True)
+    outs = dec.generate_batch(
+        PROMPTS[:4], max_new_tokens=12, tree=tree, sampling=T1, seeds=[0, 1, 2, 3], ignore_eos=True
+    )
     target_pool = id(dec._lanes(4)[0][0].pool)
     target_calls = [c for c in calls if c[0] == target_pool]
     rounds = max(o.stats.target_steps for o in outs)
@@ -119,13 +142,19 @@ def test_hf_lanes_share_one_batched_forward(models):
     padded batch), not one per request."""
     target, draft = models
     calls = {"target": [], "draft": []}
-    hooks = [m.register_forward_pre_hook(lambda mod, args, kw, name=name: calls[name].append(tuple(kw["input_ids"].shape)),
-                                         with_kwargs=True)
-             for name, m in (("target", target), ("draft", draft))]
+    hooks = [
+        m.register_forward_pre_hook(
+            lambda mod, args, kw, name=name: calls[name].append(tuple(kw["input_ids"].shape)),
+            with_kwargs=True,
+        )
+        for name, m in (("target", target), ("draft", draft))
+    ]
     try:
         dec = SpeculativeDecoder(target, draft, backend="hf")
         tree = TreeConfig(2, 3)
-        outs = dec.generate_batch(PROMPTS[:4], max_new_tokens=12, tree=tree, sampling=T1, seeds=[0, 1, 2, 3], ignore_eos=True)
+        outs = dec.generate_batch(
+            PROMPTS[:4], max_new_tokens=12, tree=tree, sampling=T1, seeds=[0, 1, 2, 3], ignore_eos=True
+        )
     finally:
         for h in hooks:
             h.remove()
@@ -142,8 +171,16 @@ def tiny_gpt2() -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256, bos_token_id=0,
-                        eos_token_id=1, attn_implementation="sdpa")
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=256,
+        bos_token_id=0,
+        eos_token_id=1,
+        attn_implementation="sdpa",
+    )
     return GPT2LMHeadModel(config).double().eval()
 
 
@@ -200,13 +237,23 @@ def test_hf_lanes_with_sliding_window_caches_run_one_forward_each():
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    config = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, sliding_window=64, attn_implementation="sdpa")
+    config = MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=64,
+        attn_implementation="sdpa",
+    )
     model = MistralForCausalLM(config).double().eval()
     lanes, alone_ = HFRunner(model).lanes(2), [HFRunner(model) for _ in range(2)]
     assert not any(lane._plain_cache() for lane in lanes)
     calls = []
-    hook = model.register_forward_pre_hook(lambda mod, args, kw: calls.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    hook = model.register_forward_pre_hook(
+        lambda mod, args, kw: calls.append(kw["input_ids"].shape[0]), with_kwargs=True
+    )
     try:
         prefill_many([(lane, PROMPTS[i + 1]) for i, lane in enumerate(lanes)])
         trees = [TokenTree([3, 4, 5], [-1, 0, 0]), TokenTree([6, 7], [-1, 0])]
@@ -230,8 +277,14 @@ def test_engine_add_step_stream_cancel(models, backend):
     ids = {}
     for i in (0, 1, 3):
         tree, sampling, n, seed = REQUESTS[i]
-        ids[i] = eng.add(PROMPTS[i], max_new_tokens=n, tree=tree, sampling=sampling, seed=seed,
-                         on_tokens=lambda toks, src, i=i: streamed[i].extend(toks))
+        ids[i] = eng.add(
+            PROMPTS[i],
+            max_new_tokens=n,
+            tree=tree,
+            sampling=sampling,
+            seed=seed,
+            on_tokens=lambda toks, src, i=i: streamed[i].extend(toks),
+        )
     eng.step()
     assert [eng.requests[ids[i]].status for i in (0, 1, 3)] == ["live", "live", "waiting"]
     eng.step()
@@ -242,7 +295,13 @@ def test_engine_add_step_stream_cancel(models, backend):
     assert part.finish_reason == "cancelled"
     full = alone(dec, 1)
     assert part.token_ids == full.token_ids[: len(part.token_ids)] and part.token_ids
-    late = eng.add(PROMPTS[4], max_new_tokens=REQUESTS[4][2], tree=REQUESTS[4][0], sampling=REQUESTS[4][1], seed=REQUESTS[4][3])
+    late = eng.add(
+        PROMPTS[4],
+        max_new_tokens=REQUESTS[4][2],
+        tree=REQUESTS[4][0],
+        sampling=REQUESTS[4][1],
+        seed=REQUESTS[4][3],
+    )
     outs = eng.run()
     for i in (0, 3):
         assert_same(outs[ids[i]], alone(dec, i))
@@ -313,10 +372,20 @@ def test_speculate_max_live_switches_rounds_to_plain(models):
     speculate again. Greedy outputs stay those of generate() alone."""
     dec = SpeculativeDecoder(*models, backend="native")
     short, long_ = (PROMPTS[1], 3), (PROMPTS[2], 24)
-    outs = dec.generate_batch([short[0], long_[0]], [short[1], long_[1]], tree=TreeConfig(1, 4), sampling=GREEDY,
-                              ignore_eos=True, trace=True, speculate_max_live=1)
+    outs = dec.generate_batch(
+        [short[0], long_[0]],
+        [short[1], long_[1]],
+        tree=TreeConfig(1, 4),
+        sampling=GREEDY,
+        ignore_eos=True,
+        trace=True,
+        speculate_max_live=1,
+    )
     for out, (prompt, n) in zip(outs, (short, long_)):
-        assert out.token_ids == dec.generate(prompt, n, tree=TreeConfig(1, 4), sampling=GREEDY, ignore_eos=True).token_ids
+        assert (
+            out.token_ids
+            == dec.generate(prompt, n, tree=TreeConfig(1, 4), sampling=GREEDY, ignore_eos=True).token_ids
+        )
     assert all(len(r.tree) == 1 for r in outs[0].trace)  # two live: plain rounds only
     assert outs[0].stats.draft_forwards == 0
     rounds = outs[1].trace
@@ -356,17 +425,41 @@ def test_goodput_switch_runs_explores_follows_drift_and_buckets_live_counts():
         got = []
         for _ in range(n):
             got.append(sw.speculate(live))
-            sw.record(live, got[-1], tokens=3 * live if got[-1] else live, seconds=spec_seconds if got[-1] else 1.0)
+            sw.record(
+                live, got[-1], tokens=3 * live if got[-1] else live, seconds=spec_seconds if got[-1] else 1.0
+            )
         return got
 
     sw = GoodputSwitch(run_rounds=2, explore_every=3, decay=0.5)
     decisions = decide(sw, 16)
     assert sw.speedup(8) == pytest.approx(1.2)
     # runs of 2 rounds: warm-up (speculative, plain), then speculative but for every 3rd run, which explores
-    assert decisions == [True, True, False, False, True, True, True, True, False, False, True, True, True, True, False, False]
+    assert decisions == [
+        True,
+        True,
+        False,
+        False,
+        True,
+        True,
+        True,
+        True,
+        False,
+        False,
+        True,
+        True,
+        True,
+        True,
+        False,
+        False,
+    ]
     wide = GoodputSwitch(run_rounds=2, explore_every=3, decay=0.5)
     decisions = decide(wide, 28, spec_seconds=1.5)  # 2x faster: explores every 12th run only
-    assert wide.speedup(8) == pytest.approx(2) and [i for i, k in enumerate(decisions) if not k] == [2, 3, 26, 27]
+    assert wide.speedup(8) == pytest.approx(2) and [i for i, k in enumerate(decisions) if not k] == [
+        2,
+        3,
+        26,
+        27,
+    ]
     for _ in range(3):  # plain rounds get 4x faster (say, the batch became compute-bound): the sums follow
         sw.record(8, False, tokens=8, seconds=0.25)
     assert sw.speedup(7) < 1 and not sw.speculate(7)  # 5-8 live share a bucket; a new run begins
@@ -393,10 +486,17 @@ def test_auto_switch_tries_both_kinds_then_keeps_the_faster(models):
         eng.switch.clock = tick
         decide = eng.switch.speculate
         eng.switch.speculate = lambda live: kinds.append((live, decide(live))) or kinds[-1][1]
-        ids = [eng.add(PROMPTS[i], 40, tree=TreeConfig(1, 3), sampling=GREEDY, ignore_eos=True) for i in (1, 2)]
+        ids = [
+            eng.add(PROMPTS[i], 40, tree=TreeConfig(1, 3), sampling=GREEDY, ignore_eos=True) for i in (1, 2)
+        ]
         outs = eng.run()
         for i, rid in zip((1, 2), ids):
-            assert outs[rid].token_ids == dec.generate(PROMPTS[i], 40, tree=TreeConfig(1, 3), sampling=GREEDY, ignore_eos=True).token_ids
+            assert (
+                outs[rid].token_ids
+                == dec.generate(
+                    PROMPTS[i], 40, tree=TreeConfig(1, 3), sampling=GREEDY, ignore_eos=True
+                ).token_ids
+            )
         two_live = [k for live, k in kinds if live == 2]
         assert two_live[:16] == [True] * 8 + [False] * 8  # warm-up: a speculative run, then a plain one
         after = two_live[16:22]
@@ -409,16 +509,27 @@ def test_each_request_of_a_batch_matches_the_target_chi_square():
     K-grams fit the target's exact joint (and clearly not another temperature's)."""
     target = tiny_llama(3, hidden=32, vocab=MC_V)
     dec = SpeculativeDecoder(target, perturbed(target, noise=0.5, seed=4), backend="native")
-    settings = [(TreeConfig(3, 2), SamplingConfig(temperature=0.9, top_p=0.9)), (TreeConfig(1, 2), SamplingConfig(temperature=1.2, top_k=5))]
+    settings = [
+        (TreeConfig(3, 2), SamplingConfig(temperature=0.9, top_p=0.9)),
+        (TreeConfig(1, 2), SamplingConfig(temperature=1.2, top_k=5)),
+    ]
     n = 600
-    outs = dec.generate_batch([MC_PROMPT] * (2 * n), max_new_tokens=MC_K, tree=[settings[i % 2][0] for i in range(2 * n)],
-                              sampling=[settings[i % 2][1] for i in range(2 * n)], seeds=list(range(2 * n)), ignore_eos=True)
+    outs = dec.generate_batch(
+        [MC_PROMPT] * (2 * n),
+        max_new_tokens=MC_K,
+        tree=[settings[i % 2][0] for i in range(2 * n)],
+        sampling=[settings[i % 2][1] for i in range(2 * n)],
+        seeds=list(range(2 * n)),
+        ignore_eos=True,
+    )
     for k, (_, sampling) in enumerate(settings):
         mine = outs[k::2]
         counts = Counter(tuple(o.token_ids) for o in mine)
         assert sum(o.sources.count("accepted") for o in mine) > n // 10  # the drafts were used
         assert chi2_pvalue(counts, exact_joint(target, sampling), n) > 1e-3
-        other = SamplingConfig(temperature=sampling.temperature * 1.6, top_k=sampling.top_k, top_p=sampling.top_p)
+        other = SamplingConfig(
+            temperature=sampling.temperature * 1.6, top_k=sampling.top_k, top_p=sampling.top_p
+        )
         assert chi2_pvalue(counts, exact_joint(target, other), n) < 1e-3
 
 
@@ -429,10 +540,18 @@ def test_depth_shrinks_near_the_model_limit(models):
     dec = SpeculativeDecoder(target, draft)
     limit = target.config.max_position_embeddings
     long_prompt = [(3 * j) % (VOCAB - 2) + 2 for j in range(limit - 10)]
-    outs = dec.generate_batch([long_prompt, PROMPTS[2]], max_new_tokens=[10, 20], tree=TreeConfig(2, 8), sampling=T1,
-                              seeds=[0, 1], ignore_eos=True)
+    outs = dec.generate_batch(
+        [long_prompt, PROMPTS[2]],
+        max_new_tokens=[10, 20],
+        tree=TreeConfig(2, 8),
+        sampling=T1,
+        seeds=[0, 1],
+        ignore_eos=True,
+    )
     assert [len(o.token_ids) for o in outs] == [10, 20]
-    assert_same(outs[1], dec.generate(PROMPTS[2], 20, tree=TreeConfig(2, 8), sampling=T1, seed=1, ignore_eos=True))
+    assert_same(
+        outs[1], dec.generate(PROMPTS[2], 20, tree=TreeConfig(2, 8), sampling=T1, seed=1, ignore_eos=True)
+    )
 
 
 def test_kv_budget_makes_requests_wait_not_fail(models):
@@ -494,21 +613,35 @@ def test_a_drafter_instance_cannot_serve_a_batch(models):
     dec = SpeculativeDecoder(models[0], drafter=NgramDrafter(2))
     with pytest.raises(ValueError, match="holds one sequence's state"):
         dec.generate_batch([[2, 3], [4, 5]], tree=TreeConfig(2, 2))
-    assert len(dec.generate_batch([[2, 3], [4, 5]], max_new_tokens=4, tree=TreeConfig(2, 2), max_batch=1)) == 2
+    assert (
+        len(dec.generate_batch([[2, 3], [4, 5]], max_new_tokens=4, tree=TreeConfig(2, 2), max_batch=1)) == 2
+    )
 
 
 def test_stops_and_streaming_per_request(models):
     """Each request has its own stop list (ids here; strings go through the same matcher)
     and its own streaming callback; a stopped request leaves the batch, the others go on."""
     dec = SpeculativeDecoder(*models)
-    free = [dec.generate(PROMPTS[i], 20, tree=TreeConfig(2, 3), sampling=T1, seed=i, ignore_eos=True) for i in range(3)]
+    free = [
+        dec.generate(PROMPTS[i], 20, tree=TreeConfig(2, 3), sampling=T1, seed=i, ignore_eos=True)
+        for i in range(3)
+    ]
     stop_at = free[0].token_ids[6]  # request 0 stops at its 7th token (or earlier, at the first occurrence)
     stops = [[stop_at], None, [VOCAB - 1, VOCAB - 2]]
-    want = [dec.generate(PROMPTS[i], 20, tree=TreeConfig(2, 3), sampling=T1, seed=i, ignore_eos=True, stop=stops[i]) for i in range(3)]
-    got = dec.generate_batch(PROMPTS[:3], 20, tree=TreeConfig(2, 3), sampling=T1, seeds=[0, 1, 2], ignore_eos=True, stop=stops)
+    want = [
+        dec.generate(
+            PROMPTS[i], 20, tree=TreeConfig(2, 3), sampling=T1, seed=i, ignore_eos=True, stop=stops[i]
+        )
+        for i in range(3)
+    ]
+    got = dec.generate_batch(
+        PROMPTS[:3], 20, tree=TreeConfig(2, 3), sampling=T1, seeds=[0, 1, 2], ignore_eos=True, stop=stops
+    )
     assert got[0].finish_reason == "stop" and got[0].stop == stop_at and len(got[0].token_ids) <= 7
     for g, w in zip(got, want):
         assert_same(g, w)
     # one stop list for all requests
-    same = dec.generate_batch(PROMPTS[:3], 20, tree=TreeConfig(2, 3), sampling=T1, seeds=[0, 1, 2], ignore_eos=True, stop=[stop_at])
+    same = dec.generate_batch(
+        PROMPTS[:3], 20, tree=TreeConfig(2, 3), sampling=T1, seeds=[0, 1, 2], ignore_eos=True, stop=[stop_at]
+    )
     assert_same(same[0], want[0])

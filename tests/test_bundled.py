@@ -17,7 +17,10 @@ GREEDY_ALPHA_FLOOR = 0.55
 @pytest.fixture(scope="module")
 def dec64():
     """float64, so that tree and sequential forwards cannot disagree on an argmax by rounding."""
-    return {backend: SpeculativeDecoder.from_pretrained(dtype="float64", backend=backend) for backend in ("native", "hf")}
+    return {
+        backend: SpeculativeDecoder.from_pretrained(dtype="float64", backend=backend)
+        for backend in ("native", "hf")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +33,13 @@ def hf_target64():
 def test_checkpoints_are_shipped_small_and_complete():
     target, draft = default_pair()
     for d in (target, draft):
-        for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        for name in (
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ):
             assert (d / name).is_file(), f"{d / name} missing"
     size = sum(f.stat().st_size for f in (ZOO / "pycode").rglob("*") if f.is_file())
     assert size <= 80 * 2**20
@@ -53,7 +62,9 @@ def test_greedy_equals_hf_generate_on_heldout_prompts(dec64, hf_target64, backen
     for prompt in load_prompts(n=3):
         ids = dec64.tokenizer(prompt)["input_ids"]
         with torch.no_grad():
-            want = hf_target64.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :].tolist()
+            want = hf_target64.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[
+                0, len(ids) :
+            ].tolist()
         for tree in (TreeConfig(1, 4), TreeConfig(4, 4)):
             out = dec64.generate(ids, 24, tree=tree, sampling=GREEDY)
             assert out.token_ids == want
@@ -79,7 +90,12 @@ def _stop_across_rounds(dec, ids, tree, n):
         done += r
         b = len(dec.tokenizer.decode(done, skip_special_tokens=True))
         stop = text[b - 4 : b + 3]
-        if b >= 4 and b + 3 <= len(text) and text.find(stop) == b - 4 and (prompt + text).find(stop) == len(prompt) + b - 4:
+        if (
+            b >= 4
+            and b + 3 <= len(text)
+            and text.find(stop) == b - 4
+            and (prompt + text).find(stop) == len(prompt) + b - 4
+        ):
             return stop
     pytest.skip("no round boundary with a usable stop string")
 
@@ -93,10 +109,23 @@ def test_stop_strings_spanning_rounds_stop_where_hf_generate_stops(dec64, hf_tar
         ids = dec.tokenizer(prompt)["input_ids"]
         stop = _stop_across_rounds(dec, ids, tree, 48)
         with torch.no_grad():
-            want = hf_target64.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, stop_strings=[stop], tokenizer=dec.tokenizer)
+            want = hf_target64.generate(
+                torch.tensor([ids]),
+                max_new_tokens=48,
+                do_sample=False,
+                stop_strings=[stop],
+                tokenizer=dec.tokenizer,
+            )
         want = want[0, len(ids) :].tolist()
         streamed: list[int] = []
-        out = dec.generate(ids, 48, tree=tree, sampling=GREEDY, stop=[stop, "no such text \x00"], on_tokens=lambda t, s: streamed.extend(t))
+        out = dec.generate(
+            ids,
+            48,
+            tree=tree,
+            sampling=GREEDY,
+            stop=[stop, "no such text \x00"],
+            on_tokens=lambda t, s: streamed.extend(t),
+        )
         assert out.token_ids == want and streamed == want
         assert out.text == dec.tokenizer.decode(want, skip_special_tokens=True) and stop in out.text
         assert out.finish_reason == "stop" and out.stop == stop

@@ -19,14 +19,35 @@ def test_generate_streams_text(capsys):
 
 
 def test_generate_show_tree_colours_tokens_and_prints_stats(capsys):
-    assert main(["generate", "import os\n", "--max-new-tokens", "24", "--show-tree", "--temperature", "0.8", "--top-p", "0.95", "--seed", "1", "--color", "always"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "import os\n",
+                "--max-new-tokens",
+                "24",
+                "--show-tree",
+                "--temperature",
+                "0.8",
+                "--top-p",
+                "0.95",
+                "--seed",
+                "1",
+                "--color",
+                "always",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "\033[32m" in out or "\033[36m" in out  # accepted (green) or bonus (cyan) tokens
     assert "tokens/step" in out and "acceptance by depth" in out and "tokens/s" in out
     assert "acceptance rate" in out and "mean accepted length" in out
 
 
-@pytest.mark.parametrize("tty,no_color,colour", [(False, None, False), (True, "1", False), (True, None, True)])
+@pytest.mark.parametrize(
+    "tty,no_color,colour", [(False, None, False), (True, "1", False), (True, None, True)]
+)
 def test_show_tree_colours_only_on_a_terminal_without_no_color(capsys, monkeypatch, tty, no_color, colour):
     import sys
 
@@ -43,14 +64,28 @@ def test_show_tree_colours_only_on_a_terminal_without_no_color(capsys, monkeypat
 
 def test_generate_stop_strings(capsys):
     prompt = "def quicksort(xs):"
-    assert main(["generate", prompt, "--max-new-tokens", "48", "--stop", "\\n", "--stop", "zzzz", "--show-tree"]) == 0
+    assert (
+        main(["generate", prompt, "--max-new-tokens", "48", "--stop", "\\n", "--stop", "zzzz", "--show-tree"])
+        == 0
+    )
     out = capsys.readouterr().out
     generated = out[len(prompt) :].split("\ntoken sources")[0]
-    assert "(stop)" in out and generated.count("\n") <= 3  # the stop "\n", maybe an overhang, the final newline
+    assert (
+        "(stop)" in out and generated.count("\n") <= 3
+    )  # the stop "\n", maybe an overhang, the final newline
     assert main(["generate", prompt, "--max-new-tokens", "8", "--stop-id", "0", "--stop-id", "5"]) == 0
 
 
-@pytest.mark.parametrize("extra", [["--drafter", "ngram"], ["--drafter", "merged"], ["--strategy", "dynamic", "--budget", "8"], ["--adaptive", "hf"], ["--plain"]])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--drafter", "ngram"],
+        ["--drafter", "merged"],
+        ["--strategy", "dynamic", "--budget", "8"],
+        ["--adaptive", "hf"],
+        ["--plain"],
+    ],
+)
 def test_generate_options(capsys, extra):
     assert main(["generate", "class Foo:\n    def __init__(self):\n", "--max-new-tokens", "12", *extra]) == 0
 
@@ -75,8 +110,23 @@ def test_tiny_bench_writes_json(capsys, tmp_path):
 def test_bench_with_a_sequoia_shape(capsys, tmp_path):
     shape = tmp_path / "shape.json"
     TreeShape((-1, 0, 0, 1)).save(shape)
-    args = ["bench", "--n-prompts", "1", "--repeats", "1", "--max-new-tokens", "6", "--shape", str(shape),
-            "--methods", "linear,tree", "--backend", "native", "--json", str(tmp_path / "b.json")]
+    args = [
+        "bench",
+        "--n-prompts",
+        "1",
+        "--repeats",
+        "1",
+        "--max-new-tokens",
+        "6",
+        "--shape",
+        str(shape),
+        "--methods",
+        "linear,tree",
+        "--backend",
+        "native",
+        "--json",
+        str(tmp_path / "b.json"),
+    ]
     assert main(args) == 0
     data = json.loads((tmp_path / "b.json").read_text())
     assert {m["method"] for m in data["methods"]} == {"linear[native]", "tree[native]"}
@@ -86,8 +136,23 @@ def test_bench_with_a_sequoia_shape(capsys, tmp_path):
 def test_bench_batch_size(capsys, tmp_path):
     """--batch-size 3 over 2 prompts: one batch of 3 requests (prompts cycled); HF generate runs
     it left-padded, treespec as generate_batch; hf-assisted cannot batch and is skipped."""
-    args = ["bench", "--n-prompts", "2", "--repeats", "1", "--max-new-tokens", "5", "--batch-size", "3",
-            "--methods", "hf,hf-assisted,autoregressive,tree", "--backend", "native", "--json", str(tmp_path / "b.json")]
+    args = [
+        "bench",
+        "--n-prompts",
+        "2",
+        "--repeats",
+        "1",
+        "--max-new-tokens",
+        "5",
+        "--batch-size",
+        "3",
+        "--methods",
+        "hf,hf-assisted,autoregressive,tree",
+        "--backend",
+        "native",
+        "--json",
+        str(tmp_path / "b.json"),
+    ]
     assert main(args) == 0
     data = json.loads((tmp_path / "b.json").read_text())
     assert data["config"]["batch_size"] == 3
@@ -100,7 +165,10 @@ def test_bench_batch_size(capsys, tmp_path):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["generate", "x", "--target", "/nonexistent", "--draft", "/nonexistent"], "no model at '/nonexistent'"),
+        (
+            ["generate", "x", "--target", "/nonexistent", "--draft", "/nonexistent"],
+            "no model at '/nonexistent'",
+        ),
         (["generate", "x", "--width", "0"], "--width must be an integer >= 1"),
         (["generate", "x", "--top-p", "1.5"], "top_p must be in (0, 1]"),
         (["generate", "x", "--temperature", "-1"], "temperature must be"),
@@ -108,7 +176,10 @@ def test_bench_batch_size(capsys, tmp_path):
         (["generate", "x", "--strategy", "sequoia"], "shape is required"),
         (["generate", "x", "--shape", "/nonexistent.json"], "cannot read a tree shape"),
         (["bench", "--prompts", "/nonexistent.json"], "cannot read prompts"),
-        (["bench", "--json", "/proc/treespec-bench.json"], "--json /proc/treespec-bench.json is not writable"),
+        (
+            ["bench", "--json", "/proc/treespec-bench.json"],
+            "--json /proc/treespec-bench.json is not writable",
+        ),
         (["bench", "--json", "/"], "is a directory"),
         (["bench", "--json", "/nonexistent/dir/b.json"], "directory /nonexistent/dir does not exist"),
         (["bench", "--device", "npu"], "unknown device 'npu'"),
@@ -119,7 +190,10 @@ def test_bench_batch_size(capsys, tmp_path):
         (["generate", "x", "--seed", str(2**64)], "seed must be None or an integer in [0, 2**64)"),
         (["generate", "x", "--width", "100000"], "the limit is 1024"),
         (["generate", "x", "--temperature", "1e-40"], "so small that logits / temperature overflows"),
-        (["generate", "x", "--target", "models/llama/3b", "--draft", "models/llama/1b"], "no model at 'models/llama/3b'"),
+        (
+            ["generate", "x", "--target", "models/llama/3b", "--draft", "models/llama/1b"],
+            "no model at 'models/llama/3b'",
+        ),
     ],
 )
 def test_user_errors_are_one_line_with_exit_code_2(capsys, args, message):
@@ -135,17 +209,26 @@ def test_usage_errors_exit_2(capsys):
     assert e.value.code == 2
 
 
-@pytest.mark.skipif(shutil.which("treespec") is None, reason="console script not installed (pip install -e .)")
+@pytest.mark.skipif(
+    shutil.which("treespec") is None, reason="console script not installed (pip install -e .)"
+)
 def test_console_script(tmp_path):
-    r = subprocess.run(["treespec", "generate", "x", "--width", "-2"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and r.stderr.strip().startswith("treespec: error:") and "Traceback" not in r.stderr
+    r = subprocess.run(
+        ["treespec", "generate", "x", "--width", "-2"], capture_output=True, text=True, timeout=120
+    )
+    assert (
+        r.returncode == 2 and r.stderr.strip().startswith("treespec: error:") and "Traceback" not in r.stderr
+    )
 
 
 def test_generate_with_penalties(capsys):
     args = ["generate", "x = x + x + x", "--max-new-tokens", "12", "--ignore-eos"]
     assert main(args) == 0
     plain = capsys.readouterr().out
-    assert main(args + ["--repetition-penalty", "3", "--frequency-penalty", "0.5", "--presence-penalty", "0.5"]) == 0
+    assert (
+        main(args + ["--repetition-penalty", "3", "--frequency-penalty", "0.5", "--presence-penalty", "0.5"])
+        == 0
+    )
     assert capsys.readouterr().out != plain  # greedy, so only the penalties can change it
     assert main(args + ["--repetition-penalty", "0"]) == 2
     assert "--repetition-penalty must be a finite number > 0" in capsys.readouterr().err
@@ -157,11 +240,24 @@ def test_run_bench_takes_token_id_prompts_without_a_tokenizer(target64, draft64)
     from treespec import SamplingConfig, TreeConfig
     from treespec.bench import result_table, run_bench
 
-    result = run_bench(target64, draft64, None, [[3, 4, 5, 6], [7, 8]], 5, TreeConfig(2, 2), SamplingConfig(temperature=0),
-                       repeats=1, methods=("hf", "autoregressive", "tree"), backends=("native",))
+    result = run_bench(
+        target64,
+        draft64,
+        None,
+        [[3, 4, 5, 6], [7, 8]],
+        5,
+        TreeConfig(2, 2),
+        SamplingConfig(temperature=0),
+        repeats=1,
+        methods=("hf", "autoregressive", "tree"),
+        backends=("native",),
+    )
     methods = {m.method: m for m in result.methods}
     assert set(methods) == {"hf", "autoregressive[native]", "tree[native]"}
-    assert all(m.tokens_per_second > 0 for m in methods.values()) and methods["tree[native]"].tokens_per_step >= 1
+    assert (
+        all(m.tokens_per_second > 0 for m in methods.values())
+        and methods["tree[native]"].tokens_per_step >= 1
+    )
     assert "tree[native]" in result_table(result) and "cost [native]" in result_table(result)
     with pytest.raises(ValueError, match="needs a tokenizer for text prompts"):
         run_bench(target64, draft64, None, ["text"], 5, TreeConfig(), SamplingConfig(), repeats=1)

@@ -13,9 +13,9 @@ from treespec.drafters.counts import load_counts
 from treespec.sampling import probs
 
 from .conftest import tiny_llama
-from .test_monte_carlo import PROMPT as MC_PROMPT
-from .test_monte_carlo import V as MC_V
-from .test_monte_carlo import chi2_pvalue, exact_joint
+from .mc import PROMPT as MC_PROMPT
+from .mc import V as MC_V
+from .mc import chi2_pvalue, exact_joint
 from .toy import TableModel, TableRunner, enumerate_outcomes, max_abs_diff
 
 V, K = 3, 3
@@ -50,13 +50,17 @@ def enumerate_joint(drafter, tree, sampling, k=K):
 
 
 # (3, 2) only with top-k = 2: over all 3 tokens it takes 25 s to enumerate
-SHAPE_CASES = [(w, d, s) for w, d in [(1, 1), (1, 2), (2, 1), (2, 2), (3, 1)] for s in SAMPLINGS] + [(3, 2, "T0.6-topk2")]
+SHAPE_CASES = [(w, d, s) for w, d in [(1, 1), (1, 2), (2, 1), (2, 2), (3, 1)] for s in SAMPLINGS] + [
+    (3, 2, "T0.6-topk2")
+]
 
 
 @pytest.mark.parametrize("kind", ["unigram", "bigram"])
 @pytest.mark.parametrize("width,depth,sampling_name", SHAPE_CASES)
 def test_count_drafters_are_lossless(kind, width, depth, sampling_name):
-    got, want, nodes = enumerate_joint(drafters(width)[kind], TreeConfig(width, depth), SAMPLINGS[sampling_name])
+    got, want, nodes = enumerate_joint(
+        drafters(width)[kind], TreeConfig(width, depth), SAMPLINGS[sampling_name]
+    )
     assert abs(sum(got.values()) - 1) < 1e-9
     assert max_abs_diff(got, want) < 1e-9
     assert max(nodes) > 0
@@ -117,7 +121,9 @@ def test_count_drafters_chi_square(kind, width):
     dec = SpeculativeDecoder(target, drafter=drafter)
     counts, accepted, n = Counter(), 0, 1000
     for seed in range(n):
-        out = dec.generate(MC_PROMPT, 3, tree=TreeConfig(width, 2), sampling=sampling, seed=seed, ignore_eos=True)
+        out = dec.generate(
+            MC_PROMPT, 3, tree=TreeConfig(width, 2), sampling=sampling, seed=seed, ignore_eos=True
+        )
         counts[tuple(out.token_ids)] += 1
         accepted += out.sources.count("accepted")
     assert accepted > n // 10

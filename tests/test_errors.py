@@ -12,7 +12,9 @@ from .conftest import tiny_llama
 
 @pytest.fixture(scope="module")
 def dec():
-    return SpeculativeDecoder(tiny_llama(0, max_positions=64), tiny_llama(1, hidden=16, layers=1, heads=2, kv_heads=1))
+    return SpeculativeDecoder(
+        tiny_llama(0, max_positions=64), tiny_llama(1, hidden=16, layers=1, heads=2, kv_heads=1)
+    )
 
 
 @pytest.mark.parametrize(
@@ -118,10 +120,19 @@ def test_nan_logits_raise_and_leave_the_decoder_usable(who, temperature):
     with torch.no_grad():
         w[0] = float("nan")
     with pytest.raises(ValueError, match=f"{who} model produced NaN"):
-        dec.generate([3, 4, 5], 8, tree=TreeConfig(2, 2), sampling=SamplingConfig(temperature=temperature), seed=0)
+        dec.generate(
+            [3, 4, 5], 8, tree=TreeConfig(2, 2), sampling=SamplingConfig(temperature=temperature), seed=0
+        )
     with torch.no_grad():
         w.copy_(saved)
-    out = dec.generate([3, 4, 5], 8, tree=TreeConfig(2, 2), sampling=SamplingConfig(temperature=temperature), seed=0, ignore_eos=True)
+    out = dec.generate(
+        [3, 4, 5],
+        8,
+        tree=TreeConfig(2, 2),
+        sampling=SamplingConfig(temperature=temperature),
+        seed=0,
+        ignore_eos=True,
+    )
     assert len(out.token_ids) == 8
 
 
@@ -146,7 +157,9 @@ def _corrupt_copy(tmp_path, how: str):
     shutil.copytree(default_pair()[1], dst)
     f = dst / "model.safetensors"
     data = f.read_bytes()
-    f.write_bytes(data[: len(data) // 2] if how == "truncated" else b"\x08" + b"\x00" * 7 + b"not json" + data[16:])
+    f.write_bytes(
+        data[: len(data) // 2] if how == "truncated" else b"\x08" + b"\x00" * 7 + b"not json" + data[16:]
+    )
     return dst
 
 
@@ -170,9 +183,21 @@ BAD_INPUTS = [
     # huge trees: rejected on construction with the limit in the message, nothing allocated
     ("huge width", lambda dec, tmp: TreeConfig(width=10**6, depth=4), "the limit is 1024"),
     ("huge depth", lambda dec, tmp: TreeConfig(width=1, depth=10**9), "the limit is 1024"),
-    ("huge budget", lambda dec, tmp: TreeConfig(width=4, depth=4, strategy="dynamic", budget=10**6), "the limit is 1024"),
-    ("huge beam", lambda dec, tmp: TreeConfig(width=64, depth=3, strategy="without_replacement"), "the limit is 1024"),
-    ("huge adaptive depth", lambda dec, tmp: TreeConfig(width=4, depth=4, adaptive="hf", depth_max=10**5), "the limit is 1024"),
+    (
+        "huge budget",
+        lambda dec, tmp: TreeConfig(width=4, depth=4, strategy="dynamic", budget=10**6),
+        "the limit is 1024",
+    ),
+    (
+        "huge beam",
+        lambda dec, tmp: TreeConfig(width=64, depth=3, strategy="without_replacement"),
+        "the limit is 1024",
+    ),
+    (
+        "huge adaptive depth",
+        lambda dec, tmp: TreeConfig(width=4, depth=4, adaptive="hf", depth_max=10**5),
+        "the limit is 1024",
+    ),
     # temperatures so small that logits / temperature overflows
     ("temperature 1e-40", lambda dec, tmp: SamplingConfig(temperature=1e-40), r"so small .* >= 1e-06"),
     ("temperature 1e-300", lambda dec, tmp: SamplingConfig(temperature=1e-300), "use temperature=0"),
@@ -190,39 +215,105 @@ BAD_INPUTS = [
     ("negative seed", _gen(seed=-1), r"seed must be None or an integer in \[0, 2\*\*64\), got -1"),
     ("bool seed", _gen(seed=True), "seed must be None or an integer"),
     # a path (or None) where a model goes
-    ("path as target", lambda dec, tmp: SpeculativeDecoder("models/llama", dec.draft_runner), r"target is a path .*from_pretrained"),
-    ("path as draft", lambda dec, tmp: SpeculativeDecoder(dec.target_runner, tmp), r"draft is a path .*from_pretrained"),
+    (
+        "path as target",
+        lambda dec, tmp: SpeculativeDecoder("models/llama", dec.draft_runner),
+        r"target is a path .*from_pretrained",
+    ),
+    (
+        "path as draft",
+        lambda dec, tmp: SpeculativeDecoder(dec.target_runner, tmp),
+        r"draft is a path .*from_pretrained",
+    ),
     ("None as target", lambda dec, tmp: SpeculativeDecoder(None, dec.draft_runner), "target is None"),
-    ("int as draft", lambda dec, tmp: SpeculativeDecoder(dec.target_runner, 3), "expected a Hugging Face causal LM or a treespec Runner, got int"),
-    ("tokenizer without decode", lambda dec, tmp: SpeculativeDecoder(dec.target_runner, tokenizer=len), "tokenizer must be a Hugging Face tokenizer"),
-    ("path as tokenizer", lambda dec, tmp: SpeculativeDecoder(dec.target_runner, tokenizer="tok/"), "tokenizer is a path"),
-    ("model to from_pretrained", lambda dec, tmp: SpeculativeDecoder.from_pretrained(target=dec.target_runner, draft=None), "takes paths or hub ids"),
+    (
+        "int as draft",
+        lambda dec, tmp: SpeculativeDecoder(dec.target_runner, 3),
+        "expected a Hugging Face causal LM or a treespec Runner, got int",
+    ),
+    (
+        "tokenizer without decode",
+        lambda dec, tmp: SpeculativeDecoder(dec.target_runner, tokenizer=len),
+        "tokenizer must be a Hugging Face tokenizer",
+    ),
+    (
+        "path as tokenizer",
+        lambda dec, tmp: SpeculativeDecoder(dec.target_runner, tokenizer="tok/"),
+        "tokenizer is a path",
+    ),
+    (
+        "model to from_pretrained",
+        lambda dec, tmp: SpeculativeDecoder.from_pretrained(target=dec.target_runner, draft=None),
+        "takes paths or hub ids",
+    ),
     ("on_tokens not callable", _gen(on_tokens="print"), "on_tokens must be a function"),
     ("rng not an Rng", _gen(rng=42), "rng must be a treespec.rng.Rng"),
-    ("ema_beta a string", lambda dec, tmp: TreeConfig(adaptive="entropy", ema_beta="0.5"), "ema_beta must be in"),
+    (
+        "ema_beta a string",
+        lambda dec, tmp: TreeConfig(adaptive="entropy", ema_beta="0.5"),
+        "ema_beta must be in",
+    ),
     ("unknown drafter to from_pretrained", _from_pretrained(drafter="eagle"), "drafter must be one of"),
     # devices that do not exist here
     ("device npu", _from_pretrained(device="npu"), "unknown device 'npu'"),
     ("device foo:0", _from_pretrained(device="foo:0"), "unknown device 'foo:0'"),
     ("device float", _from_pretrained(device=0.5), "device must be a string"),
     # relative paths that look like paths: never retried as hub ids
-    ("missing relative path", _from_pretrained(target="treespec/zoo/nothere", draft="treespec/zoo/nothere"), r"no model at 'treespec/zoo/nothere': .* does not exist"),
+    (
+        "missing relative path",
+        _from_pretrained(target="treespec/zoo/nothere", draft="treespec/zoo/nothere"),
+        r"no model at 'treespec/zoo/nothere': .* does not exist",
+    ),
     ("missing nested path", _from_pretrained(target="a/b/c", draft="a/b/c"), "no model at 'a/b/c'"),
-    ("file, not a directory", _from_pretrained(target="pyproject.toml", draft="pyproject.toml"), "no model at 'pyproject.toml': expected a directory"),
-    ("path with ..", _from_pretrained(target="../nothere", draft="../nothere"), r"no model at '\.\./nothere'"),
+    (
+        "file, not a directory",
+        _from_pretrained(target="pyproject.toml", draft="pyproject.toml"),
+        "no model at 'pyproject.toml': expected a directory",
+    ),
+    (
+        "path with ..",
+        _from_pretrained(target="../nothere", draft="../nothere"),
+        r"no model at '\.\./nothere'",
+    ),
     # broken checkpoints
-    ("truncated safetensors, native", _corrupt("truncated", "native"), "cannot read weights from .*model.safetensors"),
-    ("truncated safetensors, hf", _corrupt("truncated", "hf"), "cannot load a causal LM from .*intact weights"),
-    ("corrupted safetensors, native", _corrupt("garbage", "native"), "cannot read weights from .*model.safetensors"),
+    (
+        "truncated safetensors, native",
+        _corrupt("truncated", "native"),
+        "cannot read weights from .*model.safetensors",
+    ),
+    (
+        "truncated safetensors, hf",
+        _corrupt("truncated", "hf"),
+        "cannot load a causal LM from .*intact weights",
+    ),
+    (
+        "corrupted safetensors, native",
+        _corrupt("garbage", "native"),
+        "cannot read weights from .*model.safetensors",
+    ),
     ("corrupted safetensors, hf", _corrupt("garbage", "hf"), "cannot load a causal LM from"),
 ]
 if not torch.cuda.is_available():
     BAD_INPUTS += [
-        ("device cuda without a GPU", _from_pretrained(device="cuda"), "device 'cuda' is not available on this machine"),
-        ("device cuda:7 without a GPU", _from_pretrained(device="cuda:7"), "device 'cuda:7' is not available"),
+        (
+            "device cuda without a GPU",
+            _from_pretrained(device="cuda"),
+            "device 'cuda' is not available on this machine",
+        ),
+        (
+            "device cuda:7 without a GPU",
+            _from_pretrained(device="cuda:7"),
+            "device 'cuda:7' is not available",
+        ),
     ]
 else:
-    BAD_INPUTS += [("device cuda:N beyond the GPUs", _from_pretrained(device=f"cuda:{torch.cuda.device_count()}"), "this machine has")]
+    BAD_INPUTS += [
+        (
+            "device cuda:N beyond the GPUs",
+            _from_pretrained(device=f"cuda:{torch.cuda.device_count()}"),
+            "this machine has",
+        )
+    ]
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])

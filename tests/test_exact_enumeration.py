@@ -12,44 +12,51 @@ import importlib
 
 import pytest
 
-from treespec import DraftTree, Drafter, Draw, ProposalGroup, SamplingConfig, SpeculativeDecoder, TokenTree, TreeConfig
+from treespec import (
+    Drafter,
+    DraftTree,
+    Draw,
+    ProposalGroup,
+    SamplingConfig,
+    SpeculativeDecoder,
+    TokenTree,
+    TreeConfig,
+)
 from treespec.sampling import probs
 
-from .toy import TableModel, TableRunner, enumerate_outcomes, max_abs_diff
+from .toy import (
+    LONG_PROMPT,
+    PROMPT,
+    SAMPLINGS,
+    K,
+    TableModel,
+    TableRunner,
+    V,
+    enumerate_decoder,
+    enumerate_outcomes,
+    max_abs_diff,
+    pair,
+)
 
-V = 3  # toy vocabulary
-K = 3  # tokens generated per enumerated run (spans several rounds when depth < K - 1)
-PROMPT = (1, 0)
-
-SAMPLINGS = {
-    "T1": SamplingConfig(temperature=1.0),
-    "T0.6-topk2": SamplingConfig(temperature=0.6, top_k=2),
-    "T1.4-topp0.7": SamplingConfig(temperature=1.4, top_p=0.7),
-}
 SHAPES = [(1, 1), (1, 2), (2, 1), (2, 2), (3, 1), (3, 2)]  # (width, depth)
 
 
-def pair(draft_noise: float = 0.8):
-    target = TableModel(V, seed=11)
-    draft = TableModel(V, seed=12, base=target, noise=draft_noise)
-    return target, draft
+SLOW_MODEL_CASE = ("without_replacement", 3, 2, "T1")  # ~35 s; width 3 without replacement is also at depth 1
 
 
-def enumerate_decoder(decoder: SpeculativeDecoder, tree, sampling, k: int = K):
-    def run(rng):
-        out = decoder.generate(list(PROMPT), k, tree=tree, sampling=sampling, rng=rng, ignore_eos=True)
-        assert len(out.token_ids) == k
-        return tuple(out.token_ids)
-
-    return enumerate_outcomes(run)
-
-
-@pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
-@pytest.mark.parametrize("strategy", ["iid", "without_replacement", "topk", "dynamic"])
-@pytest.mark.parametrize("width,depth", SHAPES)
+@pytest.mark.parametrize(
+    "strategy,width,depth,sampling_name",
+    [
+        pytest.param(*case, marks=pytest.mark.slow) if case == SLOW_MODEL_CASE else case
+        for case in (
+            (strategy, width, depth, s)
+            for width, depth in SHAPES
+            for strategy in ["iid", "without_replacement", "topk", "dynamic"]
+            for s in SAMPLINGS
+        )
+    ],
+)
 def test_model_drafter_is_lossless(strategy, width, depth, sampling_name):
-    if (strategy, width, depth, sampling_name) == ("without_replacement", 3, 2, "T1"):
-        pytest.skip("slow (~35 s); all three tokens drawn without replacement is covered at depth 1, width 3 x2 at the other samplings")
     sampling = SAMPLINGS[sampling_name]
     target, draft = pair()
     decoder = SpeculativeDecoder(TableRunner(target), TableRunner(draft))
@@ -83,7 +90,9 @@ def test_draft_equal_to_target_accepts_everything():
     decoder = SpeculativeDecoder(TableRunner(target), TableRunner(target))
 
     def run(rng):
-        out = decoder.generate(list(PROMPT), 3, tree=TreeConfig(1, 2), sampling=SAMPLINGS["T1"], rng=rng, ignore_eos=True)
+        out = decoder.generate(
+            list(PROMPT), 3, tree=TreeConfig(1, 2), sampling=SAMPLINGS["T1"], rng=rng, ignore_eos=True
+        )
         return out.stats.target_steps
 
     assert enumerate_outcomes(run) == pytest.approx({1: 1.0})
@@ -117,7 +126,12 @@ class MixedDrafter(Drafter):
 
         q_iid, q_wr = dist(self.q1, ctx), dist(self.q2, ctx)
         kids = add_group(0, Draw.IID, self.rng.categorical(q_iid, 2), q_iid)
-        kids += add_group(0, Draw.WITHOUT_REPLACEMENT, self.rng.without_replacement(q_wr, min(2, int((q_wr > 0).sum()))), q_wr)
+        kids += add_group(
+            0,
+            Draw.WITHOUT_REPLACEMENT,
+            self.rng.without_replacement(q_wr, min(2, int((q_wr > 0).sum()))),
+            q_wr,
+        )
         kids += add_group(0, Draw.DETERMINISTIC, [int(self.q3.logits(ctx).argmax())], None)
         if depth >= 2:
             for c in kids:
@@ -152,9 +166,6 @@ def test_enumeration_detects_a_biased_walk(monkeypatch):
     assert max_abs_diff(got, target.joint(PROMPT, 2, SAMPLINGS["T1"])) > 1e-3
 
 
-LONG_PROMPT = (1, 0, 2, 1, 0)  # gives the model-free drafters something to match
-
-
 @pytest.mark.parametrize("sampling_name", list(SAMPLINGS) + ["greedy"])
 @pytest.mark.parametrize("drafter", ["ngram", "lookup", "merged"])
 @pytest.mark.parametrize("width,depth", [(1, 2), (2, 2), (3, 1)])
@@ -165,7 +176,9 @@ def test_model_free_and_merged_drafters_are_lossless(drafter, width, depth, samp
     used = []
 
     def run(rng):
-        out = decoder.generate(list(LONG_PROMPT), K, tree=TreeConfig(width, depth), sampling=sampling, rng=rng, ignore_eos=True)
+        out = decoder.generate(
+            list(LONG_PROMPT), K, tree=TreeConfig(width, depth), sampling=sampling, rng=rng, ignore_eos=True
+        )
         used.append(out.stats.tree_nodes)
         return tuple(out.token_ids)
 

@@ -10,15 +10,12 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
 
-from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
+from treespec import SpeculativeDecoder, TreeConfig
 from treespec.sequoia import optimal_shape
 
-from .conftest import VOCAB, perturbed, tiny_llama
+from .llamas import GREEDY, PROMPTS, hf_greedy, pair  # noqa: F401 (fixture)
 
-GREEDY = SamplingConfig(temperature=0)
-PROMPTS = [[(7 * i + 3 * j) % (VOCAB - 2) + 2 for j in range(1 + (i * 5) % 13)] for i in range(10)]
 TREES = [
     None,
     TreeConfig(1, 4),
@@ -31,22 +28,6 @@ TREES = [
     TreeConfig(2, 3, adaptive="entropy", depth_min=1, depth_max=6),
     TreeConfig(depth=4, strategy="sequoia", shape=optimal_shape((0.6, 0.2, 0.1), 10, 4)),
 ]
-
-
-@pytest.fixture(scope="module", params=["llama", "llama32-shaped"])
-def pair(request):
-    if request.param == "llama":
-        target = tiny_llama(0)
-    else:
-        target = tiny_llama(2, hidden=48, heads=6, kv_heads=2, layers=3, llama32=True)
-    return target, perturbed(target, noise=0.3, seed=1)
-
-
-def hf_greedy(model, prompt, n, stop_at_eos=True):
-    kwargs = {} if stop_at_eos else {"eos_token_id": None}
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0, **kwargs)
-    return out[0, len(prompt) :].tolist()
 
 
 def tree_id(tree):

@@ -13,69 +13,36 @@ from collections import Counter
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.rng import TorchRng
-from treespec.sampling import probs
 from treespec.sequoia import TreeShape
 
-from .conftest import perturbed, tiny_llama
-
-V, K, N = 8, 3, 1000
-PROMPT = [2, 5, 3, 2, 5, 3, 2, 5]  # repetitive, so the n-gram drafter finds matches
-
-
-@pytest.fixture(scope="module")
-def models():
-    target = tiny_llama(3, hidden=32, vocab=V)
-    return target, perturbed(target, noise=0.5, seed=4)
-
-
-def exact_joint(model, sampling: SamplingConfig) -> dict[tuple[int, ...], float]:
-    """P(x1..xK | prompt) under autoregressive sampling, from one batched forward."""
-    seqs = list(itertools.product(range(V), repeat=K - 1))
-    with torch.no_grad():
-        logits = model(torch.tensor([PROMPT + list(s) for s in seqs])).logits  # [V^(K-1), P+K-1, V]
-    step = probs(logits[:, len(PROMPT) - 1 :], sampling)  # [.., K, V]: p(x_k | prompt, x_<k)
-    joint = {}
-    for i, s in enumerate(seqs):
-        for x in range(V):
-            seq = s + (x,)
-            joint[seq] = float(torch.prod(torch.stack([step[i, k, seq[k]] for k in range(K)])))
-    return joint
-
-
-def chi2_pvalue(counts: Counter, joint: dict, n: int) -> float:
-    """Chi-square goodness of fit, pooling cells expected below 5 into one."""
-    obs, exp, pool_o, pool_e = [], [], 0, 0.0
-    for cell, p in joint.items():
-        if p * n >= 5:
-            obs.append(counts.get(cell, 0))
-            exp.append(p * n)
-        else:
-            pool_o, pool_e = pool_o + counts.get(cell, 0), pool_e + p * n
-    pool_o += sum(c for cell, c in counts.items() if cell not in joint)
-    if pool_e == 0 and pool_o > 0:
-        return 0.0  # an impossible outcome was sampled
-    if pool_e > 0:
-        obs.append(pool_o)
-        exp.append(pool_e)
-    exp = [e * sum(obs) / sum(exp) for e in exp]  # guard rounding in the totals
-    return float(chisquare(obs, exp).pvalue)
-
+from .mc import PROMPT, K, N, V, chi2_pvalue, exact_joint, models  # noqa: F401 (fixture)
 
 CASES = {  # name: (drafter, tree, sampling)
     "linear-T1": ("model", TreeConfig(1, 2), SamplingConfig(temperature=1.0)),
     "iid-w3-topp": ("model", TreeConfig(3, 2), SamplingConfig(temperature=0.9, top_p=0.9)),
-    "wr-w3-topk": ("model", TreeConfig(3, 2, "without_replacement"), SamplingConfig(temperature=1.2, top_k=5)),
+    "wr-w3-topk": (
+        "model",
+        TreeConfig(3, 2, "without_replacement"),
+        SamplingConfig(temperature=1.2, top_k=5),
+    ),
     "topk-w2": ("model", TreeConfig(2, 2, "topk"), SamplingConfig(temperature=0.7)),
     "ngram-w2": ("ngram", TreeConfig(2, 2), SamplingConfig(temperature=1.0)),
     "merged-w2": ("merged", TreeConfig(2, 2), SamplingConfig(temperature=0.8, top_p=0.95)),
     "lookup-w2": ("lookup", TreeConfig(2, 2), SamplingConfig(temperature=1.0)),
     "dynamic-b4": ("model", TreeConfig(2, 2, "dynamic", budget=4), SamplingConfig(temperature=0.8)),
-    "sequoia": ("model", TreeConfig(depth=2, strategy="sequoia", shape=TreeShape((-1, 0, 0, 1))), SamplingConfig(temperature=1.0)),
-    "adaptive-hf": ("model", TreeConfig(2, 1, adaptive="hf", depth_min=1, depth_max=2), SamplingConfig(temperature=1.0, top_k=6)),
+    "sequoia": (
+        "model",
+        TreeConfig(depth=2, strategy="sequoia", shape=TreeShape((-1, 0, 0, 1))),
+        SamplingConfig(temperature=1.0),
+    ),
+    "adaptive-hf": (
+        "model",
+        TreeConfig(2, 1, adaptive="hf", depth_min=1, depth_max=2),
+        SamplingConfig(temperature=1.0, top_k=6),
+    ),
 }
 
 
@@ -120,8 +87,11 @@ def test_torch_rng_without_replacement_is_sequential_sampling(k, dtype):
     assert set(counts) <= set(exact)
     assert chi2_pvalue(counts, exact, n) > 1e-3
     # power: the same draws are clearly not i.i.d. tokens from q (k > 1) / not from a flatter q
-    wrong = {seq: math.prod(float(q[x]) for x in seq) for seq in itertools.product(support, repeat=k)} if k > 1 else \
-        {(x,): 1 / len(support) for x in support}
+    wrong = (
+        {seq: math.prod(float(q[x]) for x in seq) for seq in itertools.product(support, repeat=k)}
+        if k > 1
+        else {(x,): 1 / len(support) for x in support}
+    )
     assert chi2_pvalue(counts, wrong, n) < 1e-3
 
 

@@ -20,9 +20,9 @@ from transformers import (
 from treespec.backends import linear, native
 from treespec.backends.attention import reference_prefix_attention
 from treespec.backends.base import prefill_many, score_many
+from treespec.backends.checkpoint import LlamaShape, unsupported_reason
 from treespec.backends.hf import HFRunner, load_model
 from treespec.backends.linear import Projection, packing_available
-from treespec.backends.checkpoint import LlamaShape, unsupported_reason
 from treespec.backends.native import NativeRunner
 from treespec.tree import TokenTree
 
@@ -86,7 +86,9 @@ def runners(model, **kw):
 
 
 def random_tree(rng: random.Random, size: int) -> TokenTree:
-    return TokenTree([rng.randrange(VOCAB) for _ in range(size)], [-1] + [rng.randrange(i) for i in range(1, size)])
+    return TokenTree(
+        [rng.randrange(VOCAB) for _ in range(size)], [-1] + [rng.randrange(i) for i in range(1, size)]
+    )
 
 
 def level_tree(rng: random.Random, widths: list[int]) -> TokenTree:
@@ -118,10 +120,14 @@ TOL = {torch.float32: 1e-4, torch.float64: 1e-9}
 
 # ---- 1. prefill + tree forwards ------------------------------------------------------------
 def projections(runner: NativeRunner) -> list[Projection]:
-    return [runner.lm_head] + [p for layer in runner.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    return [runner.lm_head] + [
+        p for layer in runner.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    ]
 
 
-@pytest.mark.parametrize("dtype, packed", [(torch.float32, False), (torch.float32, True), (torch.float64, False)])
+@pytest.mark.parametrize(
+    "dtype, packed", [(torch.float32, False), (torch.float32, True), (torch.float64, False)]
+)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_tree_logits_match_hf(variant, dtype, packed, monkeypatch):
     """fp32 runs twice: the tiny weights as they are (below linear.MIN_PACKED_FP32: plain BLAS)
@@ -353,7 +359,9 @@ def test_unsupported_reason():
     assert "sliding" in unsupported_reason(Qwen2Config(use_sliding_window=True, max_window_layers=0))
     assert "mlp_bias" in unsupported_reason(LlamaConfig(mlp_bias=True))
     assert "gpt2" in unsupported_reason({"model_type": "gpt2"})
-    assert "dynamic" in unsupported_reason(LlamaConfig(rope_parameters={"rope_type": "dynamic", "factor": 2.0}))
+    assert "dynamic" in unsupported_reason(
+        LlamaConfig(rope_parameters={"rope_type": "dynamic", "factor": 2.0})
+    )
     # an older config.json: top-level rope_theta and rope_scaling
     old = dict(model_type="llama", rope_theta=5e5, rope_scaling={"type": "llama3", **LLAMA3_ROPE})
     assert unsupported_reason(old) is None

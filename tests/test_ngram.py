@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-
 from treespec import NgramDrafter, PromptLookupDrafter, SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.proposal import Draw
 
 from .conftest import tiny_llama
-from .test_greedy_parity import PROMPTS, hf_greedy
+from .llamas import PROMPTS, hf_greedy
 
 
 def test_hash_buckets_are_deterministic_and_orders_separate():
@@ -73,7 +72,9 @@ def test_model_free_drafters_match_hf_greedy():
         dec = SpeculativeDecoder(target, drafter=drafter)
         accepted = 0
         for prompt in PROMPTS[:5]:
-            out = dec.generate(prompt * 3, 30, tree=TreeConfig(2, 4), sampling=SamplingConfig(temperature=0), ignore_eos=True)
+            out = dec.generate(
+                prompt * 3, 30, tree=TreeConfig(2, 4), sampling=SamplingConfig(temperature=0), ignore_eos=True
+            )
             assert out.token_ids == hf_greedy(target, prompt * 3, 30, stop_at_eos=False)
             assert out.stats.draft_forwards == 0
             accepted += out.sources.count("accepted")
@@ -86,5 +87,7 @@ def test_merged_drafter_matches_hf_greedy():
 
     dec = SpeculativeDecoder(target, perturbed(target, 0.3, 1), drafter="merged")
     for prompt in PROMPTS[:5]:
-        out = dec.generate(prompt * 2, 30, tree=TreeConfig(2, 3), sampling=SamplingConfig(temperature=0), ignore_eos=True)
+        out = dec.generate(
+            prompt * 2, 30, tree=TreeConfig(2, 3), sampling=SamplingConfig(temperature=0), ignore_eos=True
+        )
         assert out.token_ids == hf_greedy(target, prompt * 2, 30, stop_at_eos=False)

@@ -22,7 +22,9 @@ def test_notebook_runs_in_fast_mode(path, monkeypatch):
     monkeypatch.setenv("TREESPEC_FAST", "1")
     monkeypatch.setenv("TREESPEC_THREADS", "1")
     nb = execute(path, write=False, timeout=600)
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
+    errors = [
+        o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"
+    ]
     assert not errors, [f"{e.ename}: {e.evalue}" for e in errors]
 
 

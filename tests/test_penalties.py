@@ -19,15 +19,28 @@ from treespec import BigramDrafter, SamplingConfig, SpeculativeDecoder, TokenTre
 from treespec.sampling import PenaltyContext, TokenCounts, penalize, probs, tree_token_counts
 
 from .conftest import perturbed, tiny_llama
-from .test_exact_enumeration import LONG_PROMPT, PROMPT, enumerate_decoder, pair
-from .test_greedy_parity import PROMPTS, hf_greedy
-from .toy import TableModel, TableRunner, enumerate_outcomes, max_abs_diff, reference_penalties
+from .llamas import PROMPTS, hf_greedy
+from .toy import (
+    LONG_PROMPT,
+    PROMPT,
+    TableModel,
+    TableRunner,
+    enumerate_decoder,
+    enumerate_outcomes,
+    max_abs_diff,
+    pair,
+    reference_penalties,
+)
 
 V, K = 3, 3
 PENALTIES = {
     "rep1.5": SamplingConfig(temperature=1.0, repetition_penalty=1.5),
-    "all-topk2": SamplingConfig(temperature=0.8, top_k=2, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3),
-    "encourage-topp": SamplingConfig(temperature=1.2, top_p=0.8, repetition_penalty=0.8, frequency_penalty=-0.5, presence_penalty=0.7),
+    "all-topk2": SamplingConfig(
+        temperature=0.8, top_k=2, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3
+    ),
+    "encourage-topp": SamplingConfig(
+        temperature=1.2, top_p=0.8, repetition_penalty=0.8, frequency_penalty=-0.5, presence_penalty=0.7
+    ),
 }
 GREEDY_PENALTY = SamplingConfig(temperature=0, repetition_penalty=3.0, frequency_penalty=1.0)
 
@@ -74,7 +87,9 @@ def test_toy_reference_agrees_with_the_library_transform():
     logits = TableModel(5, seed=3).logits((1, 0, 4))
     cfg = PENALTIES["all-topk2"]
     counts = tree_token_counts(PenaltyContext([1, 0, 4, 4, 2], 3), TokenTree([2], [-1]), 5, "cpu")
-    assert torch.allclose(penalize(logits[None], cfg, counts)[0], reference_penalties(logits, (1, 0, 4), (4, 2), cfg))
+    assert torch.allclose(
+        penalize(logits[None], cfg, counts)[0], reference_penalties(logits, (1, 0, 4), (4, 2), cfg)
+    )
 
 
 # ---- enumeration ------------------------------------------------------------------------------
@@ -83,7 +98,9 @@ ENUM_CASES = [  # (strategy, width, depth, sampling): chains and trees whose sib
     for strategy in ("iid", "without_replacement", "topk", "dynamic")
     for (w, d) in ((1, 2), (2, 2), (3, 1))
     for name in PENALTIES
-    if not (strategy == "without_replacement" and (w, d) == (2, 2) and name != "all-topk2")  # 10 s each: one is enough
+    if not (
+        strategy == "without_replacement" and (w, d) == (2, 2) and name != "all-topk2"
+    )  # 10 s each: one is enough
 ]
 
 
@@ -105,7 +122,9 @@ def test_penalised_beam_under_each_rule(verification):
     sampling = PENALTIES["all-topk2"]
 
     def run(rng):
-        out = decoder.generate(list(PROMPT), K, tree=tree, sampling=sampling, rng=rng, ignore_eos=True, verification=verification)
+        out = decoder.generate(
+            list(PROMPT), K, tree=tree, sampling=sampling, rng=rng, ignore_eos=True, verification=verification
+        )
         return tuple(out.token_ids)
 
     assert max_abs_diff(enumerate_outcomes(run), target.joint(PROMPT, K, sampling)) < 1e-9
@@ -116,9 +135,13 @@ def test_penalised_other_drafters_are_lossless(drafter):
     target, draft = pair()
     sampling = PENALTIES["rep1.5"]
     if drafter == "bigram":
-        decoder = SpeculativeDecoder(TableRunner(target), drafter=BigramDrafter(torch.ones(V, V) + torch.eye(V), width=2))
+        decoder = SpeculativeDecoder(
+            TableRunner(target), drafter=BigramDrafter(torch.ones(V, V) + torch.eye(V), width=2)
+        )
     else:
-        decoder = SpeculativeDecoder(TableRunner(target), TableRunner(draft), drafter="model" if drafter == "plain" else drafter)
+        decoder = SpeculativeDecoder(
+            TableRunner(target), TableRunner(draft), drafter="model" if drafter == "plain" else drafter
+        )
     tree = None if drafter == "plain" else TreeConfig(2, 2)
 
     def run(rng):
@@ -128,13 +151,17 @@ def test_penalised_other_drafters_are_lossless(drafter):
     assert max_abs_diff(enumerate_outcomes(run), target.joint(LONG_PROMPT, K, sampling)) < 1e-9
 
 
-@pytest.mark.parametrize("tree", [TreeConfig(2, 2), TreeConfig(3, 2, "without_replacement"), TreeConfig(2, 3, "dynamic", budget=4)])
+@pytest.mark.parametrize(
+    "tree", [TreeConfig(2, 2), TreeConfig(3, 2, "without_replacement"), TreeConfig(2, 3, "dynamic", budget=4)]
+)
 def test_penalised_greedy_is_the_penalised_argmax_chain(tree):
     target, draft = pair()
     decoder = SpeculativeDecoder(TableRunner(target), TableRunner(draft))
     got = enumerate_decoder(decoder, tree, GREEDY_PENALTY, k=5)
     assert got == pytest.approx(target.joint(PROMPT, 5, GREEDY_PENALTY))
-    assert got != pytest.approx(target.joint(PROMPT, 5, SamplingConfig(temperature=0)))  # the penalty matters here
+    assert got != pytest.approx(
+        target.joint(PROMPT, 5, SamplingConfig(temperature=0))
+    )  # the penalty matters here
 
 
 def test_enumeration_detects_penalties_that_ignore_the_path(monkeypatch):
@@ -158,13 +185,20 @@ def test_enumeration_detects_penalties_that_ignore_the_path(monkeypatch):
 # ---- real models --------------------------------------------------------------------------------
 MC_CASES = {
     "iid-w3-rep": ("model", TreeConfig(3, 2), SamplingConfig(temperature=1.0, repetition_penalty=1.8)),
-    "wr-w2-freq-pres": ("model", TreeConfig(2, 2, "without_replacement"), SamplingConfig(temperature=0.9, frequency_penalty=1.0, presence_penalty=0.5)),
+    "wr-w2-freq-pres": (
+        "model",
+        TreeConfig(2, 2, "without_replacement"),
+        SamplingConfig(temperature=0.9, frequency_penalty=1.0, presence_penalty=0.5),
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(MC_CASES))
 def test_penalised_sampling_matches_target_joint(case):
-    from .test_monte_carlo import K as MK, N, PROMPT as MPROMPT, V as MV, chi2_pvalue
+    from .mc import PROMPT as MPROMPT
+    from .mc import K as MK
+    from .mc import N, chi2_pvalue
+    from .mc import V as MV
 
     target = tiny_llama(3, hidden=32, vocab=MV)
     draft = perturbed(target, noise=0.5, seed=4)
@@ -182,7 +216,9 @@ def test_penalised_sampling_matches_target_joint(case):
     assert chi2_pvalue(counts, penalised_joint(target, MPROMPT, MK, MV, plain), N) < 1e-3
 
 
-def penalised_joint(model, prompt: list[int], k: int, vocab: int, sampling: SamplingConfig) -> dict[tuple[int, ...], float]:
+def penalised_joint(
+    model, prompt: list[int], k: int, vocab: int, sampling: SamplingConfig
+) -> dict[tuple[int, ...], float]:
     """P(x1..xk | prompt) under autoregressive sampling with penalties, one forward per prefix."""
     plain = SamplingConfig(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
     out = {(): 1.0}
@@ -207,7 +243,14 @@ def parity_pair():
 
 @pytest.mark.parametrize("backend", ["native", "hf"])
 @pytest.mark.parametrize(
-    "tree", [None, TreeConfig(1, 4), TreeConfig(3, 3), TreeConfig(3, 3, "without_replacement"), TreeConfig(3, 4, "dynamic", budget=8)],
+    "tree",
+    [
+        None,
+        TreeConfig(1, 4),
+        TreeConfig(3, 3),
+        TreeConfig(3, 3, "without_replacement"),
+        TreeConfig(3, 4, "dynamic", budget=8),
+    ],
     ids=["plain", "chain", "iid", "beam", "dynamic"],
 )
 def test_greedy_repetition_penalty_equals_hf_generate(parity_pair, tree, backend):
@@ -218,8 +261,13 @@ def test_greedy_repetition_penalty_equals_hf_generate(parity_pair, tree, backend
     for prompt in PROMPTS[:6]:
         with torch.no_grad():
             want = target.generate(
-                torch.tensor([prompt]), max_new_tokens=30, do_sample=False, repetition_penalty=1.3, pad_token_id=0, eos_token_id=None
-            )[0, len(prompt):].tolist()
+                torch.tensor([prompt]),
+                max_new_tokens=30,
+                do_sample=False,
+                repetition_penalty=1.3,
+                pad_token_id=0,
+                eos_token_id=None,
+            )[0, len(prompt) :].tolist()
         out = dec.generate(prompt, 30, tree=tree, sampling=sampling, ignore_eos=True)
         assert out.token_ids == want, f"prompt {prompt}"
         accepted += out.sources.count("accepted")

@@ -15,7 +15,8 @@ from treespec.backends.hf import HFRunner
 from treespec.backends.native import NativeRunner
 
 from .conftest import VOCAB, tiny_llama
-from .test_tree import trees
+from .llamas import assert_cache_equals_prefill, tol
+from .toy import trees
 
 PREFIX = [3, 17, 42, 8, 25, 60, 11]
 
@@ -38,42 +39,24 @@ def backend(request, model):
     return request.param
 
 
-def tol(model) -> float:
-    # HF's eager attention takes its softmax in float32 even for float64 models
-    return 1e-6 if model.config._attn_implementation == "eager" else 1e-9
-
-
 def sequential_logits(model, tokens: list[int]) -> torch.Tensor:
     """Next-token logits after `tokens`, from a plain full forward with no cache."""
     with torch.no_grad():
         return model(torch.tensor([tokens])).logits[0, -1]
 
 
-def committed_kv(runner) -> list[torch.Tensor]:
-    """Keys and values of the committed slots, per layer ([B, Hkv, C, D] each)."""
-    c = runner.n_committed
-    if isinstance(runner, NativeRunner):
-        assert runner.filled == c
-        return [runner.kv[layer, kv, ..., :c, :] for layer in range(runner.kv.shape[0]) for kv in (0, 1)]
-    assert runner.cache.get_seq_length() == c
-    return [t for layer in runner.cache.layers for t in (layer.keys, layer.values)]
-
-
-def assert_cache_equals_prefill(runner, model) -> None:
-    fresh = type(runner).from_hf(model) if isinstance(runner, NativeRunner) else HFRunner(model)
-    fresh.prefill(runner.committed)
-    for got, want in zip(committed_kv(runner), committed_kv(fresh), strict=True):
-        torch.testing.assert_close(got, want, rtol=0, atol=tol(model) / 10)
-
-
 def test_tree_logits_equal_each_path_run_sequentially(model, backend):
-    tree = TokenTree.from_choices(5, [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [1, 0, 0]], [[9, 4, 77], [30, 2], [51]])
+    tree = TokenTree.from_choices(
+        5, [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [1, 0, 0]], [[9, 4, 77], [30, 2], [51]]
+    )
     runner = make_runner(model, backend)
     runner.prefill(PREFIX)
     logits = runner.score(tree)
     for i in range(len(tree)):
         path_tokens = [tree.tokens[n] for n in tree.path_to(i)]
-        torch.testing.assert_close(logits[i], sequential_logits(model, PREFIX + path_tokens), rtol=0, atol=tol(model))
+        torch.testing.assert_close(
+            logits[i], sequential_logits(model, PREFIX + path_tokens), rtol=0, atol=tol(model)
+        )
 
 
 def test_tree_built_over_two_forwards(model, backend):
@@ -85,8 +68,12 @@ def test_tree_built_over_two_forwards(model, backend):
     grandkids = runner.extend([30, 31, 2], [1, 1, 2])
     torch.testing.assert_close(root[0], sequential_logits(model, PREFIX + [5]), rtol=0, atol=tol(model))
     torch.testing.assert_close(kids[1], sequential_logits(model, PREFIX + [5, 4]), rtol=0, atol=tol(model))
-    torch.testing.assert_close(grandkids[1], sequential_logits(model, PREFIX + [5, 9, 31]), rtol=0, atol=tol(model))
-    torch.testing.assert_close(grandkids[2], sequential_logits(model, PREFIX + [5, 4, 2]), rtol=0, atol=tol(model))
+    torch.testing.assert_close(
+        grandkids[1], sequential_logits(model, PREFIX + [5, 9, 31]), rtol=0, atol=tol(model)
+    )
+    torch.testing.assert_close(
+        grandkids[2], sequential_logits(model, PREFIX + [5, 4, 2]), rtol=0, atol=tol(model)
+    )
     runner.commit([0, 1, 4])
     assert runner.committed == PREFIX + [5, 9, 31]
     assert_cache_equals_prefill(runner, model)
@@ -96,7 +83,14 @@ def test_tree_built_over_two_forwards(model, backend):
 def test_cache_after_20_rounds_equals_fresh_prefill(model, strategy, backend):
     draft = tiny_llama(1, hidden=16, layers=1, heads=2, kv_heads=1)
     dec = SpeculativeDecoder(model, draft, backend=backend)
-    out = dec.generate(PREFIX, 60, tree=TreeConfig(3, 3, strategy), sampling=SamplingConfig(temperature=1.0), seed=0, ignore_eos=True)
+    out = dec.generate(
+        PREFIX,
+        60,
+        tree=TreeConfig(3, 3, strategy),
+        sampling=SamplingConfig(temperature=1.0),
+        seed=0,
+        ignore_eos=True,
+    )
     assert out.stats.target_steps >= 20
     assert dec.target_runner.committed == PREFIX + out.token_ids[:-1]
     assert_cache_equals_prefill(dec.target_runner, model)
@@ -192,15 +186,24 @@ def test_auto_dtype_follows_the_cpu_flags_and_measurement(monkeypatch, tmp_path,
     monkeypatch.setattr(backends, "bf16_matmul_is_faster", lambda: faster)
     assert backends.auto_dtype("cpu") == want
     assert backends.auto_dtype("cpu", "draft") == torch.float32  # a small draft is op-bound on CPU
-    assert backends.auto_dtype("cuda") == backends.auto_dtype("cuda", "draft") == torch.bfloat16  # no device is touched
+    assert (
+        backends.auto_dtype("cuda") == backends.auto_dtype("cuda", "draft") == torch.bfloat16
+    )  # no device is touched
     assert read("/nonexistent") == set()
-    assert backends.cpu_model(str(cpuinfo)) == backends.cpu_model("/nonexistent") == "cpu"  # no model name line
+    assert (
+        backends.cpu_model(str(cpuinfo)) == backends.cpu_model("/nonexistent") == "cpu"
+    )  # no model name line
     cpuinfo.write_text(f"processor\t: 0\nmodel name\t: AMD EPYC 9454\nflags\t\t: {flags}\n")
-    assert backends.cpu_model(str(cpuinfo)) == "AMD EPYC 9454" and read(str(cpuinfo)) == set(flags.split()) & {"amx_bf16", "avx512_bf16"}
+    assert backends.cpu_model(str(cpuinfo)) == "AMD EPYC 9454" and read(str(cpuinfo)) == set(
+        flags.split()
+    ) & {"amx_bf16", "avx512_bf16"}
 
 
 def test_bf16_probe_answers_and_is_cached():
     from treespec import backends
 
     assert backends.bf16_matmul_is_faster() in (True, False)
-    assert backends.bf16_matmul_is_faster.cache_info().hits + backends.bf16_matmul_is_faster.cache_info().misses >= 1
+    assert (
+        backends.bf16_matmul_is_faster.cache_info().hits + backends.bf16_matmul_is_faster.cache_info().misses
+        >= 1
+    )

@@ -32,10 +32,14 @@ def test_greedy_is_one_hot_argmax_ignoring_top_k_and_top_p():
 
 def test_top_k_keeps_k_most_likely():
     p = probs(LOGITS, SamplingConfig(top_k=2))
-    torch.testing.assert_close(p, torch.tensor([0, 4 / 7, 3 / 7, 0, 0], dtype=torch.float64), rtol=0, atol=1e-15)
+    torch.testing.assert_close(
+        p, torch.tensor([0, 4 / 7, 3 / 7, 0, 0], dtype=torch.float64), rtol=0, atol=1e-15
+    )
 
 
-@pytest.mark.parametrize("top_p,kept", [(0.39, [1]), (0.41, [1, 2]), (0.69, [1, 2]), (0.71, [1, 2, 3]), (1.0, [0, 1, 2, 3, 4])])
+@pytest.mark.parametrize(
+    "top_p,kept", [(0.39, [1]), (0.41, [1, 2]), (0.69, [1, 2]), (0.71, [1, 2, 3]), (1.0, [0, 1, 2, 3, 4])]
+)
 def test_top_p_keeps_the_smallest_set_reaching_top_p(top_p, kept):
     p = probs(LOGITS, SamplingConfig(top_p=top_p))
     assert torch.nonzero(p).flatten().tolist() == kept
@@ -56,7 +60,10 @@ def test_residual():
     torch.testing.assert_close(residual(r, q), torch.tensor([1.0, 0, 0], dtype=torch.float64))
     torch.testing.assert_close(residual(r, r.clone()), r)  # zero-probability rejection: keep r
     rows = torch.stack([r, q])  # batched rows: each row its own residual
-    torch.testing.assert_close(residual(rows, torch.stack([q, r])), torch.tensor([[1.0, 0, 0], [0, 2 / 3, 1 / 3]], dtype=torch.float64))
+    torch.testing.assert_close(
+        residual(rows, torch.stack([q, r])),
+        torch.tensor([[1.0, 0, 0], [0, 2 / 3, 1 / 3]], dtype=torch.float64),
+    )
 
 
 def test_remove_token_and_uniform_fallback():
@@ -78,14 +85,17 @@ def test_check_finite():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_nonfinite_rows_flags_nan_posinf_and_all_neginf_rows(dtype):
     inf = float("inf")
-    rows = torch.tensor([
-        [0.0, 1.0, 2.0],  # fine
-        [-inf, 1.0, -inf],  # forbidden tokens are fine
-        [0.0, float("nan"), 5.0],  # NaN anywhere
-        [inf, 0.0, 1.0],  # +inf
-        [-inf, -inf, -inf],  # nothing left to sample
-        [float("nan"), -inf, -inf],
-    ], dtype=dtype)
+    rows = torch.tensor(
+        [
+            [0.0, 1.0, 2.0],  # fine
+            [-inf, 1.0, -inf],  # forbidden tokens are fine
+            [0.0, float("nan"), 5.0],  # NaN anywhere
+            [inf, 0.0, 1.0],  # +inf
+            [-inf, -inf, -inf],  # nothing left to sample
+            [float("nan"), -inf, -inf],
+        ],
+        dtype=dtype,
+    )
     assert nonfinite_rows(rows).tolist() == [False, False, True, True, True, True]
     assert nonfinite_rows(rows[0]).item() is False  # a single row
     for bad in rows[2:]:

@@ -9,8 +9,7 @@ import pytest
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.sequoia import TreeShape, expected_tokens, optimal_shape
 
-from .test_exact_enumeration import PROMPT, SAMPLINGS, enumerate_decoder, pair
-from .toy import TableRunner, max_abs_diff
+from .toy import PROMPT, SAMPLINGS, TableRunner, enumerate_decoder, max_abs_diff, pair
 
 ACCEPTANCES = [(0.6, 0.2, 0.1), (0.8, 0.1), (0.3, 0.25, 0.2, 0.15), (0.9,)]
 
@@ -32,7 +31,9 @@ def depth_of(parents):
 @pytest.mark.parametrize("n", range(0, 7))
 @pytest.mark.parametrize("max_depth", [1, 2, 3, 6])
 def test_dynamic_program_equals_brute_force(acc, n, max_depth):
-    best = max(expected_tokens(p, acc) for m in range(n + 1) for p in all_shapes(m) if depth_of(p) <= max_depth)
+    best = max(
+        expected_tokens(p, acc) for m in range(n + 1) for p in all_shapes(m) if depth_of(p) <= max_depth
+    )
     shape = optimal_shape(acc, n, max_depth)
     assert shape.expected_tokens == pytest.approx(best, abs=1e-12)
     assert expected_tokens(shape.parents, acc) == pytest.approx(best, abs=1e-12)
@@ -43,8 +44,10 @@ def test_cost_weighting_against_brute_force():
     acc = (0.6, 0.2, 0.1)
     verify_cost = [1.0 + 0.15 * n for n in range(9)]
     shape = optimal_shape(acc, 8, 4, verify_cost=verify_cost, draft_cost=0.1)
+
     def rate(p):
         return expected_tokens(p, acc) / (verify_cost[len(p) - 1] + depth_of(p) * 0.1)
+
     best = max(rate(p) for m in range(7) for p in all_shapes(m) if depth_of(p) <= 4)
     assert rate(shape.parents) >= best - 1e-12  # brute force to 6 nodes; the DP searched to 8
 

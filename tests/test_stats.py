@@ -12,7 +12,9 @@ from .conftest import tiny_llama
 
 
 def test_definitions():
-    s = GenerationStats(target_steps=4, tokens=9, tree_nodes=10, accepted_by_depth=[3, 2], attempted_by_depth=[4, 3])
+    s = GenerationStats(
+        target_steps=4, tokens=9, tree_nodes=10, accepted_by_depth=[3, 2], attempted_by_depth=[4, 3]
+    )
     assert s.accepted_tokens == 5
     assert s.acceptance_rate == 0.5  # accepted draft tokens / drafted tokens (vLLM)
     assert s.mean_accepted_length == 1.25  # accepted draft tokens per target step, bonus excluded
@@ -33,7 +35,14 @@ def models():
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_metrics_are_consistent_with_the_emitted_tokens(models, drafter, temperature):
     dec = SpeculativeDecoder(*models, drafter=drafter)
-    out = dec.generate([3, 4, 5, 6] * 4, 40, tree=TreeConfig(2, 3), sampling=SamplingConfig(temperature), seed=0, ignore_eos=True)
+    out = dec.generate(
+        [3, 4, 5, 6] * 4,
+        40,
+        tree=TreeConfig(2, 3),
+        sampling=SamplingConfig(temperature),
+        seed=0,
+        ignore_eos=True,
+    )
     s = out.stats
     # without truncation every round emits its accepted tokens plus one correction/bonus token
     assert s.tokens == 40 == s.accepted_tokens + s.target_steps
@@ -48,12 +57,18 @@ def test_metrics_are_consistent_with_the_emitted_tokens(models, drafter, tempera
 
 def test_draft_forwards_counted_for_drafter_instances(models):
     dec = SpeculativeDecoder(*models, drafter="merged")
-    want = dec.generate([3, 4, 5, 6] * 4, 24, tree=TreeConfig(2, 3), seed=1, ignore_eos=True).stats.draft_forwards
+    want = dec.generate(
+        [3, 4, 5, 6] * 4, 24, tree=TreeConfig(2, 3), seed=1, ignore_eos=True
+    ).stats.draft_forwards
     assert want > 0
     tree = TreeConfig(2, 3)
     merged = MergedDrafter([ModelDrafter(dec.draft_runner, tree), NgramDrafter(2)])
-    custom = SpeculativeDecoder(dec.target_runner, None, drafter=merged)  # no draft model given to the decoder
-    assert custom.generate([3, 4, 5, 6] * 4, 24, tree=tree, seed=1, ignore_eos=True).stats.draft_forwards == want
+    custom = SpeculativeDecoder(
+        dec.target_runner, None, drafter=merged
+    )  # no draft model given to the decoder
+    assert (
+        custom.generate([3, 4, 5, 6] * 4, 24, tree=tree, seed=1, ignore_eos=True).stats.draft_forwards == want
+    )
     twice = MergedDrafter([ModelDrafter(dec.draft_runner, tree), merged])  # one runner, counted once
     assert twice.runners() == [dec.draft_runner]
 

@@ -13,7 +13,9 @@ from .conftest import tiny_llama
 class CharTokenizer:
     """Token id i decodes to PIECES[i]: multi-character pieces test overhangs."""
 
-    PIECES = ["<s>", "</s>"] + list("abcdefgh \n") + ["ab", "cde", "\n\n\n", "fgh"] + [f"w{i}" for i in range(80)]
+    PIECES = (
+        ["<s>", "</s>"] + list("abcdefgh \n") + ["ab", "cde", "\n\n\n", "fgh"] + [f"w{i}" for i in range(80)]
+    )
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(self.PIECES[i] for i in ids if not (skip_special_tokens and i < 2))
@@ -50,7 +52,9 @@ def _emit(rounds, stop, max_new=100, eos=frozenset()):
 def test_stop_strings(rounds, stop, text):
     got, out = _emit(rounds, StopMatcher([stop], set(), TOK))
     assert got == text
-    assert out.finish_reason == ("stop" if stop in text else None) and out.stop_match == (stop if stop in text else None)
+    assert out.finish_reason == ("stop" if stop in text else None) and out.stop_match == (
+        stop if stop in text else None
+    )
 
 
 def test_earliest_stop_wins_and_ids_stop_like_eos():
@@ -71,7 +75,9 @@ def test_long_window_and_skipped_special_tokens():
 
 @pytest.fixture(scope="module")
 def dec():
-    return SpeculativeDecoder(tiny_llama(0), tiny_llama(1, hidden=16, layers=1, heads=2, kv_heads=1), tokenizer=TOK)
+    return SpeculativeDecoder(
+        tiny_llama(0), tiny_llama(1, hidden=16, layers=1, heads=2, kv_heads=1), tokenizer=TOK
+    )
 
 
 @pytest.mark.parametrize("tree", [None, TreeConfig(1, 4), TreeConfig(3, 3)])
@@ -80,7 +86,9 @@ def test_generate_stops_at_a_stop_id_at_the_same_token_as_plain_decoding(dec, tr
     full = dec.generate([3, 4, 5], 30, tree=tree, sampling=sampling, ignore_eos=True).token_ids
     target = full[10]
     out = dec.generate([3, 4, 5], 30, tree=tree, sampling=sampling, ignore_eos=True, stop=target)
-    assert out.token_ids == full[: full.index(target) + 1] and out.finish_reason == "stop" and out.stop == target
+    assert (
+        out.token_ids == full[: full.index(target) + 1] and out.finish_reason == "stop" and out.stop == target
+    )
     text = TOK.decode(full)
     stop = text[len(TOK.decode(full[:12])) - 3 :][:5]
     out = dec.generate([3, 4, 5], 30, tree=tree, sampling=sampling, ignore_eos=True, stop=[stop])

@@ -61,7 +61,9 @@ def test_alpha_from_distributions():
     p = np.array([0.5, 0.3, 0.2])
     q = np.array([0.2, 0.3, 0.5])
     assert theory.acceptance_rate(p, q) == pytest.approx(0.7)
-    assert theory.acceptance_rate(torch.tensor(np.stack([p, p])), torch.tensor(np.stack([q, p]))) == pytest.approx(0.85)
+    assert theory.acceptance_rate(
+        torch.tensor(np.stack([p, p])), torch.tensor(np.stack([q, p]))
+    ) == pytest.approx(0.85)
     assert theory.acceptance_rate(p, p) == pytest.approx(1.0)
 
 
@@ -86,7 +88,9 @@ def test_tree_forms_reuse_sequoia():
     assert theory.tree_expected_tokens is sequoia_expected_tokens
     # a chain under positional acceptance (a, 0, ...) is Eq. 1
     a = 0.7
-    assert theory.tree_expected_tokens(theory.chain_parents(5), [a]) == pytest.approx(theory.expected_tokens(a, 5))
+    assert theory.tree_expected_tokens(theory.chain_parents(5), [a]) == pytest.approx(
+        theory.expected_tokens(a, 5)
+    )
     acc = [0.6, 0.2, 0.1]
     binary = theory.kary_parents(2, 2)
     assert len(binary) == 1 + 2 + 4

@@ -8,7 +8,16 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from treespec import DraftTree, Drafter, Draw, ProposalGroup, SamplingConfig, SpeculativeDecoder, TokenTree, TreeConfig
+from treespec import (
+    Drafter,
+    DraftTree,
+    Draw,
+    ProposalGroup,
+    SamplingConfig,
+    SpeculativeDecoder,
+    TokenTree,
+    TreeConfig,
+)
 from treespec.drafters import ModelDrafter
 from treespec.rng import TorchRng
 
@@ -33,9 +42,13 @@ GREEDY = SamplingConfig(temperature=0)
 
 def test_compatible_tokenizers():
     words = WORDS + [f"x{i}" for i in range(6)]  # 96 tokens = the models' rows
-    dec = SpeculativeDecoder(tiny_llama(0), small(1, 96), tokenizer=make_tokenizer(words), draft_tokenizer=make_tokenizer(words))
+    dec = SpeculativeDecoder(
+        tiny_llama(0), small(1, 96), tokenizer=make_tokenizer(words), draft_tokenizer=make_tokenizer(words)
+    )
     out = dec.generate("w1 w2 w3", 12, tree=TreeConfig(2, 3), sampling=GREEDY, ignore_eos=True)
-    assert out.token_ids == dec.generate("w1 w2 w3", 12, tree=None, sampling=GREEDY, ignore_eos=True).token_ids
+    assert (
+        out.token_ids == dec.generate("w1 w2 w3", 12, tree=None, sampling=GREEDY, ignore_eos=True).token_ids
+    )
     assert out.text is not None and dec.draft_support == 96
 
 
@@ -44,7 +57,9 @@ def test_draft_padded_beyond_the_tokenizer(draft_rows):
     """90 real tokens; target 96 rows, draft 96 or 104 (Qwen-style padding): q has no mass on
     ids >= 90 and is as long as the target's rows; greedy output is the target's."""
     tok = make_tokenizer()
-    dec = SpeculativeDecoder(tiny_llama(0), small(1, draft_rows), tokenizer=tok, draft_tokenizer=make_tokenizer())
+    dec = SpeculativeDecoder(
+        tiny_llama(0), small(1, draft_rows), tokenizer=tok, draft_tokenizer=make_tokenizer()
+    )
     assert dec.draft_support == 90 and dec.vocab_size == 96
     drafter = dec.drafter.make(TreeConfig(3, 2), dec.draft_runner)
     assert isinstance(drafter, ModelDrafter)
@@ -56,7 +71,14 @@ def test_draft_padded_beyond_the_tokenizer(draft_rows):
     for tree in (TreeConfig(1, 4), TreeConfig(3, 3, strategy="topk")):
         got = dec.generate("w1 w2 w3", 16, tree=tree, sampling=GREEDY, ignore_eos=True).token_ids
         assert got == dec.generate("w1 w2 w3", 16, tree=None, sampling=GREEDY, ignore_eos=True).token_ids
-    out = dec.generate("w1 w2 w3", 16, tree=TreeConfig(2, 3), sampling=SamplingConfig(temperature=1.0), seed=0, ignore_eos=True)
+    out = dec.generate(
+        "w1 w2 w3",
+        16,
+        tree=TreeConfig(2, 3),
+        sampling=SamplingConfig(temperature=1.0),
+        seed=0,
+        ignore_eos=True,
+    )
     assert len(out.token_ids) == 16
 
 
@@ -84,7 +106,13 @@ class SizedTokenizer:
 
 @pytest.mark.parametrize(
     "target_rows,draft_rows,strategy,n",
-    [(3, 5, "iid", 3), (5, 4, "iid", 3), (5, 5, "iid", 3), (3, 5, "without_replacement", 2), (5, 4, "without_replacement", 2)],
+    [
+        (3, 5, "iid", 3),
+        (5, 4, "iid", 3),
+        (5, 5, "iid", 3),
+        (3, 5, "without_replacement", 2),
+        (5, 4, "without_replacement", 2),
+    ],
 )
 def test_padding_is_lossless_by_enumeration(target_rows, draft_rows, strategy, n):
     """3 real tokens. The draft's padding rows carry large logits (+2): unmasked, q would put
@@ -96,7 +124,9 @@ def test_padding_is_lossless_by_enumeration(target_rows, draft_rows, strategy, n
     sampling = SamplingConfig(temperature=1.0)
 
     def run(rng):
-        out = dec.generate([1, 0], n, tree=TreeConfig(2, 2, strategy=strategy), sampling=sampling, rng=rng, ignore_eos=True)
+        out = dec.generate(
+            [1, 0], n, tree=TreeConfig(2, 2, strategy=strategy), sampling=sampling, rng=rng, ignore_eos=True
+        )
         return tuple(out.token_ids)
 
     got = enumerate_outcomes(run)
@@ -107,13 +137,24 @@ def test_padding_is_lossless_by_enumeration(target_rows, draft_rows, strategy, n
 def test_swapped_ids_are_named():
     words = list(WORDS)
     words[10], words[11] = words[11], words[10]
-    with pytest.raises(ValueError, match=r"differs from the target's on 2 of 90 shared ids \(target vs draft: 10: 'w7' vs 'w8', 11: 'w8' vs 'w7'\)"):
-        SpeculativeDecoder(tiny_llama(0), small(1, 96), tokenizer=make_tokenizer(), draft_tokenizer=make_tokenizer(words))
+    with pytest.raises(
+        ValueError,
+        match=r"differs from the target's on 2 of 90 shared ids \(target vs draft: 10: 'w7' vs "
+        r"'w8', 11: 'w8' vs 'w7'\)",
+    ):
+        SpeculativeDecoder(
+            tiny_llama(0), small(1, 96), tokenizer=make_tokenizer(), draft_tokenizer=make_tokenizer(words)
+        )
 
 
 def test_different_eos_is_refused():
     with pytest.raises(ValueError, match="disagree on eos_token_id: 1 vs 2"):
-        SpeculativeDecoder(tiny_llama(0), small(1, 96), tokenizer=make_tokenizer(), draft_tokenizer=make_tokenizer(eos="<unk>"))
+        SpeculativeDecoder(
+            tiny_llama(0),
+            small(1, 96),
+            tokenizer=make_tokenizer(),
+            draft_tokenizer=make_tokenizer(eos="<unk>"),
+        )
 
 
 def test_extra_ids_in_one_tokenizer_only_are_allowed():
@@ -123,7 +164,9 @@ def test_extra_ids_in_one_tokenizer_only_are_allowed():
 
 
 def test_draft_with_fewer_rows_than_the_tokenizer_is_refused():
-    with pytest.raises(ValueError, match="the draft model has 64 output rows but the tokenizer has 90 tokens"):
+    with pytest.raises(
+        ValueError, match="the draft model has 64 output rows but the tokenizer has 90 tokens"
+    ):
         SpeculativeDecoder(tiny_llama(0), small(1, 64), tokenizer=make_tokenizer())
 
 
@@ -152,8 +195,14 @@ class BadDrafter(Drafter):
 @pytest.mark.parametrize(
     "drafter,match",
     [
-        (BadDrafter(token=500), r"BadDrafter proposed token ids \[500\] outside the target's vocabulary \[0, 96\)"),
-        (BadDrafter(q_size=100), "BadDrafter proposed from a q over 100 tokens, but the target's vocabulary has 96"),
+        (
+            BadDrafter(token=500),
+            r"BadDrafter proposed token ids \[500\] outside the target's vocabulary \[0, 96\)",
+        ),
+        (
+            BadDrafter(q_size=100),
+            "BadDrafter proposed from a q over 100 tokens, but the target's vocabulary has 96",
+        ),
         (BadDrafter(root=7), "not at the last committed token"),
     ],
 )

@@ -10,14 +10,21 @@ from treespec.cli import main
 from treespec.sampling import probs
 from treespec.trace import RoundTrace, render_round
 
-from .test_exact_enumeration import pair
-from .toy import TableRunner
+from .toy import TableRunner, pair
 
 PROMPT = [1, 0, 2]
 CASES = {  # name: (tree, sampling, verification)
     "iid-token": (TreeConfig(2, 2), SamplingConfig(temperature=1.0), "token"),
-    "beam-traversal": (TreeConfig(2, 2, "without_replacement", adaptive="entropy", depth_min=1, depth_max=6, ema_beta=0.0), SamplingConfig(temperature=0.9), "traversal"),
-    "chain-block": (TreeConfig(1, 3, adaptive="hf", depth_min=1, depth_max=4), SamplingConfig(temperature=1.0, top_k=2), "block"),
+    "beam-traversal": (
+        TreeConfig(2, 2, "without_replacement", adaptive="entropy", depth_min=1, depth_max=6, ema_beta=0.0),
+        SamplingConfig(temperature=0.9),
+        "traversal",
+    ),
+    "chain-block": (
+        TreeConfig(1, 3, adaptive="hf", depth_min=1, depth_max=4),
+        SamplingConfig(temperature=1.0, top_k=2),
+        "block",
+    ),
     "greedy": (TreeConfig(2, 3, "topk"), SamplingConfig(temperature=0), None),
     "penalised": (TreeConfig(3, 2), SamplingConfig(temperature=1.0, repetition_penalty=1.5), "token"),
 }
@@ -27,7 +34,16 @@ def run(case: str, seed: int = 0, trace: bool = True):
     target, draft = pair()
     dec = SpeculativeDecoder(TableRunner(target), TableRunner(draft))
     tree, sampling, verification = CASES[case]
-    return dec.generate(PROMPT, 12, tree=tree, sampling=sampling, seed=seed, ignore_eos=True, verification=verification, trace=trace)
+    return dec.generate(
+        PROMPT,
+        12,
+        tree=tree,
+        sampling=sampling,
+        seed=seed,
+        ignore_eos=True,
+        verification=verification,
+        trace=trace,
+    )
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -50,7 +66,9 @@ def test_trace_is_reproducible_and_agrees_with_the_output(case):
         assert r.depth_step is not None and r.depth_step.depth == r.tree.max_depth or len(r.tree) == 1
         assert render_round(r).startswith(f"round {r.index} (")
     if CASES[case][0].adaptive:
-        assert len({r.depth_step.depth for r in out.trace if r.depth_step is not None}) > 1  # the depth moved, and the trace shows it
+        assert (
+            len({r.depth_step.depth for r in out.trace if r.depth_step is not None}) > 1
+        )  # the depth moved, and the trace shows it
 
 
 def test_trace_records_the_p_and_q_the_walk_used():
@@ -74,7 +92,24 @@ def test_trace_records_the_p_and_q_the_walk_used():
 
 def test_cli_trace_is_plain_when_piped(capsys, monkeypatch):
     monkeypatch.delenv("NO_COLOR", raising=False)
-    assert main(["generate", "def f(x):", "--max-new-tokens", "8", "--trace", "--width", "2", "--depth", "2", "--temperature", "1"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "def f(x):",
+                "--max-new-tokens",
+                "8",
+                "--trace",
+                "--width",
+                "2",
+                "--depth",
+                "2",
+                "--temperature",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "round 0 (" in out and "coin=" in out and " from " in out
     assert "\033[" not in out

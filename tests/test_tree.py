@@ -10,13 +10,7 @@ from hypothesis import strategies as st
 
 from treespec import TokenTree
 
-
-@st.composite
-def trees(draw, max_nodes: int = 24):
-    n = draw(st.integers(1, max_nodes))
-    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
-    tokens = draw(st.lists(st.integers(0, 50), min_size=n, max_size=n))
-    return TokenTree(tokens, parents)
+from .toy import trees
 
 
 def brute_ancestors(tree: TokenTree, i: int) -> set[int]:
@@ -66,14 +60,18 @@ def test_from_choices_round_trip(tree):
         rank = tree.children(tree.parents[i]).index(i)
         rank_path[i] = rank_path[tree.parents[i]] + (rank,)
         choices.append(list(rank_path[i]))
-        tokens_at[(len(rank_path[i]) - 1, rank)] = tokens_at.get((len(rank_path[i]) - 1, rank), tree.tokens[i])
+        tokens_at[(len(rank_path[i]) - 1, rank)] = tokens_at.get(
+            (len(rank_path[i]) - 1, rank), tree.tokens[i]
+        )
     # Medusa candidates are per (depth, rank); only consistent when every node at a
     # (depth, rank) has the same token, so rebuild the expected tree from the candidates
     max_rank = max((r for (_, r) in tokens_at), default=0) + 1
     candidates = [[tokens_at.get((d, r), 0) for r in range(max_rank)] for d in range(tree.max_depth)]
     built = TokenTree.from_choices(tree.tokens[0], choices, candidates)
     assert built.parents == tree.parents
-    assert all(built.tokens[i] == candidates[len(rank_path[i]) - 1][rank_path[i][-1]] for i in range(1, len(tree)))
+    assert all(
+        built.tokens[i] == candidates[len(rank_path[i]) - 1][rank_path[i][-1]] for i in range(1, len(tree))
+    )
 
 
 def test_chain_and_small_examples():
@@ -108,7 +106,12 @@ def test_token_outside_vocabulary_is_rejected():
 
 @pytest.mark.parametrize(
     "choices,candidates,match",
-    [([[0, 0]], [[1], [2]], "prefix"), ([[0], [0]], [[1]], "twice"), ([[2]], [[1]], "rank"), ([[]], [[1]], "empty")],
+    [
+        ([[0, 0]], [[1], [2]], "prefix"),
+        ([[0], [0]], [[1]], "twice"),
+        ([[2]], [[1]], "rank"),
+        ([[]], [[1]], "empty"),
+    ],
 )
 def test_invalid_choices_are_rejected(choices, candidates, match):
     with pytest.raises(ValueError, match=match):

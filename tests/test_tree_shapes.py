@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from treespec import ModelDrafter, SamplingConfig, TreeConfig
 from treespec.adaptive import DepthPolicy
-from treespec.rng import TorchRng
 from treespec.proposal import Walk
+from treespec.rng import TorchRng
 
 from .toy import TableModel, TableRunner
 
@@ -24,9 +24,11 @@ def test_dynamic_tree_keeps_the_budget_most_probable_nodes():
     full = drafter(TreeConfig(3, 3, "dynamic", budget=100), model).propose([1, 2, 3], 3)
     pruned = drafter(TreeConfig(3, 3, "dynamic", budget=5), model).propose([1, 2, 3], 3)
     assert len(full.tree) == 1 + 3 + 9 + 9 and len(pruned.tree) == 6
+
     # the kept nodes are the 5 best token paths of the full tree
     def paths(d):
         return {tuple(d.tree.tokens[n] for n in d.tree.path_to(i)[1:]) for i in range(1, len(d.tree))}
+
     assert paths(pruned) <= paths(full)
 
 

@@ -13,12 +13,21 @@ import importlib
 import pytest
 import torch
 
-from treespec import DraftTree, Drafter, Draw, ProposalGroup, SamplingConfig, SpeculativeDecoder, TokenTree, TreeConfig, verify
+from treespec import (
+    Drafter,
+    DraftTree,
+    Draw,
+    ProposalGroup,
+    SamplingConfig,
+    SpeculativeDecoder,
+    TokenTree,
+    TreeConfig,
+    verify,
+)
 from treespec.sampling import probs, residual, weighted_residual
 from treespec.sequoia import TreeShape
 
-from .test_exact_enumeration import PROMPT, SAMPLINGS, enumerate_decoder, pair
-from .toy import TableModel, TableRunner, enumerate_outcomes, max_abs_diff
+from .toy import PROMPT, SAMPLINGS, TableModel, TableRunner, enumerate_outcomes, max_abs_diff, pair
 
 GREEDY = SamplingConfig(temperature=0)
 SHAPE_W2D2 = TreeShape((-1, 0, 0, 1, 1, 2, 2))  # full binary tree of depth 2
@@ -34,7 +43,9 @@ def check_lossless(tree: TreeConfig, rule: str, sampling: SamplingConfig, k: int
     decoder = SpeculativeDecoder(TableRunner(target), TableRunner(draft), drafter=drafter)
 
     def run(rng):
-        out = decoder.generate(list(PROMPT), k, tree=tree, sampling=sampling, rng=rng, ignore_eos=True, verification=rule)
+        out = decoder.generate(
+            list(PROMPT), k, tree=tree, sampling=sampling, rng=rng, ignore_eos=True, verification=rule
+        )
         assert out.verification == rule
         return tuple(out.token_ids)
 
@@ -45,7 +56,9 @@ def check_lossless(tree: TreeConfig, rule: str, sampling: SamplingConfig, k: int
 
 @pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
 @pytest.mark.parametrize("rule", ["block", "traversal"])
-@pytest.mark.parametrize("strategy,depth", [("iid", 1), ("iid", 2), ("iid", 3), ("without_replacement", 2), ("topk", 3)])
+@pytest.mark.parametrize(
+    "strategy,depth", [("iid", 1), ("iid", 2), ("iid", 3), ("without_replacement", 2), ("topk", 3)]
+)
 def test_chain_rules_are_lossless(strategy, depth, rule, sampling_name):
     check_lossless(TreeConfig(1, depth, strategy), rule, SAMPLINGS[sampling_name], k=depth + 1)
 
@@ -104,9 +117,21 @@ class BeamDrafter(Drafter):
 
 def test_traversal_is_lossless_when_the_shape_depends_on_sibling_draws():
     target = TableModel(3, seed=11)
-    dec = SpeculativeDecoder(TableRunner(target), drafter=BeamDrafter(TableModel(3, seed=12, base=target, noise=0.8)))
+    dec = SpeculativeDecoder(
+        TableRunner(target), drafter=BeamDrafter(TableModel(3, seed=12, base=target, noise=0.8))
+    )
     got = enumerate_outcomes(
-        lambda rng: tuple(dec.generate(list(PROMPT), 3, tree=TreeConfig(2, 2), sampling=SAMPLINGS["T1"], rng=rng, ignore_eos=True, verification="traversal").token_ids)
+        lambda rng: tuple(
+            dec.generate(
+                list(PROMPT),
+                3,
+                tree=TreeConfig(2, 2),
+                sampling=SAMPLINGS["T1"],
+                rng=rng,
+                ignore_eos=True,
+                verification="traversal",
+            ).token_ids
+        )
     )
     assert max_abs_diff(got, target.joint(PROMPT, 3, SAMPLINGS["T1"])) < 1e-9
 
@@ -116,12 +141,24 @@ def test_enumeration_detects_a_broken_rule(monkeypatch, rule):
     """Forget the reach probability 1 - w + S after a rejection (keep the weight as it was):
     the rule accepts too often and the output is no longer the target's."""
     verify_mod = importlib.import_module("treespec.verify")
-    monkeypatch.setattr(verify_mod, "weighted_residual", lambda m, q: residual(m, q) * m.sum(-1, keepdim=True))
+    monkeypatch.setattr(
+        verify_mod, "weighted_residual", lambda m, q: residual(m, q) * m.sum(-1, keepdim=True)
+    )
     target, draft = pair()
     tree = TreeConfig(1, 2) if rule == "block" else sequoia(TreeShape((-1, 0, 0, 1)))
     decoder = SpeculativeDecoder(TableRunner(target), TableRunner(draft))
     got = enumerate_outcomes(
-        lambda rng: tuple(decoder.generate(list(PROMPT), 3, tree=tree, sampling=SAMPLINGS["T1"], rng=rng, ignore_eos=True, verification=rule).token_ids)
+        lambda rng: tuple(
+            decoder.generate(
+                list(PROMPT),
+                3,
+                tree=tree,
+                sampling=SAMPLINGS["T1"],
+                rng=rng,
+                ignore_eos=True,
+                verification=rule,
+            ).token_ids
+        )
     )
     assert max_abs_diff(got, target.joint(PROMPT, 3, SAMPLINGS["T1"])) > 1e-3
 
@@ -154,7 +191,11 @@ def random_chain(depth: int, seed: int, vocab: int = 4):
 def test_traversal_equals_block_on_chains(seed):
     draft, logits = random_chain(4, seed)
     walks = {
-        rule: enumerate_outcomes(lambda rng: (lambda w: (w.path, w.token, w.kind))(verify(draft, logits, SAMPLINGS["T1"], rng, rule)))
+        rule: enumerate_outcomes(
+            lambda rng: (lambda w: (w.path, w.token, w.kind))(
+                verify(draft, logits, SAMPLINGS["T1"], rng, rule)
+            )
+        )
         for rule in ("block", "traversal")
     }
     assert max_abs_diff(walks["block"], walks["traversal"]) < 1e-12
@@ -166,7 +207,9 @@ def expected_accepted(tree: TreeConfig, rule: str, sampling: SamplingConfig, dep
     decoder = SpeculativeDecoder(TableRunner(target), TableRunner(draft))
 
     def run(rng):
-        out = decoder.generate(list(PROMPT), depth + 1, tree=tree, sampling=sampling, rng=rng, ignore_eos=True, verification=rule)
+        out = decoder.generate(
+            list(PROMPT), depth + 1, tree=tree, sampling=sampling, rng=rng, ignore_eos=True, verification=rule
+        )
         return next((i for i, s in enumerate(out.sources) if s != "accepted"), len(out.sources))
 
     return sum(n * p for n, p in enumerate_outcomes(run).items())
@@ -183,14 +226,22 @@ def test_block_accepts_more_than_token_on_chains(sampling_name):
 
 # ---- greedy: every rule is the greedy walk ----
 @pytest.mark.parametrize("rule", ["block", "traversal"])
-@pytest.mark.parametrize("tree", [TreeConfig(1, 3), TreeConfig(2, 3, "topk"), sequoia(SHAPE_UNEVEN)], ids=["chain", "topk", "sequoia"])
+@pytest.mark.parametrize(
+    "tree",
+    [TreeConfig(1, 3), TreeConfig(2, 3, "topk"), sequoia(SHAPE_UNEVEN)],
+    ids=["chain", "topk", "sequoia"],
+)
 def test_greedy_is_the_target_argmax_chain_under_every_rule(tree, rule):
     if rule == "block" and tree.width > 1 or rule == "block" and tree.strategy == "sequoia":
         pytest.skip("block needs a chain")
     target, draft = pair()
     decoder = SpeculativeDecoder(TableRunner(target), TableRunner(draft))
     got = enumerate_outcomes(
-        lambda rng: tuple(decoder.generate(list(PROMPT), 4, tree=tree, sampling=GREEDY, rng=rng, ignore_eos=True, verification=rule).token_ids)
+        lambda rng: tuple(
+            decoder.generate(
+                list(PROMPT), 4, tree=tree, sampling=GREEDY, rng=rng, ignore_eos=True, verification=rule
+            ).token_ids
+        )
     )
     assert got == pytest.approx(target.joint(PROMPT, 4, GREEDY))
 
@@ -204,7 +255,10 @@ def test_one_hot_p_reduces_the_sampled_rules_to_the_greedy_walk(rule):
         draft, logits = random_chain(4, seed)
         greedy = verify_mod._verify_greedy(draft, logits)
         onehot = probs(logits, GREEDY)
-        hot = DraftTree(draft.tree, tuple(ProposalGroup(g.parent, Draw.DETERMINISTIC, g.tokens, g.children) for g in draft.groups))
+        hot = DraftTree(
+            draft.tree,
+            tuple(ProposalGroup(g.parent, Draw.DETERMINISTIC, g.tokens, g.children) for g in draft.groups),
+        )
         walk = {"block": verify_mod._verify_block, "traversal": verify_mod._verify_traversal}[rule]
         got = enumerate_outcomes(lambda rng: (lambda w: (w.path, w.token))(walk(hot, onehot, rng)))
         assert got == pytest.approx({(greedy.path, greedy.token): 1.0})
@@ -257,19 +311,32 @@ def test_each_round_is_checked_against_the_rule():
 # ---- real (tiny) Llamas: chi-square against the target's joint, greedy parity with HF ----
 from collections import Counter  # noqa: E402
 
-from .test_greedy_parity import PROMPTS as GREEDY_PROMPTS  # noqa: E402
-from .test_greedy_parity import hf_greedy, optimal_shape  # noqa: E402
-from .test_greedy_parity import pair as llama_pair  # noqa: E402, F401  (fixture)
-from .test_monte_carlo import K as MC_K  # noqa: E402
-from .test_monte_carlo import N as MC_N  # noqa: E402
-from .test_monte_carlo import PROMPT as MC_PROMPT  # noqa: E402
-from .test_monte_carlo import chi2_pvalue, exact_joint  # noqa: E402
-from .test_monte_carlo import models  # noqa: E402, F401  (fixture)
+from treespec.sequoia import optimal_shape  # noqa: E402
+
+from .llamas import PROMPTS as GREEDY_PROMPTS  # noqa: E402
+from .llamas import hf_greedy  # noqa: E402
+from .llamas import pair as llama_pair  # noqa: E402, F401  (fixture)
+from .mc import PROMPT as MC_PROMPT  # noqa: E402
+from .mc import K as MC_K  # noqa: E402
+from .mc import N as MC_N  # noqa: E402
+from .mc import (  # noqa: E402
+    chi2_pvalue,
+    exact_joint,
+    models,  # noqa: E402, F401  (fixture)
+)
 
 MC_CASES = {  # name: (tree, rule, sampling)
     "block-linear-T1": (TreeConfig(1, 2), "block", SamplingConfig(temperature=1.0)),
-    "traversal-sequoia-topk": (sequoia(TreeShape((-1, 0, 0, 1))), "traversal", SamplingConfig(temperature=1.2, top_k=5)),
-    "traversal-topk-w2-topp": (TreeConfig(2, 2, "topk"), "traversal", SamplingConfig(temperature=0.9, top_p=0.9)),
+    "traversal-sequoia-topk": (
+        sequoia(TreeShape((-1, 0, 0, 1))),
+        "traversal",
+        SamplingConfig(temperature=1.2, top_k=5),
+    ),
+    "traversal-topk-w2-topp": (
+        TreeConfig(2, 2, "topk"),
+        "traversal",
+        SamplingConfig(temperature=0.9, top_p=0.9),
+    ),
 }
 
 
@@ -280,7 +347,9 @@ def test_sampled_output_matches_target_joint(models, case):  # noqa: F811
     dec = SpeculativeDecoder(target, draft, backend="native")
     counts, accepted = Counter(), 0
     for seed in range(MC_N):
-        out = dec.generate(MC_PROMPT, MC_K, tree=tree, sampling=sampling, seed=seed, ignore_eos=True, verification=rule)
+        out = dec.generate(
+            MC_PROMPT, MC_K, tree=tree, sampling=sampling, seed=seed, ignore_eos=True, verification=rule
+        )
         counts[tuple(out.token_ids)] += 1
         accepted += out.sources.count("accepted")
     assert accepted > MC_N // 10  # the drafts were really used
@@ -292,7 +361,10 @@ def test_sampled_output_matches_target_joint(models, case):  # noqa: F811
 GREEDY_TREES = {
     "chain-block": (TreeConfig(1, 4), "block"),
     "topk-traversal": (TreeConfig(3, 4, "topk"), "traversal"),
-    "sequoia-traversal": (TreeConfig(depth=4, strategy="sequoia", shape=optimal_shape((0.6, 0.2, 0.1), 10, 4)), "traversal"),
+    "sequoia-traversal": (
+        TreeConfig(depth=4, strategy="sequoia", shape=optimal_shape((0.6, 0.2, 0.1), 10, 4)),
+        "traversal",
+    ),
 }
 
 
@@ -317,9 +389,13 @@ TOKEN_TREES = {  # where "token" is no longer the default, it must stay lossless
 }
 
 
-@pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
-@pytest.mark.parametrize("name", list(TOKEN_TREES))
+@pytest.mark.parametrize(
+    "name,sampling_name",
+    [
+        pytest.param(n, s, marks=pytest.mark.slow) if (n, s) == ("wor-w2d2", "T1") else (n, s)  # ~40 s
+        for s in SAMPLINGS
+        for n in TOKEN_TREES
+    ],
+)
 def test_token_rule_stays_lossless_where_it_is_not_the_default(name, sampling_name):
-    if name == "wor-w2d2" and sampling_name == "T1":
-        pytest.skip("slow at T=1 (~40 s); covered at the two other samplings")
     check_lossless(TOKEN_TREES[name], "token", SAMPLINGS[sampling_name], k=3)

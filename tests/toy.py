@@ -17,10 +17,12 @@ from collections import defaultdict
 from collections.abc import Callable, Hashable
 
 import torch
+from hypothesis import strategies as st
 
+from treespec import SpeculativeDecoder, TokenTree
+from treespec.backends.base import Runner
 from treespec.config import SamplingConfig
 from treespec.rng import Rng
-from treespec.backends.base import Runner
 from treespec.sampling import probs
 
 
@@ -31,7 +33,14 @@ class TableModel:
     so a draft built on the target agrees with it often but not always.
     """
 
-    def __init__(self, vocab_size: int, seed: int, scale: float = 1.5, base: TableModel | None = None, noise: float = 1.0):
+    def __init__(
+        self,
+        vocab_size: int,
+        seed: int,
+        scale: float = 1.5,
+        base: TableModel | None = None,
+        noise: float = 1.0,
+    ):
         self.vocab_size, self.seed, self.scale, self.base, self.noise = vocab_size, seed, scale, base, noise
         self._table: dict[tuple[int, ...], torch.Tensor] = {}
 
@@ -42,7 +51,9 @@ class TableModel:
             self._table[context] = own if self.base is None else self.base.logits(context) + self.noise * own
         return self._table[context]
 
-    def joint(self, prompt: tuple[int, ...], n: int, sampling: SamplingConfig) -> dict[tuple[int, ...], float]:
+    def joint(
+        self, prompt: tuple[int, ...], n: int, sampling: SamplingConfig
+    ) -> dict[tuple[int, ...], float]:
         """Exact distribution of the next n tokens under autoregressive sampling (penalties
         applied by `reference_penalties`, written independently of treespec's)."""
         out: dict[tuple[int, ...], float] = {(): 1.0}
@@ -57,7 +68,9 @@ class TableModel:
         return out
 
 
-def reference_penalties(logits: torch.Tensor, prompt: tuple[int, ...], generated: tuple[int, ...], cfg: SamplingConfig) -> torch.Tensor:
+def reference_penalties(
+    logits: torch.Tensor, prompt: tuple[int, ...], generated: tuple[int, ...], cfg: SamplingConfig
+) -> torch.Tensor:
     """The penalties token by token, as Hugging Face's RepetitionPenaltyLogitsProcessor
     (prompt + generated) and vLLM's frequency / presence penalties (generated only) define them."""
     out = logits.clone()
@@ -91,7 +104,9 @@ class TableRunner(Runner):
         rows = []
         for i in range(n):
             ctx = tuple(t for t, v in zip(all_tokens, visible[i].tolist()) if v)
-            assert int(positions[i]) == len(ctx) - 1, "position id must equal the number of tokens seen before"
+            assert int(positions[i]) == len(ctx) - 1, (
+                "position id must equal the number of tokens seen before"
+            )
             assert visible[i, s + i], "a node must see itself"
             rows.append(self.model.logits(ctx))
         self.slots = all_tokens
@@ -149,3 +164,46 @@ def enumerate_outcomes(fn: Callable[[Rng], Hashable]) -> dict[Hashable, float]:
 
 def max_abs_diff(a: dict, b: dict) -> float:
     return max(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
+
+
+# ---- the enumeration tests' toy pair ----------------------------------------------------
+V = 3  # toy vocabulary
+
+
+K = 3  # tokens generated per enumerated run (spans several rounds when depth < K - 1)
+
+
+PROMPT = (1, 0)
+
+
+SAMPLINGS = {
+    "T1": SamplingConfig(temperature=1.0),
+    "T0.6-topk2": SamplingConfig(temperature=0.6, top_k=2),
+    "T1.4-topp0.7": SamplingConfig(temperature=1.4, top_p=0.7),
+}
+
+
+LONG_PROMPT = (1, 0, 2, 1, 0)  # gives the model-free drafters something to match
+
+
+def pair(draft_noise: float = 0.8):
+    target = TableModel(V, seed=11)
+    draft = TableModel(V, seed=12, base=target, noise=draft_noise)
+    return target, draft
+
+
+def enumerate_decoder(decoder: SpeculativeDecoder, tree, sampling, k: int = K):
+    def run(rng):
+        out = decoder.generate(list(PROMPT), k, tree=tree, sampling=sampling, rng=rng, ignore_eos=True)
+        assert len(out.token_ids) == k
+        return tuple(out.token_ids)
+
+    return enumerate_outcomes(run)
+
+
+@st.composite
+def trees(draw, max_nodes: int = 24):
+    n = draw(st.integers(1, max_nodes))
+    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+    tokens = draw(st.lists(st.integers(0, 50), min_size=n, max_size=n))
+    return TokenTree(tokens, parents)

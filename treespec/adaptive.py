@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from .config import TreeConfig
 from .proposal import DepthStep, DraftTree, Walk
@@ -47,7 +46,11 @@ class DepthPolicy:
             from_drafter = entropy is not None
             if entropy is None:
                 entropy = 1.0 - (len(walk.path) - 1) / round_depth if len(draft.tree) > 1 else 1.0
-            self.entropy_ema = entropy if self.entropy_ema is None else cfg.ema_beta * self.entropy_ema + (1 - cfg.ema_beta) * entropy
+            self.entropy_ema = (
+                entropy
+                if self.entropy_ema is None
+                else cfg.ema_beta * self.entropy_ema + (1 - cfg.ema_beta) * entropy
+            )
             self.depth = round(cfg.depth_max - self.entropy_ema * (cfg.depth_max - cfg.depth_min))
         self.depth = max(cfg.depth_min, min(cfg.depth_max, self.depth)) if cfg.adaptive else cfg.depth
         return DepthStep(round_depth, entropy, from_drafter, self.depth)
@@ -73,11 +76,20 @@ class GoodputSwitch:
     is then no longer reproducible from its seed alone (as with any `speculate_max_live`).
     """
 
-    def __init__(self, run_rounds: int = 8, explore_every: int = 16, decay: float = 0.9,
-                 clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        run_rounds: int = 8,
+        explore_every: int = 16,
+        decay: float = 0.9,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         self.run_rounds, self.explore_every, self.decay, self.clock = run_rounds, explore_every, decay, clock
-        self.sums: dict[tuple[int, bool], tuple[float, float]] = {}  # (bucket, speculative) -> decayed tokens, seconds
-        self.runs: dict[int, tuple[bool, int, int]] = {}  # bucket -> kind of its run, rounds left in it, runs begun
+        self.sums: dict[
+            tuple[int, bool], tuple[float, float]
+        ] = {}  # (bucket, speculative) -> decayed tokens, seconds
+        self.runs: dict[
+            int, tuple[bool, int, int]
+        ] = {}  # bucket -> kind of its run, rounds left in it, runs begun
 
     @staticmethod
     def bucket(live: int) -> int:
@@ -111,4 +123,7 @@ class GoodputSwitch:
         """A finished round: `tokens` emitted by all `live` requests in `seconds`."""
         key = (self.bucket(live), speculative)
         t, s = self.sums.get(key, (0.0, 0.0))
-        self.sums[key] = (self.decay * t + tokens, self.decay * s + max(seconds, 1e-9))  # a coarse clock may read 0
+        self.sums[key] = (
+            self.decay * t + tokens,
+            self.decay * s + max(seconds, 1e-9),
+        )  # a coarse clock may read 0

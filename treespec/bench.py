@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .backends import Runner, cpu_bf16_flags, cpu_model
-from .config import SamplingConfig, TreeConfig
+from .config import SamplingConfig, TreeConfig, check_positive_int
 from .decoder import SpeculativeDecoder
 from .stats import GenerationStats
 from .tree import TokenTree
@@ -155,8 +155,7 @@ def run_bench(
     one left-padded `generate()`, treespec as one `generate_batch()`; tokens/s counts every
     request's tokens over the batch's wall time. HF assisted generation cannot batch and is
     not run then."""
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    check_positive_int("batch_size", batch_size)
     if batch_size > 1:
         methods = [m for m in methods if m != "hf-assisted"]
     unknown = set(methods) - set(METHODS)
@@ -169,16 +168,24 @@ def run_bench(
         raise ValueError(f"unknown verification rules {bad}; choose from auto, token, block, traversal")
     decoders = {b: SpeculativeDecoder(target, draft, tokenizer, drafter=drafter, backend=b) for b in backends}
     n_batches = -(-len(prompts) // batch_size)
-    batches = [[prompts[(j * batch_size + k) % len(prompts)] for k in range(batch_size)] for j in range(n_batches)]
-    encoded = [_encode(tokenizer, batch, target.device) for batch in batches]  # per batch: input_ids, attention_mask
+    batches = [
+        [prompts[(j * batch_size + k) % len(prompts)] for k in range(batch_size)] for j in range(n_batches)
+    ]
+    encoded = [
+        encode_batch(tokenizer, batch, target.device) for batch in batches
+    ]  # per batch: input_ids, attention_mask
     # linear: a chain of the tree's depth (a Sequoia shape's chain is its depth, drafted i.i.d.)
     linear = TreeConfig(1, tree.depth, "iid" if tree.strategy in ("sequoia", "dynamic") else tree.strategy)
     trees = {"autoregressive": None, "linear": linear, "tree": tree}
-    hf_kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=_pad_id(tokenizer))
+    hf_kwargs = dict(
+        max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=_pad_id(tokenizer)
+    )
     if sampling.greedy:
         hf_kwargs.update(do_sample=False)
     else:
-        hf_kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p)
+        hf_kwargs.update(
+            do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p
+        )
 
     rules = {}  # treespec method name -> (method, rule or None for the default)
     for b in backends:
@@ -214,12 +221,27 @@ def run_bench(
                 requests = [row[mask.bool()].tolist() for row, mask in zip(ids, attention)]  # padding dropped
                 t0 = time.perf_counter()
                 if batch_size == 1:
-                    outs = [decoders[backend].generate(requests[0], max_new_tokens, tree=trees[method], sampling=sampling,
-                                                       seed=seed, ignore_eos=True, verification=rule)]
+                    outs = [
+                        decoders[backend].generate(
+                            requests[0],
+                            max_new_tokens,
+                            tree=trees[method],
+                            sampling=sampling,
+                            seed=seed,
+                            ignore_eos=True,
+                            verification=rule,
+                        )
+                    ]
                 else:
                     outs = decoders[backend].generate_batch(
-                        requests, max_new_tokens, tree=trees[method], sampling=sampling, verification=rule,
-                        seeds=[seed + k for k in range(batch_size)], ignore_eos=True, max_batch=batch_size,
+                        requests,
+                        max_new_tokens,
+                        tree=trees[method],
+                        sampling=sampling,
+                        verification=rule,
+                        seeds=[seed + k for k in range(batch_size)],
+                        ignore_eos=True,
+                        max_batch=batch_size,
                     )
                 _sync(target.device)
                 runs[name].append(sum(o.stats.tokens for o in outs) / (time.perf_counter() - t0))
@@ -237,7 +259,9 @@ def run_bench(
         results.append(r)
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     n_tree = 1 + tree.width * tree.depth
-    cost = {b: measure_costs(d.target_runner, d.draft_runner, n_tree, weight_bytes) for b, d in decoders.items()}
+    cost = {
+        b: measure_costs(d.target_runner, d.draft_runner, n_tree, weight_bytes) for b, d in decoders.items()
+    }
     return BenchResult(config={**(config or {}), "batch_size": batch_size}, cost=cost, methods=results)
 
 
@@ -245,20 +269,25 @@ def result_table(result: BenchResult) -> str:
     """The bench's table: one row per method (speedup over HF `generate()` where it ran), then
     each backend's forward costs."""
     base = next((r.tokens_per_second for r in result.methods if r.method == "hf"), None)
-    lines = [f"{'method':<30}{'tokens/s':>10}{'speedup':>9}{'tokens/step':>13}{'accept':>8}{'acc.len':>9}  acceptance by depth"]
+    header = f"{'method':<30}{'tokens/s':>10}{'speedup':>9}{'tokens/step':>13}{'accept':>8}{'acc.len':>9}"
+    lines = [header + "  acceptance by depth"]
     for r in result.methods:
         speed = f"{r.tokens_per_second / base:.2f}x" if base else "-"
         tps = f"{r.tokens_per_step:.2f}" if r.tokens_per_step is not None else "-"
         rate = f"{r.acceptance_rate:.2f}" if r.acceptance_rate else "-"
         length = f"{r.mean_accepted_length:.2f}" if r.acceptance_rate else "-"
         acc = " ".join(f"{a:.2f}" for a in r.acceptance_by_depth or [])
-        lines.append(f"{r.method:<30}{r.tokens_per_second:>10.1f}{speed:>9}{tps:>13}{rate:>8}{length:>9}  {acc}")
+        lines.append(
+            f"{r.method:<30}{r.tokens_per_second:>10.1f}{speed:>9}{tps:>13}{rate:>8}{length:>9}  {acc}"
+        )
     for backend, cost in result.cost.items():
         lines.append(f"cost [{backend}]: " + ", ".join(f"{k}={v:.4g}" for k, v in cost.items()))
     return "\n".join(lines)
 
 
-def _encode(tokenizer, prompts: Sequence[str | Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_batch(
+    tokenizer, prompts: Sequence[str | Sequence[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch of prompts (text, or token ids) as left-padded input_ids and attention_mask
     [B, S] (what HF `generate()` of a decoder-only model expects; the pad id never reaches a
     model row)."""

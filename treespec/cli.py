@@ -32,28 +32,52 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models (default: the bundled pycode pair)")
     g.add_argument("--target", help="target model: HF id or local directory")
     g.add_argument("--draft", help="draft model: HF id or local directory")
-    g.add_argument("--dtype", default="auto",
-                   help="auto (default: bf16 on CUDA; on CPU bf16 target with AMX/AVX512-BF16 and fp32 draft), float32, bfloat16")
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (default: bf16 on CUDA; on CPU bf16 target with AMX/AVX512-BF16 and fp32 "
+        "draft), float32, bfloat16",
+    )
     g.add_argument("--draft-dtype", default=None, help="the draft's dtype (default: as --dtype)")
     g.add_argument("--device", default=None, help="torch device (default: cpu)")
-    g.add_argument("--backend", default="auto", choices=("auto", "native", "hf"),
-                   help="auto (default): treespec's native forward where supported, else HF; bench: both")
+    g.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "native", "hf"),
+        help="auto (default): treespec's native forward where supported, else HF; bench: both",
+    )
 
 
 def _add_decode_args(p: argparse.ArgumentParser, max_new_tokens: int, width: int = TreeConfig.width) -> None:
     g = p.add_argument_group("speculation and sampling")
-    g.add_argument("--width", type=int, default=width, help=f"tree width; 1 = linear speculation (default {width})")
-    g.add_argument("--depth", type=int, default=TreeConfig.depth, help=f"draft tokens per branch (default {TreeConfig.depth})")
+    g.add_argument(
+        "--width", type=int, default=width, help=f"tree width; 1 = linear speculation (default {width})"
+    )
+    g.add_argument(
+        "--depth",
+        type=int,
+        default=TreeConfig.depth,
+        help=f"draft tokens per branch (default {TreeConfig.depth})",
+    )
     g.add_argument("--strategy", default="iid", choices=STRATEGIES, help="tree construction (default iid)")
     g.add_argument("--budget", type=int, default=None, help="strategy dynamic: draft nodes kept per round")
-    g.add_argument("--adaptive", default=None, choices=("hf", "entropy"), help="adapt the depth between rounds")
+    g.add_argument(
+        "--adaptive", default=None, choices=("hf", "entropy"), help="adapt the depth between rounds"
+    )
     g.add_argument("--depth-max", type=int, default=8, help="adaptive depth upper bound (default 8)")
     g.add_argument("--shape", type=Path, default=None, help="draft along a saved Sequoia TreeShape (JSON)")
-    g.add_argument("--drafter", default="model", choices=("model", "ngram", "lookup", "merged"),
-                   help="who proposes: the draft model, n-gram tables, prompt lookup, or model+n-gram merged")
-    g.add_argument("--verification", default="auto",
-                   help="auto (default: the best rule that applies), token, block (chains), traversal (trees drawn "
-                        "without replacement / deterministic); bench: a comma-separated list, one row per rule")
+    g.add_argument(
+        "--drafter",
+        default="model",
+        choices=("model", "ngram", "lookup", "merged"),
+        help="who proposes: the draft model, n-gram tables, prompt lookup, or model+n-gram merged",
+    )
+    g.add_argument(
+        "--verification",
+        default="auto",
+        help="auto (default: the best rule that applies), token, block (chains), traversal (trees drawn "
+        "without replacement / deterministic); bench: a comma-separated list, one row per rule",
+    )
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
@@ -70,35 +94,78 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--plain", action="store_true", help="no speculation: plain autoregressive decoding")
     gen.add_argument("--ignore-eos", action="store_true", help="decode exactly --max-new-tokens tokens")
     gen.add_argument("--show-tree", action="store_true", help="colour tokens by origin and print statistics")
-    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                     help="stop after the token that completes TEXT (repeatable; backslash escapes such as \\n work)")
-    gen.add_argument("--stop-id", action="append", default=[], type=int, metavar="ID",
-                     help="stop after token id ID (repeatable)")
-    gen.add_argument("--trace", action="store_true",
-                     help="after the text, print every round: the draft tree, each proposal's p, q, coin and outcome, "
-                          "the final token and where it came from")
-    gen.add_argument("--color", default="auto", choices=("auto", "always", "never"),
-                     help="--show-tree / --trace colours: auto (default) = only on a terminal and without NO_COLOR set")
+    gen.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="stop after the token that completes TEXT (repeatable; backslash escapes such as \\n work)",
+    )
+    gen.add_argument(
+        "--stop-id",
+        action="append",
+        default=[],
+        type=int,
+        metavar="ID",
+        help="stop after token id ID (repeatable)",
+    )
+    gen.add_argument(
+        "--trace",
+        action="store_true",
+        help="after the text, print every round: the draft tree, each proposal's p, q, coin and outcome, "
+        "the final token and where it came from",
+    )
+    gen.add_argument(
+        "--color",
+        default="auto",
+        choices=("auto", "always", "never"),
+        help="--show-tree / --trace colours: auto (default) = only on a terminal and without NO_COLOR set",
+    )
     pen = gen.add_argument_group("penalties (applied identically to target and draft; see SamplingConfig)")
-    pen.add_argument("--repetition-penalty", type=float, default=1.0,
-                     help="Hugging Face's: logits of tokens in prompt or output divided (> 0) or multiplied (< 0) by it; 1 = off")
-    pen.add_argument("--frequency-penalty", type=float, default=0.0,
-                     help="OpenAI/vLLM: logit -= it x the token's count in the output; 0 = off")
-    pen.add_argument("--presence-penalty", type=float, default=0.0,
-                     help="OpenAI/vLLM: logit -= it if the token occurs in the output; 0 = off")
+    pen.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="Hugging Face's: logits of tokens in prompt or output divided (> 0) or multiplied (< "
+        "0) by it; 1 = off",
+    )
+    pen.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="OpenAI/vLLM: logit -= it x the token's count in the output; 0 = off",
+    )
+    pen.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="OpenAI/vLLM: logit -= it if the token occurs in the output; 0 = off",
+    )
     _add_decode_args(gen, max_new_tokens=128)
     _add_model_args(gen)
 
-    bench = sub.add_parser("bench", help="compare treespec with HF generate() on a prompt set",
-                           description="The 'tree' rows use --width/--depth/--strategy; the 'linear' rows a chain of the same depth.")
-    bench.add_argument("--prompts", type=Path, help="JSON list of prompts (default: bundled held-out prompts)")
+    bench = sub.add_parser(
+        "bench",
+        help="compare treespec with HF generate() on a prompt set",
+        description="The 'tree' rows use --width/--depth/--strategy; the 'linear' rows a chain of "
+        "the same depth.",
+    )
+    bench.add_argument(
+        "--prompts", type=Path, help="JSON list of prompts (default: bundled held-out prompts)"
+    )
     bench.add_argument("--n-prompts", type=int, default=8, help="use the first N prompts (default 8)")
     bench.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
     bench.add_argument("--methods", default=",".join(_bench_methods()), help="comma-separated subset")
-    bench.add_argument("--json", type=Path, default=Path("treespec-bench.json"), help="where to write results")
-    bench.add_argument("--batch-size", type=int, default=1,
-                       help="requests per batch: HF generate() on a left-padded batch, treespec generate_batch() "
-                            "(hf-assisted cannot batch and is skipped); default 1")
+    bench.add_argument(
+        "--json", type=Path, default=Path("treespec-bench.json"), help="where to write results"
+    )
+    bench.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        help="requests per batch: HF generate() on a left-padded batch, treespec generate_batch() "
+        "(hf-assisted cannot batch and is skipped); default 1",
+    )
     _add_decode_args(bench, max_new_tokens=64, width=2)
     _add_model_args(bench)
     return parser
@@ -118,8 +185,15 @@ def _configs(args) -> tuple[TreeConfig, SamplingConfig]:
 
             shape = TreeShape.load(args.shape)
             strategy, depth = "sequoia", max(1, shape.depth)
-        tree = TreeConfig(width=args.width, depth=depth, strategy=strategy, budget=args.budget,
-                          adaptive=args.adaptive, depth_max=args.depth_max, shape=shape)
+        tree = TreeConfig(
+            width=args.width,
+            depth=depth,
+            strategy=strategy,
+            budget=args.budget,
+            adaptive=args.adaptive,
+            depth_max=args.depth_max,
+            shape=shape,
+        )
         sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     except ValueError as e:
         raise CliError(str(e).replace("TreeConfig.", "--")) from e
@@ -132,7 +206,12 @@ def _load(args):
     if (args.target is None) != (args.draft is None):
         raise CliError("give --target and --draft together (or neither, for the bundled pair)")
     return SpeculativeDecoder.from_pretrained(
-        target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, backend=args.backend, draft_dtype=args.draft_dtype,
+        target=args.target,
+        draft=args.draft,
+        dtype=args.dtype,
+        device=args.device,
+        backend=args.backend,
+        draft_dtype=args.draft_dtype,
         drafter=args.drafter,
     )
 
@@ -175,8 +254,12 @@ def _unescape(text: str) -> str:
 def cmd_generate(args) -> None:
     tree, sampling = _configs(args)
     try:
-        sampling = dataclasses.replace(sampling, repetition_penalty=args.repetition_penalty,
-                                       frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty)
+        sampling = dataclasses.replace(
+            sampling,
+            repetition_penalty=args.repetition_penalty,
+            frequency_penalty=args.frequency_penalty,
+            presence_penalty=args.presence_penalty,
+        )
     except ValueError as e:
         raise CliError(re.sub(r"\b(repetition|frequency|presence)_penalty\b", r"--\1-penalty", str(e))) from e
     dec = _load(args)
@@ -221,17 +304,32 @@ def cmd_generate(args) -> None:
             print(f"\n[{legend}]")
         else:
             print()
-        print("token sources: " + ", ".join(f"{k} {out.sources.count(k)}" for k in COLOURS) + f"; verification: {out.verification}")
-        print(f"tokens {s.tokens} in {s.target_steps} target steps: {s.tokens_per_step:.2f} tokens/step, "
-              f"{s.tokens_per_second:.1f} tokens/s ({out.finish_reason})")
+        print(
+            "token sources: "
+            + ", ".join(f"{k} {out.sources.count(k)}" for k in COLOURS)
+            + f"; verification: {out.verification}"
+        )
+        print(
+            f"tokens {s.tokens} in {s.target_steps} target steps: {s.tokens_per_step:.2f} tokens/step, "
+            f"{s.tokens_per_second:.1f} tokens/s ({out.finish_reason})"
+        )
         if s.tree_nodes:
-            print(f"acceptance rate {s.acceptance_rate:.2f} ({s.accepted_tokens} of {s.tree_nodes} drafted tokens), "
-                  f"mean accepted length {s.mean_accepted_length:.2f} per step")
+            print(
+                f"acceptance rate {s.acceptance_rate:.2f} ({s.accepted_tokens} of {s.tree_nodes} "
+                "drafted tokens), "
+                f"mean accepted length {s.mean_accepted_length:.2f} per step"
+            )
         if s.acceptance_by_depth:
-            print("acceptance by depth: " + " ".join(f"d{d + 1}={a:.2f}" for d, a in enumerate(s.acceptance_by_depth)))
-        print(f"time: draft {s.draft_seconds:.2f}s, verify {s.verify_seconds:.2f}s, prefill {s.prefill_seconds:.2f}s, "
-              f"other {s.other_seconds:.2f}s; draft forwards {s.draft_forwards}, tree nodes/step "
-              f"{s.tree_nodes / max(1, s.target_steps):.1f}")
+            print(
+                "acceptance by depth: "
+                + " ".join(f"d{d + 1}={a:.2f}" for d, a in enumerate(s.acceptance_by_depth))
+            )
+        print(
+            f"time: draft {s.draft_seconds:.2f}s, verify {s.verify_seconds:.2f}s, prefill "
+            f"{s.prefill_seconds:.2f}s, "
+            f"other {s.other_seconds:.2f}s; draft forwards {s.draft_forwards}, tree nodes/step "
+            f"{s.tree_nodes / max(1, s.target_steps):.1f}"
+        )
 
 
 def cmd_bench(args) -> None:
@@ -245,7 +343,9 @@ def cmd_bench(args) -> None:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = sorted(set(methods) - set(_bench_methods()))
     if unknown or not methods:
-        raise CliError(f"--methods: unknown {unknown or 'empty list'}; choose from {','.join(_bench_methods())}")
+        raise CliError(
+            f"--methods: unknown {unknown or 'empty list'}; choose from {','.join(_bench_methods())}"
+        )
     _check_writable(args.json, "--json")
     if (args.target is None) != (args.draft is None):
         raise CliError("give --target and --draft together (or neither, for the bundled pair)")
@@ -262,17 +362,40 @@ def cmd_bench(args) -> None:
     backends = ("native", "hf") if args.backend == "auto" else (args.backend,)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
     # a progress line redrawn in place: terminal control codes, so only on a terminal
-    progress = (lambda msg: print(f"\r\033[K{msg}", end="", file=sys.stderr)) if use_colour("auto", sys.stderr) else None
+    progress = (
+        (lambda msg: print(f"\r\033[K{msg}", end="", file=sys.stderr))
+        if use_colour("auto", sys.stderr)
+        else None
+    )
     machine = machine_info(device)
-    config.update(n_prompts=len(prompts), dtype=str(dtype).removeprefix("torch."),
-                  draft_dtype=str(draft_dtype).removeprefix("torch."), **machine)
-    print(f"{machine['device_name']} ({', '.join(machine['cpu_bf16_flags']) or 'no bf16 matrix flags'}), "
-          f"{machine['threads']} threads; target {config['dtype']}, draft {config['draft_dtype']}", file=sys.stderr)
-    result = run_bench(target, draft, hf.load_tokenizer(paths[0]), prompts, args.max_new_tokens, tree, sampling,
-                       args.repeats, methods, backends, drafter=args.drafter,
-                       progress=progress, config=config,
-                       verifications=[v.strip() for v in args.verification.split(",") if v.strip()] or ["auto"],
-                       batch_size=args.batch_size)
+    config.update(
+        n_prompts=len(prompts),
+        dtype=str(dtype).removeprefix("torch."),
+        draft_dtype=str(draft_dtype).removeprefix("torch."),
+        **machine,
+    )
+    print(
+        f"{machine['device_name']} ({', '.join(machine['cpu_bf16_flags']) or 'no bf16 matrix flags'}), "
+        f"{machine['threads']} threads; target {config['dtype']}, draft {config['draft_dtype']}",
+        file=sys.stderr,
+    )
+    result = run_bench(
+        target,
+        draft,
+        hf.load_tokenizer(paths[0]),
+        prompts,
+        args.max_new_tokens,
+        tree,
+        sampling,
+        args.repeats,
+        methods,
+        backends,
+        drafter=args.drafter,
+        progress=progress,
+        config=config,
+        verifications=[v.strip() for v in args.verification.split(",") if v.strip()] or ["auto"],
+        batch_size=args.batch_size,
+    )
     if progress is not None:
         print("\r\033[K", end="", file=sys.stderr)
     print(result_table(result))

@@ -52,9 +52,7 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         t = self.temperature
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
-            raise ValueError(
-                f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}"
-            )
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
         if 0 < t < MIN_TEMPERATURE:
             raise ValueError(
                 f"temperature {t!r} is so small that logits / temperature overflows; use temperature=0 "
@@ -69,11 +67,16 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p!r}")
         r = self.repetition_penalty
         if not _is_number(r) or not math.isfinite(r) or r <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off, > 1 discourages repeats), got {r!r}")
+            raise ValueError(
+                "repetition_penalty must be a finite number > 0 (1 = off, > 1 discourages "
+                f"repeats), got {r!r}"
+            )
         for name in ("frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
             if not _is_number(v) or not math.isfinite(v):
-                raise ValueError(f"{name} must be a finite number (0 = off, > 0 discourages repeats), got {v!r}")
+                raise ValueError(
+                    f"{name} must be a finite number (0 = off, > 0 discourages repeats), got {v!r}"
+                )
 
     @property
     def greedy(self) -> bool:
@@ -167,7 +170,8 @@ class TreeConfig:
             raise ValueError(f"TreeConfig.adaptive must be None, 'hf' or 'entropy'; got {self.adaptive!r}")
         if self.adaptive is not None and not self.depth_min <= self.depth <= self.depth_max:
             raise ValueError(
-                f"adaptive depth needs depth_min <= depth <= depth_max, got {self.depth_min}, {self.depth}, {self.depth_max}"
+                f"adaptive depth needs depth_min <= depth <= depth_max, got {self.depth_min}, "
+                f"{self.depth}, {self.depth_max}"
             )
         b = self.ema_beta
         if not isinstance(b, (int, float)) or isinstance(b, bool) or not 0 <= b < 1:

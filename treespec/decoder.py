@@ -72,7 +72,8 @@ class SpeculativeDecoder:
                 )
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
             raise ValueError(
-                f"tokenizer must be a Hugging Face tokenizer (callable, with decode()), got {type(tokenizer).__name__}"
+                "tokenizer must be a Hugging Face tokenizer (callable, with decode()), got "
+                f"{type(tokenizer).__name__}"
             )
         self.tokenizer = tokenizer
         self.target_runner: Runner = make_runner(target, backend)
@@ -84,7 +85,9 @@ class SpeculativeDecoder:
             None
             if self.draft_runner is None
             else shared_support(
-                self.vocab_size, self.draft_runner.vocab_size, tokenizer if tokenizer is not None else draft_tokenizer
+                self.vocab_size,
+                self.draft_runner.vocab_size,
+                tokenizer if tokenizer is not None else draft_tokenizer,
             )
         )
         self.drafter = DrafterFactory(drafter, self.vocab_size, self.draft_support)
@@ -128,13 +131,18 @@ class SpeculativeDecoder:
 
             target, draft = default_pair()
         if target is None:
-            raise ValueError("pass target= (an HF id, a local model directory or a GGUF file) along with draft=")
+            raise ValueError(
+                "pass target= (an HF id, a local model directory or a GGUF file) along with draft="
+            )
         device = loading.resolve_device(device)
         dtypes = (
             loading.resolve_dtype(dtype, device, "target"),
             loading.resolve_dtype(dtype if draft_dtype is None else draft_dtype, device, "draft"),
         )
-        runners = [None if p is None else loading.load_runner(p, t, device, backend) for p, t in zip((target, draft), dtypes)]
+        runners = [
+            None if p is None else loading.load_runner(p, t, device, backend)
+            for p, t in zip((target, draft), dtypes)
+        ]
         draft_tokenizer = None if draft is None else loading.load_tokenizer(draft)
         tokenizer = loading.load_tokenizer(target)
         return cls(runners[0], runners[1], tokenizer, drafter=drafter, draft_tokenizer=draft_tokenizer)
@@ -174,8 +182,18 @@ class SpeculativeDecoder:
         `trace=True` records every round in `out.trace` (`treespec.trace.RoundTrace`).
         """
         request = make_request(
-            prompt, self.tokenizer, stop=stop, max_new_tokens=max_new_tokens, tree=tree, sampling=sampling,
-            seed=seed, ignore_eos=ignore_eos, on_tokens=on_tokens, rng=rng, verification=verification, trace=trace,
+            prompt,
+            self.tokenizer,
+            stop=stop,
+            max_new_tokens=max_new_tokens,
+            tree=tree,
+            sampling=sampling,
+            seed=seed,
+            ignore_eos=ignore_eos,
+            on_tokens=on_tokens,
+            rng=rng,
+            verification=verification,
+            trace=trace,
         )
         with self._exclusive("generate()"):
             engine = self._engine([self.target_runner], [self.draft_runner])
@@ -208,14 +226,20 @@ class SpeculativeDecoder:
         ValueError naming its index. `speculate_max_live`: see `engine()`.
         """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise ValueError("generate_batch() takes a list of prompts (text or token id lists); use generate() for one")
+            raise ValueError(
+                "generate_batch() takes a list of prompts (text or token id lists); use generate() for one"
+            )
         n = len(prompts)
         if n == 0:
             raise ValueError("generate_batch() got an empty list of prompts")
         check_positive_int("max_batch", max_batch)
         if seeds is not None and (isinstance(seeds, (str, bytes)) or not isinstance(seeds, Sequence)):
-            raise ValueError(f"seeds must be a list with one seed (or None) per prompt, got {type(seeds).__name__}")
-        listed = _listed(stop) and bool(stop) and all(v is None or _listed(v) for v in stop)  # a list of stop lists
+            raise ValueError(
+                f"seeds must be a list with one seed (or None) per prompt, got {type(seeds).__name__}"
+            )
+        listed = (
+            _listed(stop) and bool(stop) and all(v is None or _listed(v) for v in stop)
+        )  # a list of stop lists
         per_request = {
             "max_new_tokens": _per_request("max_new_tokens", max_new_tokens, n, _listed(max_new_tokens)),
             "tree": _per_request("tree", tree, n, _listed(tree)),
@@ -264,8 +288,14 @@ class SpeculativeDecoder:
     def _engine(self, targets, drafts, max_kv_tokens=None, speculate_max_live=None) -> Engine:
         check_positive_int("max_kv_tokens", max_kv_tokens, none_ok=True)
         if speculate_max_live != "auto" and speculate_max_live is not None:
-            if not isinstance(speculate_max_live, int) or isinstance(speculate_max_live, bool) or speculate_max_live < 1:
-                raise ValueError(f"speculate_max_live must be None, an integer >= 1 or 'auto', got {speculate_max_live!r}")
+            if (
+                not isinstance(speculate_max_live, int)
+                or isinstance(speculate_max_live, bool)
+                or speculate_max_live < 1
+            ):
+                raise ValueError(
+                    f"speculate_max_live must be None, an integer >= 1 or 'auto', got {speculate_max_live!r}"
+                )
         if self.drafter.custom and len(targets) > 1:
             raise ValueError(
                 "a Drafter instance holds one sequence's state, so it cannot serve several requests at once; "
@@ -275,14 +305,23 @@ class SpeculativeDecoder:
         if speculate_max_live == "auto":
             switch = self._goodput = self._goodput or GoodputSwitch()
             speculate_max_live = None
-        return Engine(targets, drafts, self.drafter, self.tokenizer, self.eos_token_ids, max_kv_tokens,
-                      speculate_max_live, switch)
+        return Engine(
+            targets,
+            drafts,
+            self.drafter,
+            self.tokenizer,
+            self.eos_token_ids,
+            max_kv_tokens,
+            speculate_max_live,
+            switch,
+        )
 
     @contextmanager
     def _exclusive(self, what: str):
         if not self._busy.acquire(blocking=False):
             raise RuntimeError(
-                f"{what}: this SpeculativeDecoder is already generating (in another thread, or from a streaming "
+                f"{what}: this SpeculativeDecoder is already generating (in another thread, or "
+                "from a streaming "
                 f"callback); a decoder runs one generate() at a time: use one decoder per thread, or one "
                 f"engine() stepped by one thread"
             )

@@ -87,7 +87,9 @@ class Engine:
         switch: GoodputSwitch | None = None,
     ):
         if len(targets) != len(drafts) or not targets:
-            raise ValueError(f"need one draft lane (or None) per target lane, got {len(targets)} and {len(drafts)}")
+            raise ValueError(
+                f"need one draft lane (or None) per target lane, got {len(targets)} and {len(drafts)}"
+            )
         self.targets, self.drafts, self.drafter = list(targets), list(drafts), drafter
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(targets[0].eos_token_ids if eos_token_ids is None else eos_token_ids)
@@ -148,7 +150,9 @@ class Engine:
             min(r.depth_policy.depth, r.builder.remaining - 1) if r.drafter is not None and speculate else 0
             for r in live
         ]
-        drafted = iter(propose_many([r.drafter.propose_steps(r.context, d) for r, d in zip(live, depths) if d]))
+        drafted = iter(
+            propose_many([r.drafter.propose_steps(r.context, d) for r, d in zip(live, depths) if d])
+        )
         drafts = [next(drafted) if d else DraftTree.root_only(r.context[-1]) for r, d in zip(live, depths)]
         if self.drafter.custom:
             for r, draft, d in zip(live, drafts, depths):
@@ -162,8 +166,16 @@ class Engine:
         for r, draft, rows in zip(live, drafts, logits):
             # 3. verify with the request's own sampling and coins; 4. commit its accepted path
             committed = PenaltyContext(r.context, len(r.request.prompt))
-            walk = verify(draft, rows, r.request.sampling, r.rng, r.rule, committed, r.rounds is not None,
-                          check_structure=self.drafter.custom)
+            walk = verify(
+                draft,
+                rows,
+                r.request.sampling,
+                r.rng,
+                r.rule,
+                committed,
+                r.rounds is not None,
+                check_structure=self.drafter.custom,
+            )
             self.targets[r.lane].commit(walk.path)
             walks.append(walk)
         t2 = clock()
@@ -177,8 +189,20 @@ class Engine:
             r.stats.record_round(draft, walk, draft_seconds=(t1 - t0) + (t3 - t2), verify_seconds=t2 - t1)
             emitted[r.id] = r.builder.add(walk.emitted(draft), walk.kind)
             if r.rounds is not None:
-                r.rounds.append(RoundTrace(len(r.rounds), draft.tree, r.rule, walk.trace.proposals, walk.path,
-                                           walk.token, walk.kind, walk.trace.source, tuple(emitted[r.id]), step))
+                r.rounds.append(
+                    RoundTrace(
+                        len(r.rounds),
+                        draft.tree,
+                        r.rule,
+                        walk.trace.proposals,
+                        walk.path,
+                        walk.token,
+                        walk.kind,
+                        walk.trace.source,
+                        tuple(emitted[r.id]),
+                        step,
+                    )
+                )
             r.context += emitted[r.id]
             if r.builder.done:
                 self._finish(r, r.builder.finish_reason)
@@ -211,7 +235,9 @@ class Engine:
             if bad:
                 raise ValueError(f"{what} {bad[:5]} are outside the vocabulary [0, {V})")
         if request.stop_strings and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer to decode the output; pass tokenizer=... or stop token ids")
+            raise ValueError(
+                "stop strings need a tokenizer to decode the output; pass tokenizer=... or stop token ids"
+            )
         tree = request.tree
         uses_draft = tree is not None and self.drafter.needs_draft_model
         if uses_draft and self.drafts[0] is None:
@@ -223,7 +249,8 @@ class Engine:
             limit = getattr(runner, "max_positions", None)
             if limit is not None and len(request.prompt) + request.max_new_tokens > limit:
                 raise ValueError(
-                    f"prompt ({len(request.prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds "
+                    f"prompt ({len(request.prompt)} tokens) + max_new_tokens "
+                    f"({request.max_new_tokens}) exceeds "
                     f"the {name} model's {limit} positions; shorten the prompt or lower max_new_tokens"
                 )
         if self.max_kv_tokens is not None and request.slots > self.max_kv_tokens:
@@ -276,12 +303,15 @@ class Engine:
         stats, builder = state.stats, state.builder
         stats.tokens = len(builder.token_ids)
         if state.drafter is not None:
-            stats.draft_forwards = sum(x.forwards for x in state.drafter.runners()) - state.draft_forwards_before
+            stats.draft_forwards = (
+                sum(x.forwards for x in state.drafter.runners()) - state.draft_forwards_before
+            )
         stats.total_seconds = time.perf_counter() - state.started if state.started else 0.0
         ids = builder.token_ids
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
-        state.output = GenerationOutput(ids, builder.sources, stats, text, reason, builder.stop_match, state.rule,
-                                        state.rounds)
+        state.output = GenerationOutput(
+            ids, builder.sources, stats, text, reason, builder.stop_match, state.rule, state.rounds
+        )
         if state.status == "live":
             del self.live[state.lane]  # the lane's cache is reset when the next request takes it
         state.status = "finished" if reason != "cancelled" else "cancelled"

@@ -1,8 +1,8 @@
 """What a generation hands back, and the plumbing that builds it round by round.
 
-    OutputBuilder      a sequence's new tokens: length limit, EOS, stops, streaming callback
-    StopMatcher        stop strings (matched on decoded text across rounds) and stop token ids
-    GenerationOutput   the result: tokens, their sources, stats, text, finish reason, trace
+OutputBuilder      a sequence's new tokens: length limit, EOS, stops, streaming callback
+StopMatcher        stop strings (matched on decoded text across rounds) and stop token ids
+GenerationOutput   the result: tokens, their sources, stats, text, finish reason, trace
 """
 
 from __future__ import annotations
@@ -75,7 +75,12 @@ class OutputBuilder:
         on_tokens: OnTokens | None = None,
         stop: StopMatcher | None = None,
     ):
-        self.max_new_tokens, self.eos, self.on_tokens, self.stop = max_new_tokens, eos_token_ids, on_tokens, stop
+        self.max_new_tokens, self.eos, self.on_tokens, self.stop = (
+            max_new_tokens,
+            eos_token_ids,
+            on_tokens,
+            stop,
+        )
         self.token_ids: list[int] = []
         self.sources: list[TokenSource] = []
         self.finish_reason: FinishReason | None = None

@@ -41,7 +41,9 @@ class ProposalGroup:
         if len(self.tokens) != len(self.children) or not self.tokens:
             raise ValueError("a proposal group needs one child node per proposed token, at least one")
         if (self.q is None) != (self.draw is Draw.DETERMINISTIC):
-            raise ValueError(f"{self.draw.value} proposals {'need' if self.q is None else 'take no'} a q distribution")
+            raise ValueError(
+                f"{self.draw.value} proposals {'need' if self.q is None else 'take no'} a q distribution"
+            )
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,9 @@ class DraftTree:
                 if not 0 < child < len(self.tree) or self.tree.parents[child] != g.parent:
                     raise ValueError(f"proposal node {child} is not a child of node {g.parent}")
                 if self.tree.tokens[child] != tok:
-                    raise ValueError(f"proposal token {tok} differs from node {child}'s token {self.tree.tokens[child]}")
+                    raise ValueError(
+                        f"proposal token {tok} differs from node {child}'s token {self.tree.tokens[child]}"
+                    )
                 claimed.add(child)
             by_parent.setdefault(g.parent, []).append(g)
         if len(claimed) != len(self.tree) - 1:
@@ -91,7 +95,8 @@ class DraftTree:
                     kids.setdefault(index[prefix], []).append(node)
                 prefix += (int(t),)
         groups = tuple(
-            ProposalGroup(u, Draw.DETERMINISTIC, tuple(tokens[c] for c in cs), tuple(cs)) for u, cs in kids.items()
+            ProposalGroup(u, Draw.DETERMINISTIC, tuple(tokens[c] for c in cs), tuple(cs))
+            for u, cs in kids.items()
         )
         return cls(TokenTree(tokens, parents), groups)
 

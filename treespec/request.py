@@ -53,13 +53,16 @@ def choose_rule(siblings: str, verification: str | None) -> str:
         return "token" if siblings == "custom" else fits[-1]
     if verification not in RULES:
         raise ValueError(
-            f"verification must be one of {', '.join(RULES)} or None (the best that applies), got {verification!r}"
+            f"verification must be one of {', '.join(RULES)} or None (the best that applies), got "
+            f"{verification!r}"
         )
     if verification not in fits:
         raise ValueError(
-            f"verification={verification!r} does not apply to a tree whose siblings are {siblings}: block needs a "
+            f"verification={verification!r} does not apply to a tree whose siblings are "
+            f"{siblings}: block needs a "
             f"chain (width 1), traversal needs siblings drawn without replacement or deterministically (not "
-            f"strategy 'iid' with width > 1, not drafter 'merged'); here {' or '.join(map(repr, fits))} applies"
+            "strategy 'iid' with width > 1, not drafter 'merged'); here "
+            f"{' or '.join(map(repr, fits))} applies"
         )
     return verification
 
@@ -128,7 +131,9 @@ def make_request(prompt, tokenizer=None, stop=None, **settings) -> Request:
         raise ValueError(f"unknown setting(s) {', '.join(sorted(unknown))}; the settings are {fields}, stop")
     strings, ids = parse_stop(stop)
     if strings and tokenizer is None:
-        raise ValueError("stop strings need a tokenizer to decode the output; pass tokenizer=... or stop token ids")
+        raise ValueError(
+            "stop strings need a tokenizer to decode the output; pass tokenizer=... or stop token ids"
+        )
     return Request(encode_prompt(prompt, tokenizer), stop_strings=strings, stop_token_ids=ids, **settings)
 
 
@@ -160,13 +165,19 @@ def chat_ids(messages: Sequence[Mapping], tokenizer) -> tuple[int, ...]:
     """A chat rendered with `tokenizer`'s chat template, token ids identical to Hugging Face's
     `apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError("a chat prompt needs a tokenizer with a chat template; pass the prompt as text instead")
+        raise ValueError(
+            "a chat prompt needs a tokenizer with a chat template; pass the prompt as text instead"
+        )
     for i, m in enumerate(messages):
         if set(m) - {"role", "content", "name"} or not isinstance(m.get("content"), str):
-            raise ValueError(f"message {i}: give {{'role': ..., 'content': '...'}} with text content, got {dict(m)!r}")
+            raise ValueError(
+                f"message {i}: give {{'role': ..., 'content': '...'}} with text content, got {dict(m)!r}"
+            )
         if m.get("role") not in ROLES:
             raise ValueError(f"message {i}: role must be one of {', '.join(ROLES)}, got {m.get('role')!r}")
-    text = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [dict(m) for m in messages], add_generation_prompt=True, tokenize=False
+    )
     return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -185,7 +196,9 @@ def token_ids(prompt) -> tuple[int, ...]:
         if len(shape) != 1:
             raise ValueError(f"a prompt tensor must be 1-D token ids, got shape {shape}; pass input_ids[0]")
         if isinstance(prompt, torch.Tensor):
-            integer = not (prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool)
+            integer = not (
+                prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool
+            )
         else:
             integer = getattr(prompt.dtype, "kind", "") in ("i", "u")
         if not integer:
@@ -218,7 +231,9 @@ def parse_stop(stop) -> tuple[tuple[str, ...], tuple[int, ...]]:
     try:
         items = list(items)
     except TypeError:
-        raise ValueError(f"stop must be a string, a token id or a list of them, got {type(stop).__name__}") from None
+        raise ValueError(
+            f"stop must be a string, a token id or a list of them, got {type(stop).__name__}"
+        ) from None
     strings, ids = [], []
     for x in items:
         if isinstance(x, str):
@@ -243,4 +258,3 @@ def check_seed(seed) -> None:
 
 def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-

@@ -66,7 +66,11 @@ class TokenCounts:
 
 
 def tree_token_counts(
-    committed: PenaltyContext, tree: TokenTree, vocab_size: int, device: torch.device | str, rows: Sequence[int] | None = None
+    committed: PenaltyContext,
+    tree: TokenTree,
+    vocab_size: int,
+    device: torch.device | str,
+    rows: Sequence[int] | None = None,
 ) -> TokenCounts:
     """Token counts of the context after each node of `tree` (all nodes, or `rows`): the
     committed sequence (whose last token is the root) plus the node's path below the root."""

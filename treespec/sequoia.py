@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from .tree import TokenTree
@@ -48,13 +48,26 @@ class TreeShape:
         return kids
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps({"parents": list(self.parents), "expected_tokens": self.expected_tokens, "meta": dict(self.meta)}, indent=1))
+        Path(path).write_text(
+            json.dumps(
+                {
+                    "parents": list(self.parents),
+                    "expected_tokens": self.expected_tokens,
+                    "meta": dict(self.meta),
+                },
+                indent=1,
+            )
+        )
 
     @classmethod
     def load(cls, path: str | Path) -> TreeShape:
         try:
             data = json.loads(Path(path).read_text())
-            return cls(tuple(int(p) for p in data["parents"]), data.get("expected_tokens"), tuple(sorted(data.get("meta", {}).items())))
+            return cls(
+                tuple(int(p) for p in data["parents"]),
+                data.get("expected_tokens"),
+                tuple(sorted(data.get("meta", {}).items())),
+            )
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"cannot read a tree shape from {path}: {e}") from e
 
@@ -92,7 +105,7 @@ def optimal_shape(
         raise ValueError(f"verify_cost needs entries for 0..{n_nodes} draft nodes")
     K = len(acc)
 
-    @lru_cache(maxsize=None)
+    @cache
     def subtree(n: int, d: int) -> tuple[float, tuple]:
         """Best value of a subtree of exactly n nodes (its root counted 1) with <= d levels below."""
         if n == 1:
@@ -102,7 +115,7 @@ def optimal_shape(
         v, alloc = children(n - 1, 0, d - 1)
         return 1.0 + v, alloc
 
-    @lru_cache(maxsize=None)
+    @cache
     def children(m: int, k: int, d: int) -> tuple[float, tuple]:
         """Best way to spend m nodes on children of rank k, k+1, ... (each subtree depth <= d)."""
         if m == 0:
@@ -133,5 +146,10 @@ def optimal_shape(
     _, _, _, n, depth, value = max(candidates)
     parents = [-1]
     build(n + 1, depth, 0, parents)
-    meta = (("acceptance", list(acc)), ("draft_cost", draft_cost), ("max_depth", max_depth), ("n_nodes", n_nodes))
+    meta = (
+        ("acceptance", list(acc)),
+        ("draft_cost", draft_cost),
+        ("max_depth", max_depth),
+        ("n_nodes", n_nodes),
+    )
     return TreeShape(tuple(parents), value, meta)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .proposal import DraftTree, Walk
 
+
 @dataclass
 class GenerationStats:
     target_steps: int = 0  # target forward passes after the prefill (= rounds)

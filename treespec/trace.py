@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from .proposal import DepthStep, Outcome, ProposalTrace
 from .tree import TokenTree
 
+
 @dataclass(frozen=True)
 class RoundTrace:
     index: int  # 0-based round number
@@ -42,7 +43,13 @@ class RoundTrace:
 
 
 MARK = {"accepted": "✓", "rejected": "✗", "untried": "·"}
-COLOUR = {"accepted": "\033[32m", "rejected": "\033[31m", "untried": "\033[2m", "correction": "\033[33m", "bonus": "\033[36m"}
+COLOUR = {
+    "accepted": "\033[32m",
+    "rejected": "\033[31m",
+    "untried": "\033[2m",
+    "correction": "\033[33m",
+    "bonus": "\033[36m",
+}
 RESET = "\033[0m"
 
 
@@ -57,7 +64,11 @@ def render_round(round_: RoundTrace, decode: Callable[[int], str] = str, colour:
     head = f"round {round_.index} ({round_.rule}"
     if round_.depth_step is not None:
         d = round_.depth_step
-        entropy = "" if d.entropy is None else f", entropy {d.entropy:.3f}{'' if d.from_drafter else ' (rejection rate)'}"
+        entropy = (
+            ""
+            if d.entropy is None
+            else f", entropy {d.entropy:.3f}{'' if d.from_drafter else ' (rejection rate)'}"
+        )
         head += f", depth {d.depth}{entropy} -> next {d.next_depth}"
     lines = [head + ")", f"{decode(tree.tokens[0])!r}"]
 
@@ -70,12 +81,18 @@ def render_round(round_: RoundTrace, decode: Callable[[int], str] = str, colour:
             if pts:
                 marks = "".join(MARK[pt.outcome] for pt in pts)
                 coins = ",".join(f"{pt.coin:.3g}" for pt in pts)
-                label = paint(f"{marks} {label}", node_outcome(pts)) + f"  p={pts[0].p:.3g} q={pts[0].q:.3g} coin={coins}"
+                label = (
+                    paint(f"{marks} {label}", node_outcome(pts))
+                    + f"  p={pts[0].p:.3g} q={pts[0].q:.3g} coin={coins}"
+                )
             lines.append(f"{prefix}{'└─ ' if last else '├─ '}{label}")
             walk(c, prefix + ("   " if last else "│  "))
 
     walk(0, "")
-    lines.append(paint(f"{round_.kind} {decode(round_.token)!r}", round_.kind) + f" from {round_.source}; emitted {len(round_.emitted)}")
+    lines.append(
+        paint(f"{round_.kind} {decode(round_.token)!r}", round_.kind)
+        + f" from {round_.source}; emitted {len(round_.emitted)}"
+    )
     return "\n".join(lines)
 
 
@@ -122,11 +139,17 @@ def plot_round(round_: RoundTrace, decode: Callable[[int], str] = str, ax=None):
         _, ax = plt.subplots(figsize=(max(4, len(leaves) * 1.2), 1.5 + 1.2 * tree.max_depth))
     for a, b in g.edges:
         ax.plot([pos[a][0], pos[b][0]], [pos[a][1], pos[b][1]], color="grey", zorder=1)
-        ax.annotate(",".join(f"{pt.coin:.2f}" for pt in by_node.get(b, [])), ((pos[a][0] + pos[b][0]) / 2, (pos[a][1] + pos[b][1]) / 2), fontsize=7)
+        ax.annotate(
+            ",".join(f"{pt.coin:.2f}" for pt in by_node.get(b, [])),
+            ((pos[a][0] + pos[b][0]) / 2, (pos[a][1] + pos[b][1]) / 2),
+            fontsize=7,
+        )
     for u in g.nodes:
         face = "white" if u == 0 else colours[node_outcome(by_node[u])] if u in by_node else "lightgrey"
         ax.scatter(*pos[u], s=600, color=face, edgecolors="black", zorder=2)
         ax.annotate(decode(tree.tokens[u]), pos[u], ha="center", va="center", fontsize=8, zorder=3)
-    ax.set_title(f"round {round_.index}: {round_.kind} {decode(round_.token)!r} from {round_.source}", fontsize=9)
+    ax.set_title(
+        f"round {round_.index}: {round_.kind} {decode(round_.token)!r} from {round_.source}", fontsize=9
+    )
     ax.axis("off")
     return ax

@@ -150,7 +150,9 @@ def ancestor_rows(parents: torch.Tensor, start: int, max_depth: int) -> torch.Te
     host round trip: the tree mask of a forward is made on the model's device.
     """
     p = parents.numel()
-    up = torch.cat([torch.where(parents < 0, p, parents), parents.new_full((1,), p)])  # [P + 1]; -1 -> sentinel p
+    up = torch.cat(
+        [torch.where(parents < 0, p, parents), parents.new_full((1,), p)]
+    )  # [P + 1]; -1 -> sentinel p
     cur = torch.arange(start, p, device=parents.device)  # [n] the node each row has reached
     rows = torch.arange(p - start, device=parents.device)
     mask = torch.zeros(p - start, p + 1, dtype=torch.bool, device=parents.device)  # column p: the sentinel

@@ -52,7 +52,7 @@ pass over the nodes) and need two transfers per round: one `first_success`, one 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -61,7 +61,15 @@ from .config import SamplingConfig
 from .proposal import DraftTree, Draw, ProposalGroup, ProposalTrace, Walk, WalkTrace
 from .rng import Rng
 from .sampling import (
-    PenaltyContext, check_finite, nonfinite_rows, one_hot, penalize, probs, remove_token, residual, tree_token_counts,
+    PenaltyContext,
+    check_finite,
+    nonfinite_rows,
+    one_hot,
+    penalize,
+    probs,
+    remove_token,
+    residual,
+    tree_token_counts,
     weighted_residual,
 )
 
@@ -95,11 +103,18 @@ def verify(
     counts = None
     if sampling.penalized:
         if committed is None:
-            raise ValueError("sampling has penalties: pass verify(..., committed=PenaltyContext(prompt + emitted, len(prompt)))")
+            raise ValueError(
+                "sampling has penalties: pass verify(..., committed=PenaltyContext(prompt + "
+                "emitted, len(prompt)))"
+            )
         counts = tree_token_counts(committed, draft.tree, target_logits.shape[-1], target_logits.device)
     if sampling.greedy:
         if counts is not None:  # penalised in probs()'s precision, so draft and target argmax agree
-            target_logits = penalize(target_logits if target_logits.dtype == torch.float64 else target_logits.float(), sampling, counts)
+            target_logits = penalize(
+                target_logits if target_logits.dtype == torch.float64 else target_logits.float(),
+                sampling,
+                counts,
+            )
         return _verify_greedy(draft, target_logits, [] if trace else None)
     p = probs(target_logits, sampling, counts)  # [N, V] p at every node, one batched op
     _check_inputs(draft, target_logits)
@@ -121,10 +136,14 @@ def check_rule(draft: DraftTree, rule: str) -> None:
         for u in range(len(tree)):
             groups = draft.groups_at(u)
             kids = [c for g in groups for c in g.children]
-            if len(kids) > 1 and (len(set(kids)) < len(kids) or any(g.draw is Draw.IID and len(g.tokens) > 1 for g in groups)):
+            if len(kids) > 1 and (
+                len(set(kids)) < len(kids) or any(g.draw is Draw.IID and len(g.tokens) > 1 for g in groups)
+            ):
                 raise ValueError(
-                    "traversal verification needs siblings drawn without replacement or deterministic, each with its "
-                    "own subtree; this tree has i.i.d. or merged siblings: use 'token' (or 'block' on a chain)"
+                    "traversal verification needs siblings drawn without replacement or "
+                    "deterministic, each with its "
+                    "own subtree; this tree has i.i.d. or merged siblings: use 'token' (or 'block' "
+                    "on a chain)"
                 )
 
 
@@ -134,13 +153,19 @@ def _verify_greedy(draft: DraftTree, logits: torch.Tensor, trace: list[ProposalT
     while True:
         if bad[node]:
             check_finite(logits[node], "target")  # raises the precise error
-        child = next((c for g in draft.groups_at(node) for c, t in zip(g.children, g.tokens) if t == best[node]), None)
+        child = next(
+            (c for g in draft.groups_at(node) for c, t in zip(g.children, g.tokens) if t == best[node]), None
+        )
         if trace is not None:
             for g in draft.groups_at(node):
                 for x, c in zip(g.tokens, g.children):
                     hit = float(x == best[node])
                     q = 1.0 if g.q is None else float(g.q[x])
-                    trace.append(ProposalTrace(c, node, x, g.draw.value, hit, q, hit, "accepted" if c == child else "rejected"))
+                    trace.append(
+                        ProposalTrace(
+                            c, node, x, g.draw.value, hit, q, hit, "accepted" if c == child else "rejected"
+                        )
+                    )
         if child is None:
             kind = "bonus" if draft.tree.is_leaf(node) else "correction"
             return Walk(tuple(path), best[node], kind, _walk_trace(trace, f"argmax p at node {node}"))
@@ -148,7 +173,9 @@ def _verify_greedy(draft: DraftTree, logits: torch.Tensor, trace: list[ProposalT
         path.append(child)
 
 
-def _verify_token(draft: DraftTree, p: torch.Tensor, rng: Rng, trace: list[ProposalTrace] | None = None) -> Walk:
+def _verify_token(
+    draft: DraftTree, p: torch.Tensor, rng: Rng, trace: list[ProposalTrace] | None = None
+) -> Walk:
     """Token by token from the root: accept a child or move on to the next proposal."""
     node, path = 0, [0]
     while True:
@@ -161,7 +188,9 @@ def _verify_token(draft: DraftTree, p: torch.Tensor, rng: Rng, trace: list[Propo
             if trace is not None:
                 tried = [(g, x, c) for g in groups for x, c in zip(g.tokens, g.children)]
                 px = p[node][[x for _, x, _ in tried]].tolist()
-                for j, ((g, x, c), pj, qj, coin) in enumerate(zip(tried, px, chain.q.tolist(), chain.accept.tolist())):
+                for j, ((g, x, c), pj, qj, coin) in enumerate(
+                    zip(tried, px, chain.q.tolist(), chain.accept.tolist())
+                ):
                     outcome = "rejected" if i is None or j < i else "accepted" if j == i else "untried"
                     trace.append(ProposalTrace(c, node, x, g.draw.value, pj, qj, coin, outcome))
             if i is not None:
@@ -190,9 +219,7 @@ def _acceptance_chain(groups: list[ProposalGroup], r: torch.Tensor) -> _Chain:
             if q is None:  # deterministic: q is one-hot on x
                 accept.append(r[x].clamp(max=1.0))
                 qx.append(torch.ones_like(r[x]))
-                one_hot = torch.zeros_like(r)
-                one_hot[x] = 1
-                r = residual(r, one_hot)
+                r = residual(r, one_hot(x, r))
                 continue
             accept.append((r[x] / q[x]).clamp(max=1.0))
             qx.append(q[x])
@@ -202,7 +229,9 @@ def _acceptance_chain(groups: list[ProposalGroup], r: torch.Tensor) -> _Chain:
     return _Chain(torch.stack(accept), torch.stack(qx), r)
 
 
-def _verify_block(draft: DraftTree, p: torch.Tensor, rng: Rng, trace: list[ProposalTrace] | None = None) -> Walk:
+def _verify_block(
+    draft: DraftTree, p: torch.Tensor, rng: Rng, trace: list[ProposalTrace] | None = None
+) -> Walk:
     """Block verification of a chain root -> ... -> leaf, vectorised over the chain on the
     device; the coins run from the leaf back to the root."""
     chain = _chain(draft)
@@ -217,20 +246,42 @@ def _verify_block(draft: DraftTree, p: torch.Tensor, rng: Rng, trace: list[Propo
     ratio = rows[:-1].gather(1, x[:, None])[:, 0] / q.gather(1, x[:, None])[:, 0]
     log_w = torch.cat([ratio.new_zeros(1), ratio.log().cumsum(0)])
     w = (log_w - log_w.cummax(0).values).exp()  # [n + 1]: w_i = min(1, w_{i-1} ratio_i), w_0 = 1
-    left = weighted_residual(w[:-1, None] * rows[:-1], q)  # [n, V] measure left at node i when x_{i+1} is rejected
+    left = weighted_residual(
+        w[:-1, None] * rows[:-1], q
+    )  # [n, V] measure left at node i when x_{i+1} is rejected
     stop = torch.cat([ratio.new_ones(1), left[1:].sum(-1), w[-1:]])  # node 0 always stops: its mass is 1
     i = rng.first_success(stop.flip(0))
     tau = n - (i if i is not None else n)
     if trace is not None:  # the proposal at chain[k] (k >= 1) with its node's stopping coin
         px, qx = rows[:-1].gather(1, x[:, None])[:, 0].tolist(), q.gather(1, x[:, None])[:, 0].tolist()
         for k, (g, x_k, pk, qk, coin) in enumerate(zip(groups, xs, px, qx, stop[1:].tolist()), start=1):
-            trace.append(ProposalTrace(chain[k], chain[k - 1], x_k, g.draw.value, pk, qk, coin, "accepted" if k <= tau else "rejected"))
+            trace.append(
+                ProposalTrace(
+                    chain[k],
+                    chain[k - 1],
+                    x_k,
+                    g.draw.value,
+                    pk,
+                    qk,
+                    coin,
+                    "accepted" if k <= tau else "rejected",
+                )
+            )
     if tau == n:
-        return Walk(tuple(chain), rng.categorical(rows[n])[0], "bonus", _walk_trace(trace, f"p at leaf {chain[n]}"))
-    return Walk(tuple(chain[: tau + 1]), rng.categorical(left[tau])[0], "correction", _walk_trace(trace, f"weighted residual at node {chain[tau]}"))
+        return Walk(
+            tuple(chain), rng.categorical(rows[n])[0], "bonus", _walk_trace(trace, f"p at leaf {chain[n]}")
+        )
+    return Walk(
+        tuple(chain[: tau + 1]),
+        rng.categorical(left[tau])[0],
+        "correction",
+        _walk_trace(trace, f"weighted residual at node {chain[tau]}"),
+    )
 
 
-def _verify_traversal(draft: DraftTree, p: torch.Tensor, rng: Rng, trace: list[ProposalTrace] | None = None) -> Walk:
+def _verify_traversal(
+    draft: DraftTree, p: torch.Tensor, rng: Rng, trace: list[ProposalTrace] | None = None
+) -> Walk:
     """Traversal verification: visit the tree leaves first (post-order, siblings in draw
     order), each node's stopping probability given that every earlier node was rejected;
     accept the first node that stops, with its whole root path."""
@@ -241,7 +292,10 @@ def _verify_traversal(draft: DraftTree, p: torch.Tensor, rng: Rng, trace: list[P
 
     def visit(u: int, m: torch.Tensor) -> None:  # m: target measure at u, mass = u's weight
         for g in draft.groups_at(u):
-            q, drawn = None if g.q is None else g.q.to(m.device, m.dtype), torch.zeros_like(m, dtype=torch.bool)
+            q, drawn = (
+                None if g.q is None else g.q.to(m.device, m.dtype),
+                torch.zeros_like(m, dtype=torch.bool),
+            )
             for x, c in zip(g.tokens, g.children):
                 qx = one_hot(x, m) if q is None else q
                 if trace is not None:
@@ -267,7 +321,18 @@ def _verify_traversal(draft: DraftTree, p: torch.Tensor, rng: Rng, trace: list[P
         px = dict(zip(kids, p[[tree.parents[c] for c in kids], [tree.tokens[c] for c in kids]].tolist()))
         for j, u in enumerate(order[:-1]):
             outcome = "accepted" if u in path else "rejected" if j < i else "untried"
-            trace.append(ProposalTrace(u, tree.parents[u], tree.tokens[u], tried[u][0].draw.value, px[u], qx[u], coins[j], outcome))
+            trace.append(
+                ProposalTrace(
+                    u,
+                    tree.parents[u],
+                    tree.tokens[u],
+                    tried[u][0].draw.value,
+                    px[u],
+                    qx[u],
+                    coins[j],
+                    outcome,
+                )
+            )
     source = f"p at leaf {node}" if kind == "bonus" else f"weighted residual at node {node}"
     return Walk(path, rng.categorical(left[i])[0], kind, _walk_trace(trace, source))
 
@@ -293,10 +358,15 @@ def _check_inputs(draft: DraftTree, logits: torch.Tensor) -> None:
     """Every row finite and every stochastic proposal drawn from a q that gives it mass:
     one host transfer for the whole tree."""
     qx = [g.q[list(g.tokens)].to(logits.device, logits.dtype) for g in draft.groups if g.q is not None]
-    flags = [nonfinite_rows(logits).any()[None].to(logits.dtype)] + [(x <= 0).any()[None].to(logits.dtype) for x in qx]
+    flags = [nonfinite_rows(logits).any()[None].to(logits.dtype)] + [
+        (x <= 0).any()[None].to(logits.dtype) for x in qx
+    ]
     bad_row, *bad_q = torch.cat(flags).tolist()
     if bad_row:
         check_finite(logits, "target")
     for g, bad in zip((g for g in draft.groups if g.q is not None), bad_q):
         if bad:
-            raise ValueError(f"a proposal among {list(g.tokens)} has draft probability 0: it was not drawn from the stored q")
+            raise ValueError(
+                f"a proposal among {list(g.tokens)} has draft probability 0: it was not drawn from "
+                "the stored q"
+            )

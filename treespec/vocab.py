@@ -47,14 +47,19 @@ def compare_tokenizers(target, draft) -> None:
         if differ:
             shown = ", ".join(f"{i}: {tv[i]!r} vs {dv[i]!r}" for i in differ[:5])
             raise ValueError(
-                f"the draft's tokenizer differs from the target's on {len(differ)} of {len(tv.keys() & dv.keys())} "
-                f"shared ids (target vs draft: {shown}{', ...' if len(differ) > 5 else ''}); speculative decoding "
+                f"the draft's tokenizer differs from the target's on {len(differ)} of "
+                f"{len(tv.keys() & dv.keys())} "
+                f"shared ids (target vs draft: {shown}{', ...' if len(differ) > 5 else ''}); "
+                "speculative decoding "
                 f"needs one vocabulary: use a draft from the target's model family"
             )
     for role in ("eos_token_id", "bos_token_id", "unk_token_id"):
         a, b = getattr(target, role, None), getattr(draft, role, None)
         if a is not None and b is not None and a != b:
-            raise ValueError(f"target and draft tokenizers disagree on {role}: {a} vs {b}; use a draft with the target's tokenizer")
+            raise ValueError(
+                f"target and draft tokenizers disagree on {role}: {a} vs {b}; use a draft with the "
+                "target's tokenizer"
+            )
 
 
 def shared_support(target_rows: int, draft_rows: int, tokenizer) -> int:
@@ -68,13 +73,16 @@ def shared_support(target_rows: int, draft_rows: int, tokenizer) -> int:
     if n is None:
         if draft_rows != target_rows:
             raise ValueError(
-                f"draft and target vocabularies differ ({draft_rows} vs {target_rows} tokens) and no tokenizer tells "
-                f"whether the extra rows are padding; pass tokenizer=... (the target's) or use one shared tokenizer"
+                f"draft and target vocabularies differ ({draft_rows} vs {target_rows} tokens) and "
+                "no tokenizer tells "
+                "whether the extra rows are padding; pass tokenizer=... (the target's) or use one "
+                "shared tokenizer"
             )
         return target_rows
     if draft_rows < min(n, target_rows):
         raise ValueError(
-            f"the draft model has {draft_rows} output rows but the tokenizer has {n} tokens (target: {target_rows} rows): "
+            f"the draft model has {draft_rows} output rows but the tokenizer has {n} tokens "
+            f"(target: {target_rows} rows): "
             f"the draft cannot read every token the target emits; draft and target vocabularies differ"
         )
     return min(n, target_rows, draft_rows)

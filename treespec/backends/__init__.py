@@ -55,8 +55,8 @@ def make_runner(model, backend: str = "auto") -> Runner:
             f"expected a Hugging Face causal LM or a treespec Runner, got {type(model).__name__}; "
             f"load one with SpeculativeDecoder.from_pretrained(path)"
         )
-    from .hf import HFRunner
     from .checkpoint import unsupported_reason
+    from .hf import HFRunner
     from .native import NativeRunner
 
     if backend != "hf" and use_native(backend, unsupported_reason(model.config), "this model"):
@@ -138,4 +138,14 @@ def bf16_matmul_is_faster(margin: float = 0.9) -> bool:
     return all(median[torch.bfloat16, rows] < margin * median[torch.float32, rows] for rows in (1, 16))
 
 
-__all__ = ["BACKENDS", "Runner", "auto_dtype", "bf16_matmul_is_faster", "check_backend", "cpu_bf16_flags", "cpu_model", "make_runner", "use_native"]
+__all__ = [
+    "BACKENDS",
+    "Runner",
+    "auto_dtype",
+    "bf16_matmul_is_faster",
+    "check_backend",
+    "cpu_bf16_flags",
+    "cpu_model",
+    "make_runner",
+    "use_native",
+]

@@ -24,9 +24,7 @@ from collections.abc import Callable
 import torch
 
 # (q, k, v, prefix_len) -> (out, lse): attention of every query over cache slots [0, prefix_len)
-PrefixAttention = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]
-]
+PrefixAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:

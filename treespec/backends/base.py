@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import check_positive_int
 from ..tree import TokenTree, ancestor_rows
 
 
@@ -103,7 +104,9 @@ class Runner(ABC):
         for i, parent in enumerate(parents):
             if not -1 <= parent < p0 + i:
                 raise ValueError(f"node {i}: parent {parent} is not a pending node before it")
-            depths.append(0 if parent == -1 else (self._depths[parent] if parent < p0 else depths[parent - p0]) + 1)
+            depths.append(
+                0 if parent == -1 else (self._depths[parent] if parent < p0 else depths[parent - p0]) + 1
+            )
         self._check_positions(c + max(depths))
         self._tokens += [int(t) for t in tokens]
         self._parents += [int(p) for p in parents]
@@ -114,7 +117,9 @@ class Runner(ABC):
             ids = torch.tensor([self._tokens[p0:], [c + d for d in depths]], device=self.device)  # [2, n]
             return Feed(ids[0], ids[1], None)
         # one host -> device copy: tokens, positions and the parent pointers of every pending node
-        ids = torch.tensor([self._tokens, [c + d for d in self._depths], self._parents], device=self.device)  # [3, P]
+        ids = torch.tensor(
+            [self._tokens, [c + d for d in self._depths], self._parents], device=self.device
+        )  # [3, P]
         new = ancestor_rows(ids[2], p0, max(self._depths[p0:]))  # [n, P] ancestor-or-self of the new nodes
         visible = torch.ones(n, c + p0 + n, dtype=torch.bool, device=self.device)  # [n, S + n]
         visible[:, c:] = new
@@ -162,15 +167,18 @@ class Runner(ABC):
         """`n` runners of this very model, each with a cache of its own (one per request of a
         batch). A backend whose lanes can share one forward (`_forward_many`) returns them so;
         by default each lane is a copy made by `_new_lane` and runs its own forwards."""
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"lanes() needs n >= 1, got {n!r}")
+        check_positive_int("lanes(n)", n)
         return [self._new_lane() for _ in range(n)]
 
     def _new_lane(self) -> Runner:
-        raise NotImplementedError(f"{type(self).__name__} cannot make lanes for batched decoding; implement _new_lane()")
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot make lanes for batched decoding; implement _new_lane()"
+        )
 
     @classmethod
-    def _forward_many(cls, runners: list[Runner], feeds: list[Feed], need_logits: bool) -> list[torch.Tensor | None]:
+    def _forward_many(
+        cls, runners: list[Runner], feeds: list[Feed], need_logits: bool
+    ) -> list[torch.Tensor | None]:
         """One `_forward` per runner; a backend whose lanes share a batched forward overrides
         this (`runners` are all of this class)."""
         return [r._forward(f.tokens, f.positions, f.visible, need_logits) for r, f in zip(runners, feeds)]
@@ -210,14 +218,20 @@ def prefill_many(jobs: Sequence[tuple[Runner, Sequence[int]]]) -> None:
 
 def _run(runners: list[Runner], feeds: list[Feed], need_logits: bool) -> list[torch.Tensor | None]:
     """Forward `feeds`, grouping runners by class so a batched backend sees all its lanes."""
-    out = forward_grouped(runners, feeds, type, lambda group, fs: type(group[0])._forward_many(group, fs, need_logits))
+    out = forward_grouped(
+        runners, feeds, type, lambda group, fs: type(group[0])._forward_many(group, fs, need_logits)
+    )
     for r in runners:
         r.forwards += 1
     return out
 
 
-def forward_grouped(runners: list[Runner], feeds: list[Feed], key: Callable[[Runner], Hashable],
-                    forward: Callable[[list[Runner], list[Feed]], list]) -> list:
+def forward_grouped(
+    runners: list[Runner],
+    feeds: list[Feed],
+    key: Callable[[Runner], Hashable],
+    forward: Callable[[list[Runner], list[Feed]], list],
+) -> list:
     """`forward(group, group_feeds)` once per group of runners sharing `key(runner)` (one
     result per runner of the group); the results in the order of `runners`."""
     groups: dict[Hashable, list[int]] = {}

@@ -74,7 +74,9 @@ class HFRunner(Runner):
         return out.logits[0] if need_logits else None  # [n, V]
 
     @classmethod
-    def _forward_many(cls, runners: list[HFRunner], feeds: list[Feed], need_logits: bool) -> list[torch.Tensor | None]:
+    def _forward_many(
+        cls, runners: list[HFRunner], feeds: list[Feed], need_logits: bool
+    ) -> list[torch.Tensor | None]:
         """Lanes of one model run as ONE batched forward (`_batched_forward`); a lone runner,
         or lanes whose caches are not plain `DynamicLayer`s (sliding windows, quantized
         caches), run one forward each."""
@@ -82,7 +84,9 @@ class HFRunner(Runner):
         def model_forward(lanes: list[HFRunner], lane_feeds: list[Feed]) -> list[torch.Tensor | None]:
             if len(lanes) > 1 and all(lane._plain_cache() for lane in lanes):
                 return _batched_forward(lanes, lane_feeds, need_logits)
-            return [r._forward(f.tokens, f.positions, f.visible, need_logits) for r, f in zip(lanes, lane_feeds)]
+            return [
+                r._forward(f.tokens, f.positions, f.visible, need_logits) for r, f in zip(lanes, lane_feeds)
+            ]
 
         return forward_grouped(runners, feeds, lambda r: id(r.model), model_forward)
 
@@ -99,7 +103,10 @@ class HFRunner(Runner):
             if not getattr(layer, "is_initialized", False):
                 continue
             # gather first (a copy), then write: never an overlapping in-place copy
-            keys, values = layer.keys.index_select(-2, idx), layer.values.index_select(-2, idx)  # [B, H, k, D]
+            keys, values = (
+                layer.keys.index_select(-2, idx),
+                layer.values.index_select(-2, idx),
+            )  # [B, H, k, D]
             layer.keys[..., c : c + k, :] = keys
             layer.values[..., c : c + k, :] = values
 
@@ -111,7 +118,9 @@ class HFRunner(Runner):
 
 
 @torch.inference_mode()
-def _batched_forward(lanes: list[HFRunner], feeds: list[Feed], need_logits: bool) -> list[torch.Tensor | None]:
+def _batched_forward(
+    lanes: list[HFRunner], feeds: list[Feed], need_logits: bool
+) -> list[torch.Tensor | None]:
     """B lanes of one model in one forward. Each lane's cache (S_b slots) is copied into one
     batched `DynamicCache`, right-padded to S = max S_b; the new tokens are padded to
     [B, n_max]; a [B, 1, n_max, S + n_max] mask lets lane b's row i see its own S_b slots
@@ -147,8 +156,10 @@ def _batched_forward(lanes: list[HFRunner], feeds: list[Feed], need_logits: bool
             return torch.nn.functional.pad(t, (0, 0, 0, S - S_b)) if S_b < S else t
 
         for layer in range(len(ref)):  # [B, H, S, D] each
-            keys, values = (torch.cat([padded(lane, S_b, layer, which) for lane, S_b in zip(lanes, starts)])
-                            for which in ("keys", "values"))
+            keys, values = (
+                torch.cat([padded(lane, S_b, layer, which) for lane, S_b in zip(lanes, starts)])
+                for which in ("keys", "values")
+            )
             cache.update(keys, values, layer)
     out = first.model(
         input_ids=tokens,
@@ -205,7 +216,10 @@ def resolve_path(path) -> str | Path:
     if not looks_local:
         return text
     if not local.exists():
-        raise ValueError(f"no model at {text!r}: {local.absolute()} does not exist; give a directory with config.json and weights")
+        raise ValueError(
+            f"no model at {text!r}: {local.absolute()} does not exist; give a directory with "
+            "config.json and weights"
+        )
     if not (local / "config.json").is_file():
         raise ValueError(f"no model at {text!r}: expected a directory with config.json and weights")
     return local
@@ -217,10 +231,15 @@ def load_model(path, dtype: torch.dtype, device, attn_implementation: str = "sdp
 
     path = resolve_path(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=dtype, attn_implementation=attn_implementation
+        )
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for corrupt files
-        where = (f"{str(path)!r} (no local directory of that name in {Path.cwd()}, so read as a hub id)"
-                 if isinstance(path, str) else repr(str(path)))
+        where = (
+            f"{str(path)!r} (no local directory of that name in {Path.cwd()}, so read as a hub id)"
+            if isinstance(path, str)
+            else repr(str(path))
+        )
         first = (str(e).splitlines() or [type(e).__name__])[0]
         raise ValueError(
             f"cannot load a causal LM from {where}: {first} "

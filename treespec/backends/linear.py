@@ -50,7 +50,11 @@ class Projection:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         worth_it = weight.dtype != torch.float32 or weight.numel() >= MIN_PACKED_FP32
-        self.packed = _pack(weight, bias) if pack and worth_it and packing_available(weight.device, weight.dtype) else None
+        self.packed = (
+            _pack(weight, bias)
+            if pack and worth_it and packing_available(weight.device, weight.dtype)
+            else None
+        )
         # unpacked: W^T [in, out]. A transposed view makes x @ W^T the very BLAS call F.linear
         # makes (float64: bitwise HF; CUDA: cuBLAS transposes for free); a CPU float32/bf16
         # weight is laid out [in, out], 1.2-1.6x faster per row than F.linear on the CPUs measured
@@ -86,31 +90,3 @@ def _pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | Non
 
 def _packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
-
-
-def _timing_table() -> None:  # pragma: no cover - a measurement, run by hand
-    import time
-
-    def median_us(f, n=200):
-        for _ in range(20):
-            f()
-        ts = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            f()
-            ts.append(time.perf_counter() - t0)
-        return sorted(ts)[n // 2] * 1e6
-
-    print("weight [out, in]  rows  dtype      F.linear us  packed us")
-    for out_f, in_f in ((2752, 512), (8192, 512)):
-        for dtype in PACKABLE_DTYPES:
-            w = torch.randn(out_f, in_f).to(dtype)
-            proj = Projection(w)
-            for rows in (1, 13):
-                x = torch.randn(rows, in_f).to(dtype)
-                print(f"{out_f} x {in_f}  {rows:5d}  {str(dtype)[6:]:9s}  {median_us(lambda: F.linear(x, w)):11.1f}"
-                      f"  {median_us(lambda: proj(x)):9.1f}{'' if proj.packed is not None else ' (not packed)'}")
-
-
-if __name__ == "__main__":
-    _timing_table()

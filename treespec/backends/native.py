@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..config import check_positive_int
 from .attention import cascade_attention, flash_available, flash_prefix_attention
 from .base import Feed, Runner, causal_visible, forward_grouped
 from .checkpoint import LlamaShape, read_checkpoint
@@ -74,7 +75,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
 class KVPool:
     """The static KV cache of `rows` lanes of one model, and the RoPE tables of its positions."""
 
-    def __init__(self, shape: LlamaShape, rows: int, inv_freq: torch.Tensor, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, shape: LlamaShape, rows: int, inv_freq: torch.Tensor, dtype: torch.dtype, device: torch.device
+    ):
         self.shape, self.rows, self.inv_freq, self.dtype, self.device = shape, rows, inv_freq, dtype, device
         self.kv = torch.zeros(0, device=device, dtype=dtype)
         self.capacity = 0
@@ -84,7 +87,9 @@ class KVPool:
         """Reallocate for `capacity` slots per lane (keeping what the cache holds) and the RoPE
         tables for positions [0, capacity): positions never exceed the slot count."""
         s, old = self.shape, self.kv
-        self.kv = torch.zeros(s.layers, 2, self.rows, s.kv_heads, capacity, s.head_dim, device=self.device, dtype=self.dtype)
+        self.kv = torch.zeros(
+            s.layers, 2, self.rows, s.kv_heads, capacity, s.head_dim, device=self.device, dtype=self.dtype
+        )
         if old.numel():
             self.kv[..., : old.shape[-2], :] = old
         # as HF's rotary embedding: float32 angles, cos/sin, then the compute dtype
@@ -171,12 +176,17 @@ class NativeRunner(Runner):
         # block is a small masked attention merged by log-sum-exp (attention.cascade_attention).
         self.flash = dtype in (torch.float16, torch.bfloat16) and flash_available(self.device)
         self.prefix_attention = flash_prefix_attention
-        self.pool, self.row = KVPool(s, 1, self.inv_freq, dtype, self.device), 0  # this runner's cache: row 0 of a pool of one
+        self.pool, self.row = (
+            KVPool(s, 1, self.inv_freq, dtype, self.device),
+            0,
+        )  # this runner's cache: row 0 of a pool of one
         super().__init__()
 
     # ---- constructors ----------------------------------------------------------------------
     @classmethod
-    def from_hf(cls, model: torch.nn.Module, dtype: torch.dtype | None = None, device=None, pack_weights: bool = True) -> NativeRunner:
+    def from_hf(
+        cls, model: torch.nn.Module, dtype: torch.dtype | None = None, device=None, pack_weights: bool = True
+    ) -> NativeRunner:
         """The weights of an HF `LlamaForCausalLM` / `Qwen2ForCausalLM` / `MistralForCausalLM`,
         copied into the runner's layout (norms and biases shared where dtype and device agree;
         float64 shares everything). dtype/device default to the model's."""
@@ -184,10 +194,19 @@ class NativeRunner(Runner):
 
         param = next(model.parameters())
         shape = LlamaShape.from_config(model.config)
-        return cls(shape, model.state_dict(), eos_token_ids(model), dtype or param.dtype, device or param.device, pack_weights)
+        return cls(
+            shape,
+            model.state_dict(),
+            eos_token_ids(model),
+            dtype or param.dtype,
+            device or param.device,
+            pack_weights,
+        )
 
     @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype = torch.float32, device="cpu", pack_weights: bool = True) -> NativeRunner:
+    def from_pretrained(
+        cls, path, dtype: torch.dtype = torch.float32, device="cpu", pack_weights: bool = True
+    ) -> NativeRunner:
         """A local directory with config.json and model.safetensors (or a sharded
         model.safetensors.index.json); no transformers import (`checkpoint.read_checkpoint`)."""
         shape, weights, eos_ids = read_checkpoint(path)
@@ -206,8 +225,7 @@ class NativeRunner(Runner):
     def lanes(self, n: int) -> list[NativeRunner]:
         """`n` runners sharing this one's weights over a new pool of `n` rows: their forwards
         in `extend_many` / `prefill_many` run as one packed forward."""
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"lanes() needs n >= 1, got {n!r}")
+        check_positive_int("lanes(n)", n)
         pool = KVPool(self.shape, n, self.inv_freq, self.dtype, self.device)
         out = []
         for row in range(n):
@@ -248,7 +266,9 @@ class NativeRunner(Runner):
         return forward_grouped(runners, feeds, lambda r: id(r.pool), pool_forward)
 
     @torch.inference_mode()
-    def _packed_forward(self, lanes: list[NativeRunner], feeds: list[Feed], need_logits: bool) -> list[torch.Tensor | None]:
+    def _packed_forward(
+        self, lanes: list[NativeRunner], feeds: list[Feed], need_logits: bool
+    ) -> list[torch.Tensor | None]:
         """Feed every lane's new tokens (lanes of this runner's pool) in one forward; logits
         [n_i, V] per lane. T = the new tokens of all lanes, packed."""
         s, pool = self.shape, self.pool
@@ -261,7 +281,9 @@ class NativeRunner(Runner):
         one = len(lanes) == 1
         tokens = feeds[0].tokens if one else torch.cat([f.tokens for f in feeds])  # [T]
         positions = feeds[0].positions if one else torch.cat([f.positions for f in feeds])  # [T]
-        attend = self._lane_attention(feeds[0], starts[0]) if one else _PackedAttention(lanes, feeds, starts, Hq)
+        attend = (
+            self._lane_attention(feeds[0], starts[0]) if one else _PackedAttention(lanes, feeds, starts, Hq)
+        )
         T = tokens.shape[0]
 
         cos, sin = pool.cos[positions][:, None], pool.sin_signed[positions][:, None]  # [T, 1, D]
@@ -290,7 +312,13 @@ class NativeRunner(Runner):
         into its cache row, SDPA over the row. A node continuing the committed prefix with
         nothing else pending sees everything: no mask (the decode fast path). A prefill is
         causal after the S cached slots. Trees bring their ancestor mask."""
-        n, r, Hq, Hkv, D = feed.tokens.shape[0], self.row, self.shape.heads, self.shape.kv_heads, self.shape.head_dim
+        n, r, Hq, Hkv, D = (
+            feed.tokens.shape[0],
+            self.row,
+            self.shape.heads,
+            self.shape.kv_heads,
+            self.shape.head_dim,
+        )
         g = Hq // Hkv  # query heads per kv head
         mask, cascade = None, False
         if feed.visible is None:
@@ -324,7 +352,9 @@ class NativeRunner(Runner):
                 qg = q.reshape(1, Hkv, g * n, D)  # [1, Hkv, g*n, D]
                 o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=D**-0.5)
             else:
-                o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=D**-0.5, enable_gqa=True)
+                o = F.scaled_dot_product_attention(
+                    q, keys, values, attn_mask=mask, scale=D**-0.5, enable_gqa=True
+                )
             return o.view(Hq, n, D).transpose(0, 1).reshape(n, Hq * D)  # [n, Hq*D]
 
         return attend
@@ -345,11 +375,16 @@ class _PackedAttention:
         self.span = max(S + n for S, n in zip(starts, ns))  # key slots any lane reads
         rows = [lane.row for lane in lanes]
         idx = torch.tensor(
-            [[rows[b], S + i, b * n_max + i] for b, (S, n) in enumerate(zip(starts, ns)) for i in range(n)], device=device
+            [[rows[b], S + i, b * n_max + i] for b, (S, n) in enumerate(zip(starts, ns)) for i in range(n)],
+            device=device,
         ).T  # [3, T]: lane row, cache slot and padded index of every new token
         self.row_of, self.slot_of = idx[0], idx[1]
         self.padded = None if min(ns) == n_max else idx[2]  # equal sizes: no padding at all
-        self.rows = slice(rows[0], rows[0] + B) if rows == list(range(rows[0], rows[0] + B)) else torch.tensor(rows, device=device)
+        self.rows = (
+            slice(rows[0], rows[0] + B)
+            if rows == list(range(rows[0], rows[0] + B))
+            else torch.tensor(rows, device=device)
+        )
         # every lane causal after its S cached slots (row i sees slots <= S + i); a padding row
         # (i >= n) sees slot 0 only, so it has no NaN, and its output is dropped; a tree feed's
         # own pattern replaces its causal one. Built in a few ops for all lanes at once.
@@ -361,17 +396,26 @@ class _PackedAttention:
             if f.visible is not None:
                 self.mask[b, 0, :n, : S + n] = f.visible
         self.B, self.n_max, self.heads = B, n_max, heads
-        self.g = heads // lanes[0].shape.kv_heads if n_max <= FOLD_MAX_QUERIES else 1  # GQA folding, see _lane_attention
+        self.g = (
+            heads // lanes[0].shape.kv_heads if n_max <= FOLD_MAX_QUERIES else 1
+        )  # GQA folding, see _lane_attention
         self.mask = self.mask.repeat(1, 1, self.g, 1)  # [B, 1, g*n_max, span]
 
     def __call__(self, q, k, v, k_cache, v_cache):  # q [T, Hq, D], k and v [T, Hkv, D]
         B, n_max, Hq, D = self.B, self.n_max, self.heads, q.shape[-1]
         k_cache[self.row_of, :, self.slot_of] = k
         v_cache[self.row_of, :, self.slot_of] = v
-        keys, values = k_cache[self.rows, :, : self.span], v_cache[self.rows, :, : self.span]  # [B, Hkv, span, D]
+        keys, values = (
+            k_cache[self.rows, :, : self.span],
+            v_cache[self.rows, :, : self.span],
+        )  # [B, Hkv, span, D]
         if self.padded is not None:
             q = q.new_zeros(B * n_max, Hq, D).index_copy_(0, self.padded, q)
-        q = q.view(B, n_max, Hq, D).transpose(1, 2).reshape(B, Hq // self.g, self.g * n_max, D)  # [B, Hkv, g*n_max, D]
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, scale=D**-0.5, enable_gqa=self.g == 1)
+        q = (
+            q.view(B, n_max, Hq, D).transpose(1, 2).reshape(B, Hq // self.g, self.g * n_max, D)
+        )  # [B, Hkv, g*n_max, D]
+        o = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=self.mask, scale=D**-0.5, enable_gqa=self.g == 1
+        )
         o = o.view(B, Hq, n_max, D).transpose(1, 2).reshape(B * n_max, Hq * D)  # [B*n_max, Hq*D]
         return o if self.padded is None else o.index_select(0, self.padded)  # [T, Hq*D]

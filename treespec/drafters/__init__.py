@@ -1,6 +1,6 @@
 """Draft samplers: anything that proposes a token tree for the target to verify."""
 
-from .base import DraftForward, Drafter, check_draft, propose_many
+from .base import Drafter, DraftForward, check_draft, propose_many
 from .counts import BigramDrafter, CountDrafter, UnigramDrafter
 from .factory import DRAFTER_KINDS, DrafterFactory
 from .merged import MergedDrafter

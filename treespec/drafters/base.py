@@ -75,14 +75,19 @@ def check_draft(draft: DraftTree, root: int, vocab_size: int, name: str) -> None
     token ids and q inside the target's vocabulary."""
     tokens = draft.tree.tokens
     if tokens[0] != root:
-        raise ValueError(f"{name} proposed a tree rooted at token {tokens[0]}, not at the last committed token {root}")
+        raise ValueError(
+            f"{name} proposed a tree rooted at token {tokens[0]}, not at the last committed token {root}"
+        )
     if max(tokens) >= vocab_size:
         bad = sorted({t for t in tokens if t >= vocab_size})
-        raise ValueError(f"{name} proposed token ids {bad[:5]} outside the target's vocabulary [0, {vocab_size})")
+        raise ValueError(
+            f"{name} proposed token ids {bad[:5]} outside the target's vocabulary [0, {vocab_size})"
+        )
     for g in draft.groups:
         if g.q is not None and g.q.shape[-1] != vocab_size:
             raise ValueError(
-                f"{name} proposed from a q over {g.q.shape[-1]} tokens, but the target's vocabulary has {vocab_size}; "
+                f"{name} proposed from a q over {g.q.shape[-1]} tokens, but the target's "
+                f"vocabulary has {vocab_size}; "
                 f"give q one entry per target token id"
             )
 

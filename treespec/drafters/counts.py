@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import SamplingConfig
+from ..config import SamplingConfig, check_positive_int
 from ..proposal import DraftTree, Draw, ProposalGroup
 from ..rng import Rng
 from ..sampling import PenaltyContext, probs, tree_token_counts
@@ -53,8 +53,7 @@ class CountDrafter(Drafter):
     """
 
     def __init__(self, width: int = 1):
-        if not isinstance(width, int) or isinstance(width, bool) or width < 1:
-            raise ValueError(f"width must be an integer >= 1, got {width!r}")
+        check_positive_int("width", width)
         self.width = width
         self._q: dict[int, torch.Tensor] = {}
 
@@ -73,13 +72,17 @@ class CountDrafter(Drafter):
         self.prompt_len = len(prompt)
         self._q = {}
 
-    def _frontier_q(self, context: Sequence[int], tokens: list[int], parents: list[int], frontier: list[int]) -> list[torch.Tensor]:
+    def _frontier_q(
+        self, context: Sequence[int], tokens: list[int], parents: list[int], frontier: list[int]
+    ) -> list[torch.Tensor]:
         """q after each frontier node; with penalties, each penalised for the committed
         tokens plus that node's own path."""
         if not self.sampling.penalized:
             return [self.q(tokens[u]) for u in frontier]
         committed = PenaltyContext(context, self.prompt_len)
-        counts = tree_token_counts(committed, TokenTree(tokens, parents), self.vocab_size, "cpu", rows=frontier)  # [n, V]
+        counts = tree_token_counts(
+            committed, TokenTree(tokens, parents), self.vocab_size, "cpu", rows=frontier
+        )  # [n, V]
         logits = torch.stack([self.logits(tokens[u]) for u in frontier])  # [n, V]
         return list(probs(logits, self.sampling, counts))
 
@@ -109,7 +112,9 @@ class CountDrafter(Drafter):
 class UnigramDrafter(CountDrafter):
     """Draws every token from the corpus unigram distribution, whatever the context."""
 
-    def __init__(self, counts: np.ndarray | torch.Tensor | None = None, width: int = 1, smoothing: float = 1.0):
+    def __init__(
+        self, counts: np.ndarray | torch.Tensor | None = None, width: int = 1, smoothing: float = 1.0
+    ):
         super().__init__(width)
         if smoothing <= 0:
             raise ValueError(f"smoothing must be > 0 (it keeps every token possible), got {smoothing!r}")

@@ -24,7 +24,9 @@ class DrafterFactory:
     it is (it holds one sequence's state, so it serves one request at a time). `vocab_size`:
     the length of q (the target's rows); `support`: q puts mass only on ids below it."""
 
-    def __init__(self, kind: str | Drafter = "model", vocab_size: int | None = None, support: int | None = None):
+    def __init__(
+        self, kind: str | Drafter = "model", vocab_size: int | None = None, support: int | None = None
+    ):
         if not isinstance(kind, Drafter) and kind not in DRAFTER_KINDS:
             raise ValueError(f"drafter must be one of {', '.join(DRAFTER_KINDS)} or a Drafter, got {kind!r}")
         self.kind, self.vocab_size, self.support = kind, vocab_size, support

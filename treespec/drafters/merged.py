@@ -47,7 +47,9 @@ class MergedDrafter(Drafter):
                     index[key] = len(tokens) - 1
                 to_merged.append(index[key])
             groups += [
-                ProposalGroup(to_merged[g.parent], g.draw, g.tokens, tuple(to_merged[c] for c in g.children), g.q)
+                ProposalGroup(
+                    to_merged[g.parent], g.draw, g.tokens, tuple(to_merged[c] for c in g.children), g.q
+                )
                 for g in part.groups
             ]
             self._parts.append((part, to_merged))

@@ -20,14 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..backends.base import Runner
 from ..config import SamplingConfig, TreeConfig
 from ..proposal import DraftTree, Draw, ProposalGroup, Walk
 from ..rng import Rng
-from ..backends.base import Runner
 from ..sampling import PenaltyContext, check_finite, penalize, probs, tree_token_counts
 from ..tree import TokenTree
 from ..vocab import fit_logits
-from .base import DraftForward, Drafter, ProposeSteps, propose_many
+from .base import Drafter, DraftForward, ProposeSteps, propose_many
 
 
 @dataclass
@@ -43,7 +43,9 @@ class _Node:
 
 
 class ModelDrafter(Drafter):
-    def __init__(self, runner: Runner, tree: TreeConfig, vocab_size: int | None = None, support: int | None = None):
+    def __init__(
+        self, runner: Runner, tree: TreeConfig, vocab_size: int | None = None, support: int | None = None
+    ):
         """`vocab_size`: the length of q (the target's output rows; default the draft's);
         `support`: q puts mass only on ids below it (tokenizer padding; default all)."""
         self.runner = runner
@@ -69,8 +71,10 @@ class ModelDrafter(Drafter):
         chain = list(context[run.n_committed :])
         if max(chain) >= run.vocab_size:
             raise ValueError(
-                f"the target emitted token id {max(chain)}, a padding id beyond the draft model's {run.vocab_size} rows; "
-                f"this draft cannot continue the sequence (use drafter='ngram' or a draft with the target's rows)"
+                f"the target emitted token id {max(chain)}, a padding id beyond the draft model's "
+                f"{run.vocab_size} rows; "
+                "this draft cannot continue the sequence (use drafter='ngram' or a draft with the "
+                "target's rows)"
             )
         logits = yield DraftForward(run, chain, list(range(-1, len(chain) - 1)))  # pending nodes 0 .. len-1
         self._chain = list(range(len(chain)))
@@ -88,7 +92,9 @@ class ModelDrafter(Drafter):
                 break
             # 3. one draft forward over the whole next frontier
             first = run.n_pending
-            logits = yield DraftForward(run, [nodes[n].token for n in frontier], [nodes[nodes[n].parent].pending for n in frontier])
+            logits = yield DraftForward(
+                run, [nodes[n].token for n in frontier], [nodes[nodes[n].parent].pending for n in frontier]
+            )
             self._attach(nodes, frontier, first, logits)
 
         if self.config.strategy == "dynamic":
@@ -121,10 +127,14 @@ class ModelDrafter(Drafter):
         counts = None
         if self.sampling.penalized:
             drafted = TokenTree([n.token for n in nodes], [n.parent for n in nodes])
-            counts = tree_token_counts(self._committed, drafted, self.vocab_size, logits.device, rows=fed)  # [n, V]
+            counts = tree_token_counts(
+                self._committed, drafted, self.vocab_size, logits.device, rows=fed
+            )  # [n, V]
         q = probs(logits, self.sampling, counts)  # [n, V]
         # rank by the sampling distribution; at temperature 0 (one-hot q) by the plain softmax
-        score = torch.softmax(penalize(logits.double(), self.sampling, counts), -1) if self.sampling.greedy else q
+        score = (
+            torch.softmax(penalize(logits.double(), self.sampling, counts), -1) if self.sampling.greedy else q
+        )
         for i, n in enumerate(fed):
             nodes[n].pending, nodes[n].q, nodes[n].score = first + i, q[i], score[i]
 
@@ -157,7 +167,9 @@ class ModelDrafter(Drafter):
                 else:
                     child_of[x] = self._add(nodes, u, x)
                     new.append(child_of[x])
-            groups.append(ProposalGroup(u, Draw.IID, tuple(draws), tuple(child_of[x] for x in draws), nodes[u].q))
+            groups.append(
+                ProposalGroup(u, Draw.IID, tuple(draws), tuple(child_of[x] for x in draws), nodes[u].q)
+            )
         return new  # every sampled sequence continues
 
     def _expand_without_replacement(self, nodes, frontier, groups) -> list[int]:
@@ -226,13 +238,19 @@ class ModelDrafter(Drafter):
             assert g.draw is Draw.DETERMINISTIC, "only deterministic proposals may be pruned after drawing"
             pairs = [(t, new_id[c]) for t, c in zip(g.tokens, g.children) if c in new_id]
             if pairs and g.parent in new_id:
-                new_groups.append(ProposalGroup(new_id[g.parent], g.draw, tuple(t for t, _ in pairs), tuple(c for _, c in pairs)))
+                new_groups.append(
+                    ProposalGroup(
+                        new_id[g.parent], g.draw, tuple(t for t, _ in pairs), tuple(c for _, c in pairs)
+                    )
+                )
         return kept, new_groups
 
     def _expand_topk(self, nodes, frontier, groups) -> list[int]:
         """Deterministic beam: the `width` best (parent, token) pairs by path probability."""
         cands = [(u, x) for u in frontier for x in self._top_tokens(nodes[u], self.config.width)]
-        scored = sorted(cands, key=lambda c: -(nodes[c[0]].log_score + math.log(float(nodes[c[0]].score[c[1]]))))
+        scored = sorted(
+            cands, key=lambda c: -(nodes[c[0]].log_score + math.log(float(nodes[c[0]].score[c[1]])))
+        )
         keep = sorted(scored[: self.config.width], key=cands.index)
         new: list[int] = []
         for u in frontier:

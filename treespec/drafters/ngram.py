@@ -27,7 +27,9 @@ class NgramDrafter(Drafter):
     paths with the highest product of relative frequencies survive each depth (one path: a chain).
     """
 
-    def __init__(self, width: int = 1, orders: Sequence[int] = (2, 3, 4), window: int = 512, n_buckets: int = 1 << 20):
+    def __init__(
+        self, width: int = 1, orders: Sequence[int] = (2, 3, 4), window: int = 512, n_buckets: int = 1 << 20
+    ):
         if width < 1 or window < 2 or not orders or min(orders) < 2:
             raise ValueError("NgramDrafter needs width >= 1, window >= 2 and orders >= 2")
         if n_buckets & (n_buckets - 1):
