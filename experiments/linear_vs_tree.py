@@ -134,7 +134,7 @@ def main() -> None:
     for cell in tqdm(todo, desc="cells", unit="cell"):
         dec = decoders[cell["drafter"]]
         if cell["drafter"] != "model":
-            dec.drafter.width = cell["width"]
+            dec.drafter.kind.width = cell["width"]  # the Drafter instance this decoder uses
         s = run_cell(dec, prompts, cell, args.seed)
         nodes = s.tree_nodes / s.target_steps
         row = dict(
