@@ -30,11 +30,11 @@ ID = {p: i for i, p in enumerate(TOK.PIECES)}
 
 def _emit(rounds, stop, max_new=100, eos=frozenset()):
     seen: list[int] = []
-    out = OutputBuilder(max_new, eos, on_tokens=lambda t, s: seen.extend(t), stop=stop)
+    out = OutputBuilder(max_new, eos, stop=stop)
     for r in rounds:
         if out.done:
             break
-        out.add([ID[p] for p in r], "bonus")
+        seen.extend(out.add([ID[p] for p in r], "bonus"))
     assert seen == out.token_ids  # streaming never runs past the stop
     return "".join(TOK.PIECES[i] for i in out.token_ids), out
 

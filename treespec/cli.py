@@ -273,9 +273,11 @@ def cmd_generate(args) -> None:
         nonlocal shown
         for t, src in zip(new, sources):
             ids.append(t)
-            text = dec.tokenizer.decode(ids, skip_special_tokens=True)
-            piece, shown = text[len(shown) :], text
-            sys.stdout.write(f"{COLOURS[src]}{piece}{RESET}" if colour else piece)
+            # the text so far, less a character still being spelled by byte tokens ("\ufffd")
+            text = dec.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
+            piece = text[len(shown) :]
+            shown += piece
+            sys.stdout.write(f"{COLOURS[src]}{piece}{RESET}" if colour and piece else piece)
         sys.stdout.flush()
 
     sys.stdout.write(args.prompt)
@@ -291,6 +293,7 @@ def cmd_generate(args) -> None:
         verification=None if args.verification == "auto" else args.verification,
         trace=args.trace,
     )
+    sys.stdout.write(out.text[len(shown) :] if out.text.startswith(shown) else "")  # what was held back
     sys.stdout.write("\n")
     if args.trace:
         from .trace import render_round
@@ -399,7 +402,13 @@ def cmd_bench(args) -> None:
     if progress is not None:
         print("\r\033[K", end="", file=sys.stderr)
     print(result_table(result))
-    args.json.write_text(json.dumps(result.to_json(), indent=2))
+    try:
+        args.json.write_text(json.dumps(result.to_json(), indent=2))
+    except OSError as e:  # the results are printed above: say why the file is missing
+        why = e.strerror or e
+        raise CliError(
+            f"--json {args.json}: cannot write the results ({why}); the table above has them"
+        ) from None
     print(f"wrote {args.json}")
 
 

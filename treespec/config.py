@@ -21,6 +21,10 @@ MAX_TREE_NODES = 1024
 # Below this, logits / temperature overflows float32 for ordinary logit magnitudes
 # (|logit| ~ 1e2: 1e2 / 1e-37 = inf) and the softmax turns into NaN. Use 0 for greedy.
 MIN_TEMPERATURE = 1e-6
+# Penalties beyond this (frequency/presence: |value|; repetition: value or 1/value) already
+# exclude or force a token outright, and larger ones overflow float16/bfloat16/float32 logits
+# (1e39 * count is inf), turning a request's distributions into NaN.
+MAX_PENALTY = 1e3
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,12 @@ class SamplingConfig:
         if not isinstance(p, (int, float)) or isinstance(p, bool) or not (0.0 < p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p!r}")
         r = self.repetition_penalty
+        if _is_number(r) and math.isfinite(r) and r > 0 and not 1 / MAX_PENALTY <= r <= MAX_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be in [{1 / MAX_PENALTY:g}, {MAX_PENALTY:g}] (beyond, "
+                "logits overflow "
+                f"low-precision dtypes; {MAX_PENALTY:g} already excludes a repeated token), got {r!r}"
+            )
         if not _is_number(r) or not math.isfinite(r) or r <= 0:
             raise ValueError(
                 "repetition_penalty must be a finite number > 0 (1 = off, > 1 discourages "
@@ -76,6 +86,11 @@ class SamplingConfig:
             if not _is_number(v) or not math.isfinite(v):
                 raise ValueError(
                     f"{name} must be a finite number (0 = off, > 0 discourages repeats), got {v!r}"
+                )
+            if abs(v) > MAX_PENALTY:
+                raise ValueError(
+                    f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (beyond, logits overflow "
+                    f"low-precision dtypes; {MAX_PENALTY:g} already excludes a repeated token), got {v!r}"
                 )
 
     @property

@@ -198,7 +198,10 @@ class SpeculativeDecoder:
         with self._exclusive("generate()"):
             engine = self._engine([self.target_runner], [self.draft_runner])
             request_id = engine.add(request)
-            return engine.run()[request_id]
+            out = engine.run()[request_id]
+        if out.exception is not None:  # one request: its failure is the call's
+            raise out.exception
+        return out
 
     def generate_batch(
         self,
@@ -223,7 +226,9 @@ class SpeculativeDecoder:
         take one value for all or a list with one per prompt (`stop`: a list of per-prompt
         stop lists); `seeds` a list. At most `max_batch` requests run at once (the rest wait
         for a free lane). Every request is checked before any runs: a bad one raises
-        ValueError naming its index. `speculate_max_live`: see `engine()`.
+        ValueError naming its index. A request that fails while running (its streaming
+        callback, its logits) ends alone: its output has finish_reason "error" and `error`;
+        the others finish normally. `speculate_max_live`: see `engine()`.
         """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise ValueError(

@@ -21,6 +21,7 @@ get alone.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ class RequestState:
     rounds: list[RoundTrace] | None = None  # one entry per round when request.trace
     context: list[int] = field(default_factory=list)  # prompt + emitted tokens
     output: GenerationOutput | None = None  # once finished or cancelled
+    unstreamed: int = 0  # emitted tokens not yet handed to the request's on_tokens
     draft_forwards_before: int = 0  # the draft lane's forward count when it was admitted
     started: float = 0.0  # perf_counter at admission
 
@@ -101,12 +103,15 @@ class Engine:
         self.waiting: list[RequestState] = []  # admission order
         self.live: dict[int, RequestState] = {}  # lane -> request
         self._next_id = 0
+        self._lock = threading.RLock()  # add / cancel / take from other threads; held while stepping
+        self._stepping = False
 
     # ---- the public API -------------------------------------------------------------------
     def add(self, prompt, max_new_tokens: int | None = None, **settings) -> int:
         """Queue a request; its id. `prompt` is a `Request`, or text / a chat / token ids with
         the other `Request` fields as keywords (`stop` as a string, an id or a list). Bad input
-        raises ValueError here, before anything runs; other requests are untouched."""
+        raises ValueError here, before anything runs; other requests are untouched. Safe to
+        call from any thread."""
         if isinstance(prompt, Request):
             if settings or max_new_tokens is not None:
                 raise ValueError("add(request) takes a Request alone; its settings are its fields")
@@ -115,116 +120,207 @@ class Engine:
             if max_new_tokens is not None:
                 settings["max_new_tokens"] = max_new_tokens
             request = make_request(prompt, self.tokenizer, **settings)
-        state = self._state(request)
-        self._next_id += 1
-        self.requests[state.id] = state
-        self.waiting.append(state)
+        with self._lock:
+            state = self._state(request)
+            self._next_id += 1
+            self.requests[state.id] = state
+            self.waiting.append(state)
         return state.id
 
     def cancel(self, request_id: int) -> GenerationOutput:
-        """Stop a request now; its output so far (finish_reason "cancelled"). The others go on."""
-        state = self._get(request_id)
-        if state.status in ("waiting", "live"):
+        """Stop a request now (a live one between rounds); its output so far (finish_reason
+        "cancelled", or how it had already finished). The others go on. Safe from any thread."""
+        with self._lock:
+            state = self._get(request_id)
             if state.status == "waiting":
                 self.waiting.remove(state)
-            self._finish(state, "cancelled")
-        return state.output
+            if state.status in ("waiting", "live"):
+                self._finish(state, "cancelled")
+            return state.output
 
     def step(self) -> dict[int, list[int]]:
-        """Admit what fits, then one round for every live request; the tokens each emitted."""
-        self._admit()
-        if not self.live:
-            return {}
-        live = list(self.live.values())
-        clock = time.perf_counter
-        t0 = clock()
-        # 1. propose: every request's tree, never deeper than the tokens it still wants; none
-        # (depth 0: the tree is its root) with more than speculate_max_live requests live, or
-        # when the switch ("auto") has measured plain rounds faster at this many
-        switched = self.switch is not None and any(r.drafter is not None for r in live)
-        if switched:
-            t_round, speculate = self.switch.clock(), self.switch.speculate(len(live))
-        else:
-            speculate = self.speculate_max_live is None or len(live) <= self.speculate_max_live
-        depths = [
-            min(r.depth_policy.depth, r.builder.remaining - 1) if r.drafter is not None and speculate else 0
-            for r in live
-        ]
-        drafted = iter(
-            propose_many([r.drafter.propose_steps(r.context, d) for r, d in zip(live, depths) if d])
-        )
-        drafts = [next(drafted) if d else DraftTree.root_only(r.context[-1]) for r, d in zip(live, depths)]
-        if self.drafter.custom:
-            for r, draft, d in zip(live, drafts, depths):
-                if d:
-                    check_draft(draft, r.context[-1], self.vocab_size, self.drafter.name)
-        t1 = clock()
-        # 2. score every request's tree in one target forward
-        logits = score_many([(self.targets[r.lane], draft.tree) for r, draft in zip(live, drafts)])
-        emitted: dict[int, list[int]] = {}
-        walks = []
-        for r, draft, rows in zip(live, drafts, logits):
-            # 3. verify with the request's own sampling and coins; 4. commit its accepted path
-            committed = PenaltyContext(r.context, len(r.request.prompt))
-            walk = verify(
-                draft,
-                rows,
-                r.request.sampling,
-                r.rng,
-                r.rule,
-                committed,
-                r.rounds is not None,
-                check_structure=self.drafter.custom,
-            )
-            self.targets[r.lane].commit(walk.path)
-            walks.append(walk)
-        t2 = clock()
-        steps = []  # each request's depth decision (None: it drafted nothing)
-        for r, draft, walk, d in zip(live, drafts, walks, depths):
-            if d:
-                r.drafter.observe(draft, walk)
-            steps.append(r.depth_policy.update(r.drafter, draft, walk, d) if d else None)
-        t3 = clock()
-        for r, draft, walk, step in zip(live, drafts, walks, steps):
-            r.stats.record_round(draft, walk, draft_seconds=(t1 - t0) + (t3 - t2), verify_seconds=t2 - t1)
-            emitted[r.id] = r.builder.add(walk.emitted(draft), walk.kind)
-            if r.rounds is not None:
-                r.rounds.append(
-                    RoundTrace(
-                        len(r.rounds),
-                        draft.tree,
-                        r.rule,
-                        walk.trace.proposals,
-                        walk.path,
-                        walk.token,
-                        walk.kind,
-                        walk.trace.source,
-                        tuple(emitted[r.id]),
-                        step,
-                    )
-                )
-            r.context += emitted[r.id]
-            if r.builder.done:
-                self._finish(r, r.builder.finish_reason)
-        if switched:
-            tokens = sum(map(len, emitted.values()))
-            self.switch.record(len(live), any(depths), tokens, self.switch.clock() - t_round)
-        return emitted
+        """Admit what fits, then one round for every live request; the tokens each emitted.
+
+        A round is all-or-nothing per request. A request whose own work fails (its drafter,
+        its logits, its streaming callback) ends alone with finish_reason "error". An
+        exception that belongs to no request (a batched forward, KeyboardInterrupt) rolls the
+        round back for every request not yet committed: their caches, drafters and random
+        streams are as before the round, and the next step() redoes it identically; a request
+        interrupted in the middle of its own commit ends with "error". Streaming callbacks run
+        after every commit, so they cannot tear a round. One thread steps at a time."""
+        with self._lock:
+            if self._stepping:
+                raise RuntimeError("Engine.step() is already running; one thread steps an engine")
+            self._stepping = True
+            try:
+                self._admit()
+                emitted = self._round() if self.live else {}
+            finally:
+                self._stepping = False
+            self._stream()
+            return emitted
 
     def run(self) -> dict[int, GenerationOutput]:
-        """Step until every request is finished; outputs by request id."""
+        """Step until every request is finished; the outputs by request id (the engine then
+        forgets those requests, as `take` does)."""
         while self.waiting or self.live:
             self.step()
-        return {i: r.output for i, r in self.requests.items()}
+        with self._lock:
+            return {i: self.take(i) for i in list(self.requests)}
 
     def output(self, request_id: int) -> GenerationOutput | None:
         """A finished or cancelled request's output (None while it runs)."""
-        return self._get(request_id).output
+        with self._lock:
+            return self._get(request_id).output
+
+    def take(self, request_id: int) -> GenerationOutput | None:
+        """A finished request's output, after which the engine forgets it (so that a long-
+        running engine's memory stays flat); None, and nothing forgotten, while it runs."""
+        with self._lock:
+            state = self._get(request_id)
+            if state.output is not None:
+                del self.requests[request_id]
+            return state.output
 
     @property
     def kv_tokens(self) -> int:
         """Cache slots reserved by live requests."""
         return sum(r.request.slots for r in self.live.values())
+
+    # ---- a round ---------------------------------------------------------------------------
+    def _round(self) -> dict[int, list[int]]:
+        live = list(self.live.values())
+        snapshots = {r.id: r.rng.snapshot() for r in live}  # to redraw identically after a rollback
+        clock = time.perf_counter
+        t0 = clock()
+        try:
+            # 1. propose: every request's tree, never deeper than the tokens it still wants;
+            # none (depth 0: the tree is its root) with more than speculate_max_live requests
+            # live, or when the switch ("auto") has measured plain rounds faster at this many
+            switched = self.switch is not None and any(r.drafter is not None for r in live)
+            if switched:
+                t_round, speculate = self.switch.clock(), self.switch.speculate(len(live))
+            else:
+                speculate = self.speculate_max_live is None or len(live) <= self.speculate_max_live
+            depths = {
+                r.id: min(r.depth_policy.depth, r.builder.remaining - 1) if r.drafter and speculate else 0
+                for r in live
+            }
+            proposing = [r for r in live if depths[r.id]]
+            proposed = propose_many(
+                [r.drafter.propose_steps(r.context, depths[r.id]) for r in proposing], True
+            )
+            drafts = {r.id: DraftTree.root_only(r.context[-1]) for r in live if not depths[r.id]}
+            for r, draft in zip(proposing, proposed):
+                if isinstance(draft, Exception):
+                    self._fail(r, draft)
+                    continue
+                if self.drafter.custom:
+                    try:
+                        check_draft(draft, r.context[-1], self.vocab_size, self.drafter.name)
+                    except ValueError as e:
+                        self._fail(r, e)
+                        continue
+                drafts[r.id] = draft
+            live = [r for r in live if r.id in drafts]
+            t1 = clock()
+            # 2. score every request's tree in one target forward
+            logits = score_many([(self.targets[r.lane], drafts[r.id].tree) for r in live])
+            # 3. verify each with its own sampling and coins
+            walks = {}
+            for r, rows in zip(live, logits):
+                committed = PenaltyContext(r.context, len(r.request.prompt))
+                try:
+                    walks[r.id] = verify(
+                        drafts[r.id],
+                        rows,
+                        r.request.sampling,
+                        r.rng,
+                        r.rule,
+                        committed,
+                        r.rounds is not None,
+                        check_structure=self.drafter.custom,
+                    )
+                except Exception as e:  # noqa: BLE001 - e.g. its own NaN logits: it ends alone
+                    self._fail(r, e)
+            live = [r for r in live if r.id in walks]
+            t2 = clock()
+        except BaseException:
+            self._rollback([r for r in live if r.status == "live"], snapshots)
+            raise
+        # 4. commit each request as one unit: cache rows, drafter, depth, stats, output
+        emitted: dict[int, list[int]] = {}
+        for k, r in enumerate(live):
+            try:
+                emitted[r.id] = self._commit(r, drafts[r.id], walks[r.id], depths[r.id], t1 - t0, t2 - t1)
+            except BaseException as e:
+                self._fail(r, e)
+                if not isinstance(e, Exception):  # an interrupt: the rest of the round is undone
+                    self._rollback(live[k + 1 :], snapshots)
+                    raise
+        if switched:
+            tokens = sum(map(len, emitted.values()))
+            self.switch.record(len(live), any(depths.values()), tokens, self.switch.clock() - t_round)
+        return emitted
+
+    def _commit(self, r: RequestState, draft: DraftTree, walk, depth: int, draft_s: float, verify_s: float):
+        """Apply a verified round to request `r`: the tokens it emitted."""
+        self.targets[r.lane].commit(walk.path)
+        step = None
+        if depth:
+            t = time.perf_counter()
+            r.drafter.observe(draft, walk)
+            step = r.depth_policy.update(r.drafter, draft, walk, depth)
+            draft_s += time.perf_counter() - t
+        r.stats.record_round(draft, walk, draft_seconds=draft_s, verify_seconds=verify_s)
+        kept = r.builder.add(walk.emitted(draft), walk.kind)
+        if r.rounds is not None:
+            r.rounds.append(
+                RoundTrace(
+                    len(r.rounds),
+                    draft.tree,
+                    r.rule,
+                    walk.trace.proposals,
+                    walk.path,
+                    walk.token,
+                    walk.kind,
+                    walk.trace.source,
+                    tuple(kept),
+                    step,
+                )
+            )
+        r.context += kept
+        r.unstreamed += len(kept)
+        if r.builder.done:
+            self._finish(r, r.builder.finish_reason)
+        return kept
+
+    def _rollback(self, states: list[RequestState], snapshots: dict) -> None:
+        """Undo an abandoned round for `states`: pending tree slots dropped, coins rewound."""
+        for r in states:
+            for runner in (self.targets[r.lane], self.drafts[r.lane]):
+                if runner is not None:
+                    runner.discard_pending()
+            if snapshots.get(r.id) is not None:
+                r.rng.restore(snapshots[r.id])
+
+    def _stream(self) -> None:
+        """Hand each request's new tokens to its callback. A callback that raises ends its own
+        request ("error"); an interrupt leaves the rest for the next step."""
+        for r in list(self.requests.values()):
+            callback = r.request.on_tokens
+            if not r.unstreamed or callback is None:
+                continue
+            ids, sources = r.builder.token_ids[-r.unstreamed :], r.builder.sources[-r.unstreamed :]
+            r.unstreamed = 0
+            try:
+                callback(ids, sources)
+            except Exception as e:  # noqa: BLE001 - a client's callback: its failure is its own
+                with self._lock:
+                    if r.status == "live":
+                        self._fail(r, e)
+                    elif r.output is not None and r.output.finish_reason != "error":
+                        r.output.finish_reason, r.output.error, r.output.exception = "error", _describe(e), e
 
     # ---- checks, admission and release ----------------------------------------------------
     def _state(self, request: Request) -> RequestState:
@@ -265,7 +361,7 @@ class Engine:
         if request.stop_strings or request.stop_token_ids:
             stop = StopMatcher(list(request.stop_strings), set(request.stop_token_ids), self.tokenizer)
         eos = frozenset() if request.ignore_eos else self.eos_token_ids
-        builder = OutputBuilder(request.max_new_tokens, eos, request.on_tokens, stop)
+        builder = OutputBuilder(request.max_new_tokens, eos, stop)
         rng = TorchRng(request.seed, self.targets[0].device) if request.rng is None else request.rng
         return RequestState(self._next_id, request, rule, rng, builder, rounds=[] if request.trace else None)
 
@@ -282,22 +378,48 @@ class Engine:
         if not admitted:
             return
         t0 = time.perf_counter()
-        for r in admitted:
-            r.started = t0
-            r.status, r.context = "live", list(r.request.prompt)
-            self.targets[r.lane].reset()
-        # the target holds all but the last prompt token (the root of the first tree)
-        prefill_many([(self.targets[r.lane], r.context[:-1]) for r in admitted])
+        try:
+            for r in admitted:
+                r.started = t0
+                r.status, r.context = "live", list(r.request.prompt)
+                self.targets[r.lane].reset()
+            # the target holds all but the last prompt token (the root of the first tree)
+            prefill_many([(self.targets[r.lane], r.context[:-1]) for r in admitted])
+        except BaseException:
+            self._unadmit(admitted)
+            raise
         for r in admitted:
             tree = r.request.tree
-            if tree is not None:
+            if tree is None:
+                continue
+            try:
                 r.drafter = self.drafter.make(tree, self.drafts[r.lane])
                 r.depth_policy = DepthPolicy(tree)
                 r.drafter.start(r.request.prompt, r.request.sampling, r.rng)
                 r.draft_forwards_before = sum(x.forwards for x in r.drafter.runners())
+            except Exception as e:  # noqa: BLE001 - its drafter failed to start: it ends alone
+                self._fail(r, e)
+            except BaseException:
+                self._unadmit([s for s in admitted if s.status == "live"])
+                raise
         t1 = time.perf_counter()
         for r in admitted:
             r.stats.prefill_seconds = t1 - t0
+
+    def _unadmit(self, states: list[RequestState]) -> None:
+        """Put requests whose admission was interrupted back at the head of the queue."""
+        for r in states:
+            del self.live[r.lane]
+            r.status, r.lane, r.drafter, r.depth_policy, r.context = "waiting", None, None, None, []
+        self.waiting[:0] = states
+
+    def _fail(self, state: RequestState, error: BaseException) -> None:
+        """End `state` alone with finish_reason "error"; its lanes are dropped from the round."""
+        for runner in (self.targets[state.lane], self.drafts[state.lane]):
+            if runner is not None:
+                runner.discard_pending()
+        self._finish(state, "error")
+        state.output.error, state.output.exception = _describe(error), error
 
     def _finish(self, state: RequestState, reason: str) -> None:
         stats, builder = state.stats, state.builder
@@ -317,6 +439,12 @@ class Engine:
         state.status = "finished" if reason != "cancelled" else "cancelled"
 
     def _get(self, request_id: int) -> RequestState:
-        if request_id not in self.requests:
+        if not isinstance(request_id, int) or isinstance(request_id, bool) or request_id not in self.requests:
             raise ValueError(f"no request with id {request_id!r} in this engine")
         return self.requests[request_id]
+
+
+def _describe(error: BaseException) -> str:
+    """One line for GenerationOutput.error."""
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

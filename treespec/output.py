@@ -8,7 +8,7 @@ GenerationOutput   the result: tokens, their sources, stats, text, finish reason
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from .stats import GenerationStats
@@ -66,21 +66,12 @@ class StopMatcher:
 
 class OutputBuilder:
     """Collects a sequence's new tokens round by round: the length limit, EOS, stop strings
-    and stop ids (`StopMatcher`), streaming. Nothing past a stop reaches `on_tokens`."""
+    and stop ids (`StopMatcher`). `add` returns what was kept: nothing past a stop."""
 
     def __init__(
-        self,
-        max_new_tokens: int,
-        eos_token_ids: set[int] | frozenset[int],
-        on_tokens: OnTokens | None = None,
-        stop: StopMatcher | None = None,
+        self, max_new_tokens: int, eos_token_ids: set[int] | frozenset[int], stop: StopMatcher | None = None
     ):
-        self.max_new_tokens, self.eos, self.on_tokens, self.stop = (
-            max_new_tokens,
-            eos_token_ids,
-            on_tokens,
-            stop,
-        )
+        self.max_new_tokens, self.eos, self.stop = max_new_tokens, eos_token_ids, stop
         self.token_ids: list[int] = []
         self.sources: list[TokenSource] = []
         self.finish_reason: FinishReason | None = None
@@ -113,10 +104,7 @@ class OutputBuilder:
                     break
         if self.finish_reason is None and len(self.token_ids) == self.max_new_tokens:
             self.finish_reason = "length"
-        kept = self.token_ids[start:]
-        if self.on_tokens is not None:
-            self.on_tokens(kept, self.sources[start:])
-        return kept
+        return self.token_ids[start:]
 
 
 @dataclass
@@ -129,3 +117,5 @@ class GenerationOutput:
     stop: str | int | None = None  # the stop string or stop token id that ended generation
     verification: str = "token"  # the rule that verified every round ("token", "block", "traversal")
     trace: list[RoundTrace] | None = None  # generate(trace=True): one treespec.trace.RoundTrace per round
+    error: str | None = None  # finish_reason "error": what went wrong (this request alone)
+    exception: BaseException | None = field(default=None, repr=False, compare=False)  # ... as raised

@@ -37,6 +37,14 @@ class Rng(ABC):
             q = remove_token(q, x, drawn)
         return out
 
+    def snapshot(self):
+        """An opaque copy of the state, for `restore` (None: this Rng cannot be rewound, and
+        a round abandoned mid-way is then not redrawn identically)."""
+        return None
+
+    def restore(self, snapshot) -> None:
+        """Rewind to a `snapshot()`."""
+
     def first_success(self, probs: torch.Tensor) -> int | None:
         """Flip independent coins with success probabilities `probs` [k] (any device) in
         order; the index of the first success, or None. The verification walk uses it for
@@ -55,8 +63,16 @@ class TorchRng(Rng):
         self.generator = torch.Generator(device=device)
         if seed is None:
             self.generator.seed()
+        elif seed >= 2**32 and self.generator.device.type == "cpu":
+            _seed_all_64_bits(self.generator, int(seed))
         else:
             self.generator.manual_seed(int(seed))
+
+    def snapshot(self) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def restore(self, snapshot: torch.Tensor) -> None:
+        self.generator.set_state(snapshot)
 
     def categorical(self, probs: torch.Tensor, n: int = 1) -> list[int]:
         # inverse CDF: token i iff cdf[i-1] <= u < cdf[i], so a zero-probability token is never
@@ -96,3 +112,30 @@ class TorchRng(Rng):
         )
         arrival = u.to(probs.device).log_().neg_().div_(probs.double())  # [V]
         return torch.topk(arrival, k, largest=False).indices.tolist()
+
+
+# torch's CPU generator is an mt19937 whose manual_seed() keeps 32 bits of the seed (2**32
+# seeds as 0). Its state (get_state) holds the 624 state words as uint64 from byte 24 on.
+MT_WORDS, MT_OFFSET = 624, 24
+
+
+def _seed_all_64_bits(generator: torch.Generator, seed: int) -> None:
+    """Seed `generator` (CPU) from every bit of `seed`: the 624 mt19937 state words come from
+    numpy's SeedSequence(seed). Seeds below 2**32 keep torch's own seeding (manual_seed), so
+    their streams are unchanged. Checked against the layout once; if a torch release changes
+    it, a ValueError says so rather than seeding silently from 32 bits."""
+    import numpy as np
+
+    generator.manual_seed(seed & 0xFFFFFFFF)
+    state = generator.get_state().clone()
+    words = state[MT_OFFSET : MT_OFFSET + 8 * MT_WORDS].view(torch.int64)  # [624]
+    expect = [seed & 0xFFFFFFFF]
+    for i in range(1, 3):  # the first words of mt19937's init_genrand
+        expect.append((1812433253 * (expect[-1] ^ (expect[-1] >> 30)) + i) & 0xFFFFFFFF)
+    if words[:3].tolist() != expect:
+        raise ValueError(
+            f"torch {torch.__version__}: unknown CPU generator state layout; use a seed below 2**32"
+        )
+    fresh = np.random.SeedSequence(seed).generate_state(MT_WORDS, np.uint32).astype(np.int64)
+    words.copy_(torch.from_numpy(fresh))
+    generator.set_state(state)

@@ -137,6 +137,12 @@ class Runner(ABC):
         self._clear_pending()
         self._truncate(self.n_committed)
 
+    def discard_pending(self) -> None:
+        """Drop every pending node, keeping the committed prefix: undoes `score` / `extend`
+        when a round is abandoned (the engine's rollback)."""
+        self._clear_pending()
+        self._truncate(self.n_committed)
+
     def _check_positions(self, last: int) -> None:
         if self.max_positions is not None and last >= self.max_positions:
             raise ValueError(f"position {last} exceeds the model's {self.max_positions} positions")

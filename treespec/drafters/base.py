@@ -92,10 +92,11 @@ def check_draft(draft: DraftTree, root: int, vocab_size: int, name: str) -> None
             )
 
 
-def propose_many(steps: Sequence[ProposeSteps]) -> list[DraftTree]:
+def propose_many(steps: Sequence[ProposeSteps], catch: bool = False) -> list[DraftTree | Exception]:
     """Drive several drafters' `propose_steps` together: each round of their pending draft
-    forwards runs through `extend_many`, so lanes of one batched runner share ONE forward."""
-    trees: list[DraftTree | None] = [None] * len(steps)
+    forwards runs through `extend_many`, so lanes of one batched runner share ONE forward.
+    `catch=True`: a drafter that raises gets its exception in its slot, the others go on."""
+    trees: list[DraftTree | Exception | None] = [None] * len(steps)
     asks: dict[int, DraftForward] = {}
 
     def advance(i: int, logits: torch.Tensor | None) -> None:
@@ -103,6 +104,10 @@ def propose_many(steps: Sequence[ProposeSteps]) -> list[DraftTree]:
             asks[i] = steps[i].send(logits)
         except StopIteration as done:
             trees[i] = done.value
+        except Exception as e:
+            if not catch:
+                raise
+            trees[i] = e
 
     for i in range(len(steps)):
         advance(i, None)
