@@ -261,3 +261,30 @@ def test_run_bench_takes_token_id_prompts_without_a_tokenizer(target64, draft64)
     assert "tree[native]" in result_table(result) and "cost [native]" in result_table(result)
     with pytest.raises(ValueError, match="needs a tokenizer for text prompts"):
         run_bench(target64, draft64, None, ["text"], 5, TreeConfig(), SamplingConfig(), repeats=1)
+
+
+def test_pairs_and_model_free_target(capsys):
+    from treespec.zoo import pair
+
+    target, _ = pair("pycode")
+    assert (
+        main(
+            [
+                "generate",
+                "import os\n",
+                "--target",
+                str(target),
+                "--drafter",
+                "lookup",
+                "--max-new-tokens",
+                "6",
+            ]
+        )
+        == 0
+    )
+    assert main(["generate", "x", "--target", str(target), "--max-new-tokens", "2"]) == 2
+    assert "--target needs --draft" in capsys.readouterr().err
+    assert main(["generate", "x", "--pair", "pycode", "--target", str(target)]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert main(["generate", "hello", "--chat", "--pair", "pycode", "--max-new-tokens", "2"]) == 2
+    assert "chat template" in capsys.readouterr().err

@@ -29,9 +29,15 @@ class CliError(Exception):
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("models (default: the bundled pycode pair)")
-    g.add_argument("--target", help="target model: HF id or local directory")
-    g.add_argument("--draft", help="draft model: HF id or local directory")
+    from .zoo import DEFAULT_PAIR, PAIRS
+
+    g = p.add_argument_group(f"models (default: the {DEFAULT_PAIR} pair)")
+    g.add_argument("--pair", choices=PAIRS, default=None, help=f"a named pair (default {DEFAULT_PAIR})")
+    g.add_argument("--target", help="target model: HF id, local directory or GGUF file")
+    g.add_argument(
+        "--draft",
+        help="draft model: HF id, local directory or GGUF file (not needed for --drafter ngram/lookup)",
+    )
     g.add_argument(
         "--dtype",
         default="auto",
@@ -90,7 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a continuation of a prompt")
-    gen.add_argument("prompt", help="text to continue")
+    gen.add_argument("prompt", help="text to continue (with --chat: the user's message)")
+    gen.add_argument(
+        "--chat", action="store_true", help="send the prompt as a user message through the chat template"
+    )
     gen.add_argument("--plain", action="store_true", help="no speculation: plain autoregressive decoding")
     gen.add_argument("--ignore-eos", action="store_true", help="decode exactly --max-new-tokens tokens")
     gen.add_argument("--show-tree", action="store_true", help="colour tokens by origin and print statistics")
@@ -143,6 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_decode_args(gen, max_new_tokens=128)
     _add_model_args(gen)
+
+    chat = sub.add_parser("chat", help="talk to a chat model, turn by turn (an empty line or Ctrl-D ends)")
+    chat.add_argument("--system", default=None, help="a system message to start the chat with")
+    chat.add_argument("--plain", action="store_true", help="no speculation: plain autoregressive decoding")
+    _add_decode_args(chat, max_new_tokens=256)
+    _add_model_args(chat)
+
+    from .serve.cli import add_arguments as add_serve_arguments
+
+    add_serve_arguments(sub.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/serving.md)"))
 
     bench = sub.add_parser(
         "bench",
@@ -200,14 +219,29 @@ def _configs(args) -> tuple[TreeConfig, SamplingConfig]:
     return tree, sampling
 
 
+def _paths(args) -> tuple:
+    """(target, draft) from --pair / --target / --draft."""
+    from .zoo import pair
+
+    if args.pair is not None and (args.target or args.draft):
+        raise CliError("give --pair or --target/--draft, not both")
+    if args.target is None:
+        if args.draft is not None:
+            raise CliError("--draft needs --target")
+        return pair(args.pair) if args.pair else pair()
+    model_free = getattr(args, "plain", False) or args.drafter in ("ngram", "lookup")
+    if args.draft is None and not model_free:
+        raise CliError("--target needs --draft (or --drafter ngram / lookup, or --plain)")
+    return args.target, args.draft
+
+
 def _load(args):
     from .decoder import SpeculativeDecoder
 
-    if (args.target is None) != (args.draft is None):
-        raise CliError("give --target and --draft together (or neither, for the bundled pair)")
+    target, draft = _paths(args)
     return SpeculativeDecoder.from_pretrained(
-        target=args.target,
-        draft=args.draft,
+        target=target,
+        draft=draft,
         dtype=args.dtype,
         device=args.device,
         backend=args.backend,
@@ -280,9 +314,13 @@ def cmd_generate(args) -> None:
             sys.stdout.write(f"{COLOURS[src]}{piece}{RESET}" if colour and piece else piece)
         sys.stdout.flush()
 
-    sys.stdout.write(args.prompt)
+    if args.chat:
+        prompt = [{"role": "user", "content": args.prompt}]
+    else:
+        sys.stdout.write(args.prompt)
+        prompt = args.prompt
     out = dec.generate(
-        args.prompt,
+        prompt,
         args.max_new_tokens,
         tree=None if args.plain else tree,
         sampling=sampling,
@@ -350,14 +388,14 @@ def cmd_bench(args) -> None:
             f"--methods: unknown {unknown or 'empty list'}; choose from {','.join(_bench_methods())}"
         )
     _check_writable(args.json, "--json")
-    if (args.target is None) != (args.draft is None):
-        raise CliError("give --target and --draft together (or neither, for the bundled pair)")
+    paths = _paths(args)
+    if paths[1] is None:
+        raise CliError("bench compares against HF assisted generation: give --draft (or a --pair)")
     from .backends import hf
     from .bench import machine_info
-    from .loading import resolve_device, resolve_dtype
-    from .zoo import default_pair
+    from .loading import checkpoint, resolve_device, resolve_dtype
 
-    paths = (args.target, args.draft) if args.target is not None else default_pair()
+    paths = tuple(checkpoint(p) for p in paths)  # a GGUF file: its converted directory
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device, "target")
     draft_dtype = resolve_dtype(args.dtype if args.draft_dtype is None else args.draft_dtype, device, "draft")
@@ -412,14 +450,56 @@ def cmd_bench(args) -> None:
     print(f"wrote {args.json}")
 
 
+def cmd_chat(args) -> None:
+    """A multi-turn chat on stdin/stdout: each turn re-renders the whole conversation with the
+    chat template and streams the reply (the earlier turns are prefilled again each turn)."""
+    tree, sampling = _configs(args)
+    dec = _load(args)
+    if dec.tokenizer is None or not getattr(dec.tokenizer, "chat_template", None):
+        raise CliError("this model has no chat template; use treespec generate")
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        shown = ""
+
+        def stream(new: list[int], sources: list[str], ids: list[int] = []) -> None:  # noqa: B006
+            nonlocal shown
+            ids += new
+            text = dec.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
+            sys.stdout.write(text[len(shown) :])
+            sys.stdout.flush()
+            shown = text
+
+        out = dec.generate(
+            messages,
+            args.max_new_tokens,
+            tree=None if args.plain else tree,
+            sampling=sampling,
+            seed=args.seed,
+            on_tokens=stream,
+        )
+        sys.stdout.write(out.text[len(shown) :] + "\n")
+        messages.append({"role": "assistant", "content": out.text})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # usage errors exit 2 with argparse's one-line message
     from .backends.hf import quiet_transformers
 
     quiet_transformers()
+    if args.command == "serve":  # the server reports its own errors and exit code
+        from .serve.cli import run
+
+        return run(args)
     try:
-        {"generate": cmd_generate, "bench": cmd_bench}[args.command](args)
+        {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench}[args.command](args)
     except (CliError, ValueError) as e:
         print(f"treespec: error: {e}", file=sys.stderr)
         return 2

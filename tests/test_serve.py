@@ -1,0 +1,384 @@
+"""`treespec serve` end to end: one server subprocess on 127.0.0.1 (the bundled pycode pair,
+float32), driven by the official openai client and by raw HTTP.
+
+What is checked: completions and chat, streamed and not, equal to each other and to
+`SpeculativeDecoder.generate()` of the same prompt and settings; stop strings with OpenAI's
+meaning; concurrent seeded streams each equal to its solo output; a dropped stream freeing its
+lane; a full queue answering 429; every bad request answered 4xx with OpenAI's error body while
+the server keeps serving; a request failing inside the engine answered 500 alone; SIGTERM
+letting an in-flight stream finish and exiting 0. The server is module-scoped; the SIGTERM
+test runs last and stops it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig  # noqa: E402
+from treespec.serve.text import TextStream, stop_prefix_len  # noqa: E402
+from treespec.zoo import ZOO  # noqa: E402
+
+MAX_LIVE, MAX_QUEUE = 4, 2
+PROMPT = "def quicksort(xs):"
+PROMPTS = ["def quicksort(xs):", "import os\n", "class Stack:\n", "for i in range("]
+GREEDY = {"temperature": 0}
+MODEL = "pycode"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    env = dict(os.environ, TREESPEC_SERVE_FAULTS="1", OMP_NUM_THREADS="1", NO_COLOR="1")
+    cmd = [sys.executable, "-m", "treespec.serve", "--pair", "pycode", "--dtype", "float32", "--threads", "1"]
+    cmd += ["--port", str(port), "--max-live", str(MAX_LIVE), "--max-queue", str(MAX_QUEUE)]
+    cmd += ["--grace-period", "20", "--log-level", "warning"]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"the server did not come up:\n{log.read_text()}")
+        time.sleep(0.2)
+    yield {"base": base, "proc": proc, "log": log}
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server["base"] + "/v1", api_key="x", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def ref():
+    """The same pair in this process: what the server must reproduce."""
+    return SpeculativeDecoder.from_pretrained(
+        target=ZOO / "pycode" / "target", draft=ZOO / "pycode" / "draft", dtype="float32"
+    )
+
+
+DEFAULT_TREE = TreeConfig()
+
+
+def solo(ref, prompt, n, temperature=0.0, seed=None, tree=DEFAULT_TREE, **kw):
+    return ref.generate(
+        prompt, max_new_tokens=n, tree=tree, sampling=SamplingConfig(temperature=temperature), seed=seed, **kw
+    )
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(server["base"] + "/metrics").text
+    for line in text.splitlines():
+        key, _, value = line.rpartition(" ")
+        if key == name:
+            return float(value)
+    raise AssertionError(f"{name} not in /metrics:\n{text}")
+
+
+def wait_for(predicate, timeout=15.0, what="condition"):
+    deadline = time.time() + timeout
+    while not predicate():
+        if time.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def read_stream(stream) -> tuple[str, str | None, dict | None]:
+    """(text, finish_reason, treespec stats) of a streamed completion or chat completion."""
+    text, finish, stats = [], None, None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        c = chunk.choices[0]
+        text.append((c.delta.content or "") if hasattr(c, "delta") else c.text)
+        finish = c.finish_reason or finish
+        stats = (chunk.model_extra or {}).get("treespec") or stats
+    return "".join(text), finish, stats
+
+
+# ---- the endpoints --------------------------------------------------------------------------------
+def test_health_models_metrics(server, client):
+    assert httpx.get(server["base"] + "/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == ["pycode"]
+    text = httpx.get(server["base"] + "/metrics").text
+    for name in (
+        "treespec_requests_running",
+        "treespec_requests_waiting",
+        "treespec_kv_slots_used",
+        "treespec_generated_tokens_total",
+        "treespec_time_to_first_token_seconds_bucket",
+        "treespec_inter_token_latency_seconds_bucket",
+        'treespec_requests_total{finish_reason="cancelled"}',
+    ):
+        assert name in text
+
+
+def test_completion_greedy_equals_generate_streamed_or_not(server, client, ref):
+    want = solo(ref, PROMPT, 16)
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, **GREEDY)
+    assert out.choices[0].text == want.text and out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (
+        len(ref.tokenizer(PROMPT).input_ids),
+        16,
+    )
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 16
+    stats = out.model_extra["treespec"]
+    assert stats["tokens_per_step"] == pytest.approx(want.stats.tokens_per_step)
+    assert stats["acceptance_by_depth"] == pytest.approx(want.stats.acceptance_by_depth)
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=16,
+        stream=True,
+        stream_options={"include_usage": True},
+        **GREEDY,
+    )
+    text, finish, stats = read_stream(stream)
+    assert (text, finish) == (want.text, "length") and stats["target_steps"] == want.stats.target_steps
+    # plain decoding (tree null) gives the same greedy text in one token per target step
+    plain = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, extra_body={"tree": None}, **GREEDY
+    )
+    assert plain.choices[0].text == want.text and plain.model_extra["treespec"]["tokens_per_step"] == 1.0
+
+
+def test_chat_streamed_equals_non_streamed_equals_generate(client, ref):
+    messages = [{"role": "system", "content": "Python."}, {"role": "user", "content": "Sort a list."}]
+    want = solo(ref, "system: Python.\nuser: Sort a list.\nassistant:", 12)  # the pair has no template
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, **GREEDY)
+    assert out.choices[0].message.content == want.text and out.choices[0].message.role == "assistant"
+    text, finish, _ = read_stream(
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, stream=True, **GREEDY)
+    )
+    assert (text, finish) == (want.text, "length")
+
+
+def test_stop_strings_end_before_the_stop_and_never_stream_it(client, ref):
+    full = solo(ref, PROMPT, 24).text
+    stop = full[full.index("the") : full.index("the") + 8]  # a stop string inside the greedy text
+    want = full[: full.index(stop)]
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, stop=[stop, "zzz"], **GREEDY)
+    assert (out.choices[0].text, out.choices[0].finish_reason) == (want, "stop")
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=24, stop=stop, stream=True, **GREEDY
+    )
+    pieces = [c.choices[0].text for c in stream if c.choices]
+    assert "".join(pieces) == want
+    shown = ""
+    for p in pieces:  # no prefix of the stop string was ever shown and then taken back
+        shown += p
+        assert stop not in shown
+
+
+def test_text_stream_decodes_multibyte_characters_and_holds_back_stops(ref):
+    tok = ref.tokenizer
+    text = "naïve café: 日本語 → ok"
+    ids = tok(text, add_special_tokens=False).input_ids
+    s = TextStream(tok)
+    pieces = [s.feed([t]) for t in ids]
+    assert "".join(pieces) + s.finish(ids) == text and not any("\ufffd" in p for p in pieces)
+    s = TextStream(tok, ["日本"])
+    pieces = [s.feed([t]) for t in ids] + [s.finish(ids)]
+    assert "".join(pieces) == "naïve café: " and s.text == "naïve café: "
+    assert stop_prefix_len("abc\n\n", ["\n\n\n"]) == 2 and stop_prefix_len("abc", ["xy"]) == 0
+
+
+def test_concurrent_seeded_streams_each_equal_their_solo_output(server, client, ref):
+    settings = [
+        {"temperature": 0.8, "seed": 1},
+        {"temperature": 0.8, "seed": 2, "extra_body": {"tree": {"width": 2, "depth": 3}}},
+        {"temperature": 1.0, "seed": 3, "extra_body": {"tree": None}},
+        {"temperature": 0, "extra_body": {"tree": {"width": 2, "depth": 4, "strategy": "topk"}}},
+    ]
+    results: dict[int, tuple] = {}
+
+    def run(i):
+        stream = client.completions.create(
+            model=MODEL, prompt=PROMPTS[i], max_tokens=16, stream=True, **settings[i]
+        )
+        results[i] = read_stream(stream)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(settings))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    trees = [TreeConfig(), TreeConfig(2, 3), None, TreeConfig(2, 4, "topk")]
+    for i, s in enumerate(settings):
+        want = solo(ref, PROMPTS[i], 16, s["temperature"], s.get("seed"), trees[i])
+        assert results[i][0] == want.text, f"request {i}"
+    assert metric(server, "treespec_requests_running") == 0
+
+
+# ---- faults ---------------------------------------------------------------------------------------
+def test_dropped_stream_frees_its_lane(server, client):
+    before = metric(server, 'treespec_requests_total{finish_reason="cancelled"}')
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=400, stream=True, extra_body={"ignore_eos": True}, **GREEDY
+    )
+    next(iter(stream))
+    assert metric(server, "treespec_requests_running") == 1
+    stream.close()
+    wait_for(lambda: metric(server, "treespec_requests_running") == 0, what="the lane to free")
+    assert metric(server, 'treespec_requests_total{finish_reason="cancelled"}') == before + 1
+
+
+def test_non_streaming_client_that_goes_away_is_cancelled(server):
+    before = metric(server, 'treespec_requests_total{finish_reason="cancelled"}')
+    body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server["base"] + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+    wait_for(lambda: metric(server, "treespec_requests_running") == 0, what="the lane to free")
+    assert metric(server, 'treespec_requests_total{finish_reason="cancelled"}') == before + 1
+
+
+def test_full_queue_answers_429(server):
+    body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True, "temperature": 0}
+    with httpx.Client(base_url=server["base"], timeout=30) as http:
+        streams = []
+        try:
+            for _ in range(MAX_LIVE + MAX_QUEUE):
+                cm = http.stream("POST", "/v1/completions", json=body)
+                r = cm.__enter__()
+                streams.append(cm)
+                assert r.status_code == 200
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        finally:
+            for cm in streams:
+                cm.__exit__(None, None, None)
+    wait_for(lambda: metric(server, "treespec_requests_running") == 0, what="the lanes to free")
+    wait_for(lambda: metric(server, "treespec_requests_waiting") == 0, what="the queue to empty")
+
+
+BAD = [
+    ("/v1/completions", b'{"prompt": "x", ', 400, None),
+    ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "stop": 3}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "tree": {"width": 0}}, 400, "tree.width"),
+    ("/v1/completions", {"prompt": "x", "tree": {"leaves": 3}}, 400, "tree.leaves"),
+    ("/v1/completions", {"prompt": "x", "tree": {"width": 2, "strategy": "magic"}}, 400, "tree.strategy"),
+    ("/v1/completions", {"prompt": "x", "tree": {"width": 2}, "verification": "block"}, 400, "verification"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": [99999]}, 400, "prompt"),
+]
+
+
+def test_bad_requests_answer_4xx_with_an_openai_error_body(server, client):
+    with httpx.Client(base_url=server["base"], timeout=30) as http:
+        for path, body, status, param in BAD:
+            if isinstance(body, bytes):
+                r = http.post(path, content=body, headers={"content-type": "application/json"})
+            else:
+                r = http.post(path, json=body)
+            assert r.status_code == status, (body, r.text)
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"], (body, error)
+            assert error["param"] == param, (body, error)
+        assert http.get("/v1/nowhere").status_code == 404 and "error" in http.get("/v1/nowhere").json()
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL, prompt="x", temperature=-0.5)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    # still serving
+    assert (
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, **GREEDY).choices[0].finish_reason
+        == "length"
+    )
+    assert httpx.get(server["base"] + "/health").status_code == 200
+
+
+def test_a_request_failing_in_the_engine_fails_alone(server, client, ref):
+    want = solo(ref, PROMPTS[1], 40, ignore_eos=True)
+    result = {}
+
+    def run():
+        stream = client.completions.create(
+            model=MODEL,
+            prompt=PROMPTS[1],
+            max_tokens=40,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            **GREEDY,
+        )
+        result["out"] = read_stream(stream)
+
+    t = threading.Thread(target=run)
+    t.start()
+    wait_for(lambda: metric(server, "treespec_requests_running") >= 1, what="the stream to start")
+    r = httpx.post(
+        server["base"] + "/v1/completions",
+        json={"prompt": "x", "max_tokens": 4, "treespec_fault": "callback"},
+        timeout=30,
+    )
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    with pytest.raises(openai.APIError):
+        read_stream(
+            client.completions.create(
+                model=MODEL, prompt="x", max_tokens=4, stream=True, extra_body={"treespec_fault": "callback"}
+            )
+        )
+    t.join(60)
+    assert result["out"][0] == want.text  # the others went on, untouched
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, **GREEDY).choices[0].text
+
+
+# ---- last: SIGTERM stops the module's server ---------------------------------------------------------
+def test_sigterm_finishes_in_flight_streams_and_exits_0(server, client, ref):
+    want = solo(ref, PROMPTS[2], 24, ignore_eos=True)
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPTS[2], max_tokens=24, stream=True, extra_body={"ignore_eos": True}, **GREEDY
+    )
+    it = iter(stream)
+    first = next(it)
+    server["proc"].send_signal(signal.SIGTERM)
+    text, finish, _ = read_stream(it)
+    assert (first.choices[0].text + text, finish) == (want.text, "length")
+    assert server["proc"].wait(30) == 0, server["log"].read_text()
+    with pytest.raises(httpx.TransportError):
+        httpx.get(server["base"] + "/health", timeout=2)

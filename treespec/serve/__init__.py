@@ -1,0 +1,15 @@
+"""`treespec serve`: an OpenAI-compatible HTTP server over the continuous-batching engine.
+
+    app.py       the FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics
+    protocol.py  request and response bodies (pydantic), the error body, finish reasons
+    loop.py      the engine thread: one thread steps the Engine; handlers talk to it via queues
+    text.py      incremental decoding and OpenAI's stop semantics for streams
+    metrics.py   Prometheus metrics (one registry per app)
+    cli.py       the command's flags (`add_arguments`) and `run`
+
+docs/serving.md is the reference.
+"""
+
+from .app import ServeSettings, create_app
+
+__all__ = ["ServeSettings", "create_app"]

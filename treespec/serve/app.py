@@ -1,0 +1,492 @@
+"""The FastAPI app: OpenAI-compatible endpoints over one continuous-batching `Engine`.
+
+    POST /v1/completions         text (or token ids) in, text out; `stream: true` for SSE
+    POST /v1/chat/completions    messages in, an assistant message out; `stream: true` for SSE
+    GET  /v1/models              the one model served
+    GET  /health                 200 while the engine thread runs, 503 otherwise
+    GET  /metrics                Prometheus text format (treespec.serve.metrics)
+
+`create_app(engine, tokenizer, model_name)` builds it around an engine it does not own the
+models of; the engine thread (`treespec.serve.loop`) starts and stops with the app's lifespan.
+Every error is answered with OpenAI's body, {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.requests import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..config import SamplingConfig, TreeConfig
+from ..engine import Engine
+from ..output import GenerationOutput
+from ..request import ROLES, Request, encode_prompt, make_request
+from .loop import EngineLoop, Job
+from .metrics import Metrics
+from .protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    ServeError,
+    TreespecStats,
+    Usage,
+    _Common,
+    client_message,
+    error_body,
+    error_param,
+    openai_finish_reason,
+)
+from .text import TextStream
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_CONTEXT = 4096  # the context assumed for a model that does not state its positions
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """What the server decides when a request does not say."""
+
+    max_queue: int | None = 64  # requests beyond max_live + max_queue are answered 429
+    tree: TreeConfig | None = TreeConfig()  # the default draft tree; None = plain decoding
+    verification: str | None = None  # the default rule; None = the best that applies
+    max_positions: int | None = None  # the context length (default: the target runner's)
+    faults: bool = False  # honour `treespec_fault` (tests); default from TREESPEC_SERVE_FAULTS=1
+
+
+class Server:
+    """The app's state: the engine loop, the tokenizer, metrics and settings."""
+
+    def __init__(self, engine: Engine, tokenizer, model_name: str, settings: ServeSettings):
+        if tokenizer is None:
+            raise ValueError("treespec serve needs a tokenizer (text in, text out)")
+        self.engine, self.tokenizer, self.model_name, self.settings = engine, tokenizer, model_name, settings
+        self.metrics = Metrics()
+        self.loop = EngineLoop(engine, self.metrics)
+        self.created = int(time.time())
+        self.draining = False
+        positions = settings.max_positions or getattr(engine.targets[0], "max_positions", None)
+        self.max_positions: int | None = positions
+
+    # ---- building a treespec Request from a body --------------------------------------------
+    def check_common(self, body: _Common) -> None:
+        if body.model is not None and body.model != self.model_name:
+            raise ServeError(
+                404,
+                f"The model `{body.model}` does not exist; this server serves `{self.model_name}`",
+                param="model",
+                code="model_not_found",
+            )
+        if body.n is not None and body.n != 1:
+            raise ServeError(400, f"n must be 1 (one choice per request), got {body.n}", param="n")
+        if body.logprobs not in (None, False, 0):
+            raise ServeError(400, "logprobs are not supported", param="logprobs")
+
+    def build(self, body: _Common, prompt, max_tokens: int | None, field: str) -> Request:
+        """A treespec `Request` from a body; bad values raise ServeError 400 naming the field."""
+        try:
+            ids = encode_prompt(prompt, self.tokenizer)
+            sampling = SamplingConfig(
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_k=body.top_k,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                presence_penalty=body.presence_penalty or 0.0,
+            )
+            tree = self.settings.tree
+            if "tree" in body.model_fields_set:
+                if body.tree is None:
+                    tree = None
+                else:
+                    given = body.tree.model_dump(exclude_none=True)
+                    tree = dataclasses.replace(tree or TreeConfig(), **given)
+            if max_tokens is None:  # as much as the context (and the KV budget) leaves
+                max_tokens = self.room(len(ids), tree)
+            given = "verification" in body.model_fields_set
+            verification = body.verification if given else self.settings.verification
+            stop = [body.stop] if isinstance(body.stop, str) else body.stop
+            return make_request(
+                ids,
+                self.tokenizer,
+                stop=stop or None,
+                max_new_tokens=max_tokens,
+                tree=tree,
+                sampling=sampling,
+                seed=body.seed,
+                verification=verification,
+                ignore_eos=body.ignore_eos,
+            )
+        except ValueError as e:
+            raise bad_request(e, field) from None
+
+    def room(self, prompt_len: int, tree: TreeConfig | None) -> int:
+        """The default max_tokens: what the context and `max_kv_tokens` leave after the prompt."""
+        context = self.max_positions or DEFAULT_CONTEXT
+        room = context - prompt_len
+        budget = self.engine.max_kv_tokens
+        if budget is not None:  # a request reserves prompt + max_tokens + its deepest tree
+            room = min(room, budget - prompt_len - (0 if tree is None else tree.max_depth))
+        if room < 1:
+            raise ValueError(
+                f"the prompt ({prompt_len} tokens) leaves no room to generate in the model's {context} "
+                f"positions" + (f" and max_kv_tokens={budget}" if budget is not None else "")
+            )
+        return room
+
+    def chat_prompt(self, body: ChatCompletionRequest):
+        """The prompt of a chat: the messages, rendered by the chat template when the tokenizer
+        has one, else as "role: content" lines ending with "assistant:"."""
+        if not body.messages:
+            raise ServeError(400, "messages is empty; give at least one message", param="messages")
+        messages = []
+        for i, m in enumerate(body.messages):
+            if m.role not in ROLES:
+                raise ServeError(
+                    400,
+                    f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.role!r}",
+                    param=f"messages[{i}].role",
+                )
+            content = m.content
+            if isinstance(content, list):
+                if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+                    raise ServeError(
+                        400, "only text content parts are supported", param=f"messages[{i}].content"
+                    )
+                content = "".join(str(p.get("text", "")) for p in content)
+            if not isinstance(content, str):
+                raise ServeError(400, f"messages[{i}].content must be text", param=f"messages[{i}].content")
+            messages.append({"role": m.role, "content": content})
+        if getattr(self.tokenizer, "chat_template", None):
+            return messages
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+    # ---- running a request -----------------------------------------------------------------
+    async def submit(self, request: Request, arrival: float, body: _Common, field: str) -> Job:
+        if self.draining or not self.loop.alive:
+            self.metrics.reject(503)
+            raise ServeError(503, "the server is shutting down", type="unavailable", code="shutting_down")
+        limit = self.settings.max_queue
+        if limit is not None and self.loop.outstanding >= self.engine.max_live + limit:
+            self.metrics.reject(429)
+            raise ServeError(
+                429,
+                f"the queue is full ({limit} requests waiting for {self.engine.max_live} lanes); retry later",
+                type="rate_limit_exceeded",
+                code="queue_full",
+            )
+        fault = self.settings.faults and body.treespec_fault == "callback"
+        job = Job(request, asyncio.get_running_loop(), arrival=arrival, fault=fault)
+        try:
+            await asyncio.wrap_future(self.loop.submit(job))
+        except ValueError as e:
+            raise bad_request(e, field) from None
+        except RuntimeError as e:
+            self.metrics.reject(503)
+            raise ServeError(503, str(e), type="unavailable") from None
+        return job
+
+    async def wait(self, job: Job, http: HTTPRequest) -> tuple[GenerationOutput | None, str | None]:
+        """The finished output (and the error, if it failed); cancels if the client leaves
+        (checked every DISCONNECT_POLL_S seconds, whether tokens are flowing or not)."""
+        next_check = time.monotonic() + DISCONNECT_POLL_S
+        while True:
+            try:
+                item = await asyncio.wait_for(job.queue.get(), DISCONNECT_POLL_S)
+                if item[0] == "done":
+                    return item[1], item[2]
+            except asyncio.TimeoutError:
+                pass
+            if time.monotonic() >= next_check:
+                if await http.is_disconnected():
+                    self.loop.cancel(job)
+                    return None, "the client disconnected"
+                next_check = time.monotonic() + DISCONNECT_POLL_S
+
+    def stats(self, out: GenerationOutput) -> TreespecStats:
+        s = out.stats
+        return TreespecStats(
+            tokens_per_step=s.tokens_per_step,
+            acceptance_rate=s.acceptance_rate,
+            mean_accepted_length=s.mean_accepted_length,
+            acceptance_by_depth=s.acceptance_by_depth,
+            target_steps=s.target_steps,
+            drafted_tokens=s.tree_nodes,
+            accepted_tokens=s.accepted_tokens,
+            verification=out.verification,
+            finish_reason=out.finish_reason,
+        )
+
+    def usage(self, job: Job, out: GenerationOutput) -> Usage:
+        prompt, completion = len(job.request.prompt), len(out.token_ids)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    async def stream(self, job: Job, chat: bool, include_usage: bool):
+        """SSE events of one request: `data: {chunk}` lines, then `data: [DONE]`."""
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        text = TextStream(self.tokenizer, job.request.stop_strings)
+        finished = False
+
+        def chunk(delta: str | None = None, finish: str | None = None, **extra) -> str:
+            if chat:
+                d = ChatDelta(content=delta) if delta is not None else ChatDelta()
+                body = ChatCompletionChunk(
+                    id=rid,
+                    created=created,
+                    model=self.model_name,
+                    choices=[ChatChunkChoice(delta=d, finish_reason=finish)],
+                    **extra,
+                )
+            else:
+                body = CompletionResponse(
+                    id=rid,
+                    created=created,
+                    model=self.model_name,
+                    choices=[CompletionChoice(text=delta or "", finish_reason=finish)],
+                    **extra,
+                )
+            return sse(body.model_dump(exclude_none=True))
+
+        try:
+            if chat:
+                first = ChatCompletionChunk(
+                    id=rid,
+                    created=created,
+                    model=self.model_name,
+                    choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))],
+                )
+                yield sse(first.model_dump(exclude_none=True))
+            while True:
+                item = await job.queue.get()
+                if item[0] == "tokens":
+                    delta = text.feed(item[1])
+                    if delta:
+                        yield chunk(delta)
+                    continue
+                finished = True
+                out, error = item[1], item[2]
+                if error is not None:
+                    yield sse(error_body(error, "server_error", None, "engine_error"))
+                    break
+                rest = text.finish(out.token_ids)
+                if rest:
+                    yield chunk(rest)
+                yield chunk(finish=openai_finish_reason(out.finish_reason), treespec=self.stats(out))
+                if include_usage:
+                    usage = self.usage(job, out)
+                    if chat:
+                        body = ChatCompletionChunk(
+                            id=rid, created=created, model=self.model_name, choices=[], usage=usage
+                        )
+                    else:
+                        body = CompletionResponse(
+                            id=rid, created=created, model=self.model_name, choices=[], usage=usage
+                        )
+                    yield sse(body.model_dump(exclude_none=True))
+                break
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:  # the client went away (or the server is cancelling the stream)
+                self.loop.cancel(job)
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def error_loc(loc) -> str | None:
+    """A pydantic error location as a `param`: "messages[0].role", "tree.width". Union types
+    add their member types to the location (prompt -> "list[int]" -> 0); those are left out."""
+    parts = [x for x in loc if x != "body"]
+    if not parts:
+        return None
+    param = str(parts[0])
+    for x in parts[1:]:
+        if isinstance(x, int):
+            param += f"[{x}]"
+        elif isinstance(x, str) and x.isidentifier() and x.islower() and x not in _TYPE_TAGS:
+            param += f".{x}"
+    return param
+
+
+def sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def bad_request(e: ValueError, field: str) -> ServeError:
+    message = str(e)
+    return ServeError(400, client_message(message), param=error_param(message, field))
+
+
+def error_response(e: ServeError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def create_app(
+    engine: Engine,
+    tokenizer,
+    model_name: str = "treespec",
+    settings: ServeSettings | None = None,
+    grace_period: float = 30.0,
+) -> FastAPI:
+    """The app serving `engine` (it steps it on a thread of its own from startup to shutdown;
+    on shutdown whatever is still running is cancelled)."""
+    if settings is None:
+        settings = ServeSettings(faults=os.environ.get("TREESPEC_SERVE_FAULTS") == "1")
+    srv = Server(engine, tokenizer, model_name, settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        srv.loop.start()
+        try:
+            yield
+        finally:
+            srv.draining = True
+            await asyncio.to_thread(srv.loop.stop, grace_period)
+
+    app = FastAPI(title="treespec", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = srv
+
+    # ---- errors: always OpenAI's body ------------------------------------------------------
+    @app.exception_handler(ServeError)
+    async def on_serve_error(request: HTTPRequest, e: ServeError):
+        if e.status == 400 or e.status == 404:
+            srv.metrics.reject(e.status)
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: HTTPRequest, e: RequestValidationError):
+        srv.metrics.reject(400)
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            detail = first.get("ctx", {}).get("error", "")
+            return error_response(ServeError(400, f"the request body is not valid JSON: {detail}".strip()))
+        param = error_loc(first.get("loc", ()))
+        message = (
+            f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid body")
+        )
+        if first.get("type") == "missing":
+            message = f"{param} is required"
+        return error_response(ServeError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: HTTPRequest, e: StarletteHTTPException):
+        kind = "not_found" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def on_error(request: HTTPRequest, e: Exception):
+        return JSONResponse(error_body(f"{type(e).__name__}: {e}", "server_error"), status_code=500)
+
+    # ---- endpoints -------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if srv.loop.alive and not srv.draining:
+            return {"status": "ok"}
+        return JSONResponse(error_body("the engine is not running", "unavailable"), status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(srv.metrics.render(), media_type=srv.metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        card = ModelCard(id=srv.model_name, created=srv.created, max_model_len=srv.max_positions)
+        return ModelList(data=[card]).model_dump()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HTTPRequest):
+        arrival = time.perf_counter()
+        srv.check_common(body)
+        for name, bad in (
+            ("echo", body.echo),
+            ("best_of", (body.best_of or 1) != 1),
+            ("suffix", body.suffix),
+        ):
+            if bad:
+                raise ServeError(400, f"{name} is not supported", param=name)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ServeError(400, f"give one prompt per request, got {len(prompt)}", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, list) and not prompt:
+            raise ServeError(400, "the prompt is empty; give at least one token", param="prompt")
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        request = srv.build(body, prompt, max_tokens, "prompt")
+        job = await srv.submit(request, arrival, body, "prompt")
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(srv.stream(job, False, include_usage), media_type="text/event-stream")
+        out, error = await srv.wait(job, http)
+        if error is not None:
+            return JSONResponse(error_body(error, "server_error", None, "engine_error"), status_code=500)
+        return CompletionResponse(
+            id="cmpl-" + uuid.uuid4().hex,
+            created=int(time.time()),
+            model=srv.model_name,
+            choices=[
+                CompletionChoice(
+                    text=TextStream(tokenizer, request.stop_strings).finish(out.token_ids),
+                    finish_reason=openai_finish_reason(out.finish_reason),
+                )
+            ],
+            usage=srv.usage(job, out),
+            treespec=srv.stats(out),
+        ).model_dump()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
+        arrival = time.perf_counter()
+        srv.check_common(body)
+        if body.tools:
+            raise ServeError(400, "tools are not supported", param="tools")
+        if body.top_logprobs:
+            raise ServeError(400, "logprobs are not supported", param="top_logprobs")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        prompt = srv.chat_prompt(body)
+        request = srv.build(body, prompt, max_tokens, "messages")
+        job = await srv.submit(request, arrival, body, "messages")
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(srv.stream(job, True, include_usage), media_type="text/event-stream")
+        out, error = await srv.wait(job, http)
+        if error is not None:
+            return JSONResponse(error_body(error, "server_error", None, "engine_error"), status_code=500)
+        text = TextStream(tokenizer, request.stop_strings).finish(out.token_ids)
+        return ChatCompletionResponse(
+            id="chatcmpl-" + uuid.uuid4().hex,
+            created=int(time.time()),
+            model=srv.model_name,
+            choices=[
+                ChatChoice(
+                    message=ChatResponseMessage(content=text),
+                    finish_reason=openai_finish_reason(out.finish_reason),
+                )
+            ],
+            usage=srv.usage(job, out),
+            treespec=srv.stats(out),
+        ).model_dump()
+
+    return app

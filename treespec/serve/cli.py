@@ -1,0 +1,195 @@
+"""`treespec serve`: the OpenAI-compatible server on FastAPI + uvicorn.
+
+    treespec serve --pair pycode --port 8000 --max-live 8
+    python -m treespec.serve --target DIR --draft DIR --dtype float32
+
+`add_arguments(parser)` adds the flags to an argparse parser (the `serve` subcommand of
+`treespec`), `run(args)` serves until SIGTERM or Ctrl-C and returns the exit code: 0 after a
+clean shutdown (SIGTERM: stop accepting, let in-flight requests finish for --grace-period
+seconds, cancel the rest), 2 for bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from ..config import STRATEGIES, TreeConfig
+
+DEFAULT_MAX_LIVE = 8
+DEFAULT_MAX_QUEUE = 64
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models (default: the bundled pair)")
+    g.add_argument("--pair", default=None, help="a bundled pair by name (e.g. pycode)")
+    g.add_argument("--target", help="target model: HF id, local directory or GGUF file")
+    g.add_argument("--draft", help="draft model: HF id, local directory or GGUF file")
+    g.add_argument("--dtype", default="auto", help="auto (default), float32, bfloat16")
+    g.add_argument("--draft-dtype", default=None, help="the draft's dtype (default: as --dtype)")
+    g.add_argument("--device", default=None, help="torch device (default: cpu)")
+    g.add_argument("--backend", default="auto", choices=("auto", "native", "hf"))
+    g.add_argument(
+        "--drafter", default="model", choices=("model", "ngram", "lookup", "merged"), help="who proposes"
+    )
+    g.add_argument("--served-model-name", default=None, help="the model id clients name (default: the pair)")
+
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument(
+        "--max-live",
+        type=int,
+        default=DEFAULT_MAX_LIVE,
+        help=f"requests decoded together (lanes; default {DEFAULT_MAX_LIVE})",
+    )
+    s.add_argument("--max-kv-tokens", type=int, default=None, help="KV cache slots live requests may reserve")
+    s.add_argument(
+        "--max-queue",
+        type=int,
+        default=DEFAULT_MAX_QUEUE,
+        help=f"requests waiting for a lane before new ones get 429 (default {DEFAULT_MAX_QUEUE})",
+    )
+    s.add_argument(
+        "--speculate-max-live",
+        default=None,
+        help="draft nothing while more requests than this are live; 'auto' measures (default: always draft)",
+    )
+    s.add_argument(
+        "--grace-period",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds in-flight requests may run before they are cancelled (default 30)",
+    )
+    s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+
+    d = p.add_argument_group("defaults for requests that do not say (body fields tree, verification)")
+    d.add_argument(
+        "--width", type=int, default=TreeConfig.width, help=f"tree width (default {TreeConfig.width})"
+    )
+    d.add_argument(
+        "--depth", type=int, default=TreeConfig.depth, help=f"tree depth (default {TreeConfig.depth})"
+    )
+    d.add_argument("--strategy", default=TreeConfig.strategy, choices=STRATEGIES)
+    d.add_argument("--plain", action="store_true", help="no speculation unless a request asks for a tree")
+    d.add_argument(
+        "--verification", default="auto", help="auto (the best that applies), token, block, traversal"
+    )
+
+
+def _speculate_max_live(value: str | None):
+    if value is None or value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"--speculate-max-live must be an integer >= 1 or 'auto', got {value!r}") from None
+
+
+def build(args):
+    """The app for `args` (loads the models); ValueError for bad flags."""
+    from ..decoder import SpeculativeDecoder
+
+    try:
+        from .app import ServeSettings, create_app
+    except ImportError as e:
+        missing = f"treespec serve needs its extra ({e.name} is missing)"
+        raise ValueError(f"{missing}: pip install 'treespec[serve]'") from None
+
+    if (args.target is None) != (args.draft is None):
+        raise ValueError("give --target and --draft together (or --pair, or neither for the bundled pair)")
+    if args.pair is not None and args.target is not None:
+        raise ValueError("give --pair or --target/--draft, not both")
+    for flag in ("max_live", "max_queue"):
+        if getattr(args, flag) < 1 and not (flag == "max_queue" and getattr(args, flag) == 0):
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    try:
+        tree = None if args.plain else TreeConfig(width=args.width, depth=args.depth, strategy=args.strategy)
+    except ValueError as e:
+        raise ValueError(str(e).replace("TreeConfig.", "--")) from None
+    target, draft, name = args.target, args.draft, args.served_model_name
+    if args.pair is not None:
+        from ..zoo import pair
+
+        target, draft = pair(args.pair)
+    elif target is None:  # the bundled default pair, named after its directory
+        from ..zoo import default_pair
+
+        target, draft = default_pair()
+        name = name or Path(target).parent.name
+    if name is None:
+        name = args.pair or Path(str(target)).name
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    dec = SpeculativeDecoder.from_pretrained(
+        target=target,
+        draft=draft,
+        dtype=args.dtype,
+        device=args.device,
+        backend=args.backend,
+        draft_dtype=args.draft_dtype,
+        drafter=args.drafter,
+    )
+    engine = dec.engine(
+        max_live=args.max_live,
+        max_kv_tokens=args.max_kv_tokens,
+        speculate_max_live=_speculate_max_live(args.speculate_max_live),
+    )
+    settings = ServeSettings(
+        max_queue=args.max_queue,
+        tree=tree,
+        verification=None if args.verification == "auto" else args.verification,
+        faults=os.environ.get("TREESPEC_SERVE_FAULTS") == "1",
+    )
+    if settings.verification is not None and tree is not None:
+        from ..request import choose_rule
+
+        choose_rule(dec.drafter.siblings(tree), settings.verification)  # a rule that cannot apply fails now
+    return create_app(engine, dec.tokenizer, name, settings, grace_period=args.grace_period), dec
+
+
+def run(args) -> int:
+    """Serve until SIGTERM / Ctrl-C; the exit code."""
+    import uvicorn
+
+    from ..backends.hf import quiet_transformers
+
+    quiet_transformers()
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        app, _ = build(args)
+    except ValueError as e:
+        print(f"treespec: error: {e}", file=sys.stderr)
+        return 2
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.grace_period,
+        lifespan="on",
+    )
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal that stopped it once it has shut down; with the default
+    # handler that would kill the process with SIGTERM's status, so the graceful exit is 0
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if getattr(server, "started", True) is False:
+        return 1  # could not bind (uvicorn logged why)
+    return 0

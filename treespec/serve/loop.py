@@ -1,0 +1,228 @@
+"""The engine thread: one thread steps the shared `Engine`; asyncio handlers talk to it.
+
+    handler (asyncio)                         engine thread
+    job = Job(request)        --- add --->    engine.add(request)  -> job.id (or ValueError)
+    await job.queue.get()     <-- tokens --   on_tokens(ids) inside engine.step()
+                              <-- done ----   engine.output(id) after the round: the output
+    disconnect -> cancel(job) --- cancel ->   engine.cancel(id): its lane frees this round
+
+Commands (add, cancel) are queued and applied by the engine thread between rounds, so the
+engine is only ever touched by that thread, and requests join and leave between rounds. With
+nothing to do the thread sleeps on a condition that `submit`, `cancel` and `stop` notify.
+Results cross back with `loop.call_soon_threadsafe` into each request's asyncio queue.
+
+A request that fails inside the engine (its finish_reason "error") is answered alone. If a
+round raises instead (an engine that cannot isolate the fault), every request that was live
+in it fails with that error and the thread goes on with the others waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..engine import Engine
+from ..output import GenerationOutput
+from ..request import Request
+from .metrics import Metrics
+
+log = logging.getLogger("treespec.serve")
+
+
+@dataclass(eq=False)
+class Job:
+    """One request on its way through the engine, seen from both threads."""
+
+    request: Request
+    aloop: asyncio.AbstractEventLoop
+    arrival: float = field(default_factory=time.perf_counter)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    fault: bool = False  # tests: make on_tokens raise inside the engine (TREESPEC_SERVE_FAULTS=1)
+    id: int | None = None
+    first: float | None = None  # perf_counter of the first emission
+    last: float | None = None  # perf_counter of the latest emission
+    error: str | None = None  # set when the request failed inside the engine
+    added: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+    def push(self, item: tuple) -> None:
+        """Hand `item` to the handler's queue (from the engine thread)."""
+        try:
+            self.aloop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+class EngineLoop:
+    """Owns the thread that steps `engine`; `submit` and `cancel` are called from asyncio."""
+
+    def __init__(self, engine: Engine, metrics: Metrics):
+        self.engine, self.metrics = engine, metrics
+        self._cond = threading.Condition()
+        self._commands: deque[tuple[str, Job]] = deque()
+        self._jobs: dict[int, Job] = {}  # id -> job, while the engine holds it (engine thread only)
+        self._pending_adds = 0  # submitted, not yet added to the engine
+        self._outstanding = 0  # submitted, not yet finished
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="treespec-engine", daemon=True)
+        self.failure: BaseException | None = None  # what killed the thread, if anything did
+
+    # ---- called from the asyncio side --------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    @property
+    def outstanding(self) -> int:
+        """Requests submitted and not finished (waiting, being added, or live)."""
+        return self._outstanding
+
+    def submit(self, job: Job) -> concurrent.futures.Future:
+        """Queue `job` for the engine; the future resolves to its id or the add's exception."""
+        request = dataclasses.replace(job.request, on_tokens=self._on_tokens(job))
+        job.request = request
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the server is shutting down")
+            self._pending_adds += 1
+            self._outstanding += 1
+            self._commands.append(("add", job))
+            self._cond.notify()
+        return job.added
+
+    def cancel(self, job: Job) -> None:
+        """Stop `job` at the next round boundary (its client went away)."""
+        with self._cond:
+            self._commands.append(("cancel", job))
+            self._cond.notify()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Cancel whatever the engine still holds and end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---- the engine thread ---------------------------------------------------------------
+    def _on_tokens(self, job: Job):
+        metrics = self.metrics
+
+        def on_tokens(ids: list[int], sources: list[str]) -> None:
+            if job.fault:
+                raise RuntimeError("fault injected by the request (treespec_fault)")
+            now = time.perf_counter()
+            first = now - job.arrival if job.first is None else None
+            gap = None if job.last is None else now - job.last
+            if job.first is None:
+                job.first = now
+            job.last = now
+            metrics.tokens(len(ids), first, gap)
+            job.push(("tokens", list(ids)))
+
+        return on_tokens
+
+    def _busy(self) -> bool:
+        return bool(self.engine.live or self.engine.waiting)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._commands and not self._busy() and not self._stopping:
+                        self._publish()
+                        self._cond.wait()
+                    commands, self._commands = self._commands, deque()
+                    stopping = self._stopping
+                for kind, job in commands:
+                    self._add(job) if kind == "add" else self._cancel(job)
+                if stopping:
+                    for rid in list(self._jobs):
+                        self.engine.cancel(rid)
+                    self._sweep()
+                    self._publish()
+                    return
+                if self._busy():
+                    self._step()
+                self._publish()
+        except BaseException as e:  # the loop itself broke: fail everything, say why
+            self.failure = e
+            log.exception("the engine thread stopped")
+            with self._cond:
+                self._stopping = True
+                commands, self._commands = self._commands, deque()
+            for kind, job in commands:
+                if kind == "add" and not job.added.done():
+                    job.added.set_exception(RuntimeError(f"the engine thread stopped: {e}"))
+            for job in self._jobs.values():
+                job.push(("done", None, f"the engine thread stopped: {type(e).__name__}: {e}"))
+            raise
+
+    def _add(self, job: Job) -> None:
+        with self._cond:
+            self._pending_adds -= 1
+        try:
+            rid = self.engine.add(job.request)
+        except Exception as e:  # ValueError: bad input, answered 400 by the handler
+            with self._cond:
+                self._outstanding -= 1
+            job.added.set_exception(e)
+            return
+        job.id = rid
+        self._jobs[rid] = job
+        self.metrics.prompt_tokens.inc(len(job.request.prompt))
+        job.added.set_result(rid)
+
+    def _cancel(self, job: Job) -> None:
+        if job.id is not None and job.id in self._jobs:
+            self.engine.cancel(job.id)
+            self._sweep()
+
+    def _step(self) -> None:
+        try:
+            self.engine.step()
+        except Exception as e:
+            # the engine did not isolate the failure: every request live in this round fails
+            message = f"{type(e).__name__}: {e}"
+            log.error("a round failed; failing its %d live request(s): %s", len(self.engine.live), message)
+            for state in list(self.engine.live.values()):
+                job = self._jobs.get(state.id)
+                if job is not None:
+                    job.error = message
+                self.engine.cancel(state.id)
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Hand every finished request's output to its handler and forget it."""
+        engine = self.engine
+        take = getattr(engine, "take", None)
+        now = time.perf_counter()
+        for rid, job in list(self._jobs.items()):
+            out: GenerationOutput | None = engine.output(rid)
+            if out is None:
+                continue
+            if take is not None:
+                take(rid)
+            del self._jobs[rid]
+            with self._cond:
+                self._outstanding -= 1
+            error = job.error or (getattr(out, "error", None) if out.finish_reason == "error" else None)
+            if out.finish_reason == "error" and error is None:
+                error = "the request failed inside the engine"
+            reason = "error" if error else out.finish_reason
+            self.metrics.finish(reason, out.stats, now - job.arrival)
+            job.push(("done", out, error))
+
+    def _publish(self) -> None:
+        engine = self.engine
+        self.metrics.engine_state(
+            len(engine.live), len(engine.waiting) + self._pending_adds, engine.kv_tokens
+        )
