@@ -182,8 +182,8 @@ def test_auto_dtype_follows_the_cpu_flags_and_measurement(monkeypatch, tmp_path,
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
     read = backends.cpu_bf16_flags
-    monkeypatch.setattr(backends, "cpu_bf16_flags", lambda: read(str(cpuinfo)))
-    monkeypatch.setattr(backends, "bf16_matmul_is_faster", lambda: faster)
+    monkeypatch.setattr(backends.cpu, "cpu_bf16_flags", lambda: read(str(cpuinfo)))
+    monkeypatch.setattr(backends.cpu, "bf16_matmul_is_faster", lambda: faster)
     assert backends.auto_dtype("cpu") == want
     assert backends.auto_dtype("cpu", "draft") == torch.float32  # a small draft is op-bound on CPU
     assert (

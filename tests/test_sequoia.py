@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
-from treespec.sequoia import TreeShape, expected_tokens, optimal_shape
+from treespec.sequoia import TreeShape, optimal_shape, tree_expected_tokens
 
 from .toy import PROMPT, SAMPLINGS, TableRunner, enumerate_decoder, max_abs_diff, pair
 
@@ -32,11 +32,11 @@ def depth_of(parents):
 @pytest.mark.parametrize("max_depth", [1, 2, 3, 6])
 def test_dynamic_program_equals_brute_force(acc, n, max_depth):
     best = max(
-        expected_tokens(p, acc) for m in range(n + 1) for p in all_shapes(m) if depth_of(p) <= max_depth
+        tree_expected_tokens(p, acc) for m in range(n + 1) for p in all_shapes(m) if depth_of(p) <= max_depth
     )
     shape = optimal_shape(acc, n, max_depth)
     assert shape.expected_tokens == pytest.approx(best, abs=1e-12)
-    assert expected_tokens(shape.parents, acc) == pytest.approx(best, abs=1e-12)
+    assert tree_expected_tokens(shape.parents, acc) == pytest.approx(best, abs=1e-12)
     assert shape.n_nodes <= n and shape.depth <= max_depth
 
 
@@ -46,7 +46,7 @@ def test_cost_weighting_against_brute_force():
     shape = optimal_shape(acc, 8, 4, verify_cost=verify_cost, draft_cost=0.1)
 
     def rate(p):
-        return expected_tokens(p, acc) / (verify_cost[len(p) - 1] + depth_of(p) * 0.1)
+        return tree_expected_tokens(p, acc) / (verify_cost[len(p) - 1] + depth_of(p) * 0.1)
 
     best = max(rate(p) for m in range(7) for p in all_shapes(m) if depth_of(p) <= 4)
     assert rate(shape.parents) >= best - 1e-12  # brute force to 6 nodes; the DP searched to 8

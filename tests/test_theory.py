@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from treespec import theory
-from treespec.sequoia import expected_tokens as sequoia_expected_tokens
+from treespec.sequoia import tree_expected_tokens as sequoia_expected_tokens
 
 # Leviathan et al. 2023, Table 1 (c = c_hat = 0): alpha, gamma, operations, speed
 TABLE1 = [
@@ -23,17 +23,17 @@ TABLE1 = [
 @pytest.mark.parametrize("alpha,gamma,ops,speed", TABLE1)
 def test_leviathan_table1(alpha, gamma, ops, speed):
     assert round(theory.walltime_improvement(alpha, gamma, c=0.0), 2) == speed
-    assert round(theory.expected_tokens(alpha, gamma), 2) == speed
+    assert round(theory.chain_expected_tokens(alpha, gamma), 2) == speed
     assert round(theory.operations_factor(alpha, gamma, c_hat=0.0), 2) == ops
 
 
-def test_expected_tokens_is_the_truncated_geometric_mean():
+def test_chain_expected_tokens_is_the_truncated_geometric_mean():
     rng = np.random.default_rng(0)
     for _ in range(20):
         a, g = float(rng.uniform(0, 0.99)), int(rng.integers(0, 12))
-        assert theory.expected_tokens(a, g) == pytest.approx(sum(a**i for i in range(g + 1)))
-    assert theory.expected_tokens(1.0, 4) == 5.0
-    assert theory.expected_tokens(0.0, 4) == 1.0
+        assert theory.chain_expected_tokens(a, g) == pytest.approx(sum(a**i for i in range(g + 1)))
+    assert theory.chain_expected_tokens(1.0, 4) == 5.0
+    assert theory.chain_expected_tokens(0.0, 4) == 1.0
 
 
 def test_walltime_and_corollary_3_9():
@@ -60,17 +60,15 @@ def test_optimal_gamma_is_the_argmax():
 def test_alpha_from_distributions():
     p = np.array([0.5, 0.3, 0.2])
     q = np.array([0.2, 0.3, 0.5])
-    assert theory.acceptance_rate(p, q) == pytest.approx(0.7)
-    assert theory.acceptance_rate(
-        torch.tensor(np.stack([p, p])), torch.tensor(np.stack([q, p]))
-    ) == pytest.approx(0.85)
-    assert theory.acceptance_rate(p, p) == pytest.approx(1.0)
+    assert theory.alpha(p, q) == pytest.approx(0.7)
+    assert theory.alpha(torch.tensor(np.stack([p, p])), torch.tensor(np.stack([q, p]))) == pytest.approx(0.85)
+    assert theory.alpha(p, p) == pytest.approx(1.0)
 
 
 def test_stratos_expected_accepted_length():
     assert round(theory.expected_accepted_length(0.8, T=10), 4) == 4.5705
     assert theory.expected_accepted_length([0.8] * 10) == pytest.approx(4.5705, abs=5e-5)
-    assert theory.expected_accepted_length(0.8, 10) == pytest.approx(theory.expected_tokens(0.8, 10))
+    assert theory.expected_accepted_length(0.8, 10) == pytest.approx(theory.chain_expected_tokens(0.8, 10))
     # position-dependent acceptance: 1 + b1 + b1 b2 + b1 b2 b3
     assert theory.expected_accepted_length([0.9, 0.5, 0.2]) == pytest.approx(1 + 0.9 + 0.45 + 0.09)
     with pytest.raises(ValueError):
@@ -89,7 +87,7 @@ def test_tree_forms_reuse_sequoia():
     # a chain under positional acceptance (a, 0, ...) is Eq. 1
     a = 0.7
     assert theory.tree_expected_tokens(theory.chain_parents(5), [a]) == pytest.approx(
-        theory.expected_tokens(a, 5)
+        theory.chain_expected_tokens(a, 5)
     )
     acc = [0.6, 0.2, 0.1]
     binary = theory.kary_parents(2, 2)

@@ -24,7 +24,7 @@ import torch
 from .adaptive import GoodputSwitch
 from .backends import Runner, make_runner
 from .config import SamplingConfig, TreeConfig, check_positive_int
-from .drafters import DRAFTER_KINDS, Drafter, DrafterFactory
+from .drafters import Drafter, DrafterFactory
 from .engine import Engine
 from .output import GenerationOutput, OnTokens
 from .request import RULES_FOR, make_request
@@ -50,8 +50,6 @@ class SpeculativeDecoder:
     model's own modules over a DynamicCache) or "auto": native where the architecture is
     supported, else hf with a one-line notice. Runners are used as given.
     """
-
-    DRAFTERS = DRAFTER_KINDS
 
     def __init__(
         self,

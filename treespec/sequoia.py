@@ -72,7 +72,7 @@ class TreeShape:
             raise ValueError(f"cannot read a tree shape from {path}: {e}") from e
 
 
-def expected_tokens(parents: Sequence[int], acceptance: Sequence[float]) -> float:
+def tree_expected_tokens(parents: Sequence[int], acceptance: Sequence[float]) -> float:
     """Tokens per step of a shape under the positional acceptance model."""
     reach = [1.0] * len(parents)
     rank_count = [0] * len(parents)

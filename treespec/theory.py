@@ -17,21 +17,21 @@ the accepted length L (the final correction/bonus token counted) has
 which is (1 - b^(T+1)) / (1 - b) for a constant b (4.5705 for b = 0.8, T = 10).
 
 Trees (Sequoia, Chen et al. 2024): expected tokens per step of a tree shape from a positional
-acceptance vector is `treespec.sequoia.expected_tokens`, re-exported here as
-`tree_expected_tokens`, with helpers that build chains and k-ary trees to compare against.
+acceptance vector is `treespec.sequoia.tree_expected_tokens`, re-exported here, with helpers
+that build chains and k-ary trees to compare against.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .sequoia import expected_tokens as tree_expected_tokens
+from .sequoia import tree_expected_tokens
 
 __all__ = [
-    "acceptance_rate",
+    "alpha",
     "chain_parents",
     "expected_accepted_length",
-    "expected_tokens",
+    "chain_expected_tokens",
     "improvement_lower_bound",
     "kary_parents",
     "multidraft_acceptance",
@@ -56,7 +56,7 @@ def _geometric(a: float, gamma: int) -> float:
     return float(gamma + 1) if a == 1.0 else (1.0 - a ** (gamma + 1)) / (1.0 - a)
 
 
-def expected_tokens(alpha: float, gamma: int) -> float:
+def chain_expected_tokens(alpha: float, gamma: int) -> float:
     """Leviathan Eq. 1: expected tokens per target step with gamma draft tokens."""
     return _geometric(_check_alpha(alpha), gamma)
 
@@ -65,14 +65,14 @@ def walltime_improvement(alpha: float, gamma: int, c: float) -> float:
     """Leviathan Thm. 3.8: expected walltime improvement factor over plain decoding."""
     if c < 0:
         raise ValueError(f"c (draft/target cost ratio) must be >= 0, got {c!r}")
-    return expected_tokens(alpha, gamma) / (gamma * c + 1.0)
+    return chain_expected_tokens(alpha, gamma) / (gamma * c + 1.0)
 
 
 def operations_factor(alpha: float, gamma: int, c_hat: float = 0.0) -> float:
     """Leviathan Thm. 3.11: expected factor of increase in arithmetic operations."""
     if c_hat < 0:
         raise ValueError(f"c_hat must be >= 0, got {c_hat!r}")
-    return (gamma * c_hat + gamma + 1.0) / expected_tokens(alpha, gamma)
+    return (gamma * c_hat + gamma + 1.0) / chain_expected_tokens(alpha, gamma)
 
 
 def optimal_gamma(alpha: float, c: float, max_gamma: int = 1000, min_gamma: int = 1) -> int:
@@ -97,7 +97,7 @@ def improvement_lower_bound(alpha: float, c: float) -> float:
     return (1.0 + _check_alpha(alpha)) / (1.0 + c)
 
 
-def acceptance_rate(p, q) -> float:
+def alpha(p, q) -> float:
     """Leviathan Cor. 3.6: beta = sum_x min(p(x), q(x)), averaged over leading dimensions.
 
     `p`, `q`: probability vectors or [..., V] arrays/tensors of them (numpy or torch).
