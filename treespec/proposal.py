@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from .tree import TokenTree
+from .tree import TokenTree, TreeBuilder
 
 
 class Draw(str, Enum):
@@ -81,24 +81,15 @@ class DraftTree:
         Each distinct token under a node becomes one deterministic proposal, in the order the
         paths first propose it (so list the preferred path first).
         """
-        tokens, parents = [int(root)], [-1]
-        index: dict[tuple[int, ...], int] = {(): 0}
-        kids: dict[int, list[int]] = {}
+        builder = TreeBuilder(root)
         for path in paths:
-            prefix: tuple[int, ...] = ()
-            for t in path:
-                node = index.get(prefix + (int(t),))
-                if node is None:
-                    tokens.append(int(t))
-                    parents.append(index[prefix])
-                    node = index[prefix + (int(t),)] = len(tokens) - 1
-                    kids.setdefault(index[prefix], []).append(node)
-                prefix += (int(t),)
+            builder.add_path(path)
+        tokens = builder.tokens
         groups = tuple(
             ProposalGroup(u, Draw.DETERMINISTIC, tuple(tokens[c] for c in cs), tuple(cs))
-            for u, cs in kids.items()
+            for u, cs in builder.kids.items()
         )
-        return cls(TokenTree(tokens, parents), groups)
+        return cls(builder.build(), groups)
 
     def groups_at(self, node: int) -> Sequence[ProposalGroup]:
         return self._by_parent.get(node, ())

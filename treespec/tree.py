@@ -160,3 +160,34 @@ def ancestor_rows(parents: torch.Tensor, start: int, max_depth: int) -> torch.Te
         mask[rows, cur] = True
         cur = up[cur]
     return mask[:, :p]
+
+
+class TreeBuilder:
+    """A prefix tree grown one node at a time: one node per distinct (parent, token), in the
+    order first added. Merging token paths (`DraftTree.from_paths`) and merging several
+    drafters' trees (`MergedDrafter`) both build their trees with it."""
+
+    def __init__(self, root: int):
+        self.tokens, self.parents = [int(root)], [-1]
+        self.kids: dict[int, list[int]] = {}  # node -> its children, in the order first added
+        self._node: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+
+    def add(self, parent: int, token: int) -> int:
+        """The child of `parent` carrying `token`, made if it is new."""
+        key = (parent, int(token))
+        if key not in self._node:
+            self._node[key] = len(self.tokens)
+            self.tokens.append(key[1])
+            self.parents.append(parent)
+            self.kids.setdefault(parent, []).append(self._node[key])
+        return self._node[key]
+
+    def add_path(self, path: Sequence[int], start: int = 0) -> int:
+        """Every token of `path` below node `start`; the last node."""
+        node = start
+        for token in path:
+            node = self.add(node, token)
+        return node
+
+    def build(self) -> TokenTree:
+        return TokenTree(self.tokens, self.parents)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from ..config import SamplingConfig
 from ..proposal import DraftTree, ProposalGroup, Walk
 from ..rng import Rng
-from ..tree import TokenTree
+from ..tree import TreeBuilder
 from .base import Drafter, ProposeSteps, propose_many
 
 
@@ -32,20 +32,14 @@ class MergedDrafter(Drafter):
         return propose_many([self.propose_steps(context, depth)])[0]
 
     def propose_steps(self, context: Sequence[int], depth: int) -> ProposeSteps:
-        tokens, parents = [int(context[-1])], [-1]
-        index: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
+        builder = TreeBuilder(context[-1])
         groups: list[ProposalGroup] = []
         self._parts: list[tuple[DraftTree, list[int]]] = []
         for drafter in self.drafters:
             part = yield from drafter.propose_steps(context, depth)
-            to_merged = [0]
+            to_merged = [0]  # part node -> merged node
             for i in range(1, len(part.tree)):
-                key = (to_merged[part.tree.parents[i]], part.tree.tokens[i])
-                if key not in index:
-                    tokens.append(key[1])
-                    parents.append(key[0])
-                    index[key] = len(tokens) - 1
-                to_merged.append(index[key])
+                to_merged.append(builder.add(to_merged[part.tree.parents[i]], part.tree.tokens[i]))
             groups += [
                 ProposalGroup(
                     to_merged[g.parent], g.draw, g.tokens, tuple(to_merged[c] for c in g.children), g.q
@@ -53,7 +47,7 @@ class MergedDrafter(Drafter):
                 for g in part.groups
             ]
             self._parts.append((part, to_merged))
-        return DraftTree(TokenTree(tokens, parents), tuple(groups))
+        return DraftTree(builder.build(), tuple(groups))
 
     def runners(self):
         """Every part's draft models, each once (two parts may share one runner)."""
