@@ -172,7 +172,7 @@ def test_bench_batch_size(capsys, tmp_path):
         (["generate", "x", "--width", "0"], "--width must be an integer >= 1"),
         (["generate", "x", "--top-p", "1.5"], "top_p must be in (0, 1]"),
         (["generate", "x", "--temperature", "-1"], "temperature must be"),
-        (["generate", "x", "--target", "/nonexistent"], "give --target and --draft together"),
+        (["generate", "x", "--target", "/nonexistent"], "--target needs --draft"),
         (["generate", "x", "--strategy", "sequoia"], "shape is required"),
         (["generate", "x", "--shape", "/nonexistent.json"], "cannot read a tree shape"),
         (["bench", "--prompts", "/nonexistent.json"], "cannot read prompts"),
