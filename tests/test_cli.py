@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -288,3 +290,16 @@ def test_pairs_and_model_free_target(capsys):
     assert "not both" in capsys.readouterr().err
     assert main(["generate", "hello", "--chat", "--pair", "pycode", "--max-new-tokens", "2"]) == 2
     assert "chat template" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_full_stdout_is_one_line_not_a_traceback():
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(
+            [sys.executable, "-m", "treespec.cli", "generate", "x", "--max-new-tokens", "2"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    assert r.returncode == 1 and "cannot write the output" in r.stderr and "Traceback" not in r.stderr

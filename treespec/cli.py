@@ -509,6 +509,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.close()  # nothing more can be said; keep Python's exit from complaining
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as e:  # stdout full or unwritable (> /dev/full): one line, not a traceback
+        print(f"treespec: error: cannot write the output ({e.strerror or e})", file=sys.stderr)
+        return 1
     return 0
 
 
