@@ -28,7 +28,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig  # noqa: E402
-from treespec.serve.text import TextStream, stop_prefix_len  # noqa: E402
+from treespec.output import TextStream, stop_prefix_len  # noqa: E402
 from treespec.zoo import ZOO  # noqa: E402
 
 MAX_LIVE, MAX_QUEUE = 4, 2

@@ -116,3 +116,21 @@ def test_stop_strings_need_a_tokenizer():
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         d.generate([3, 4], 4, tree=None, stop=["x"])
     assert d.generate([3, 4], 4, tree=None, stop=[5], ignore_eos=True).finish_reason in ("stop", "length")
+
+
+def test_text_stream_never_shows_half_a_character():
+    """What the CLI and the server stream: byte tokens of emoji and CJK characters are held
+    back until the character is whole; the pieces concatenate to the decoded text."""
+    from transformers import AutoTokenizer
+
+    from treespec.output import TextStream
+    from treespec.zoo import pair
+
+    tok = AutoTokenizer.from_pretrained(pair("pycode")[0])
+    text = "def f():  # 日本語 🙂 ok"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(text.split())  # multi-byte characters span several tokens here
+    stream = TextStream(tok)
+    pieces = [stream.feed([t]) for t in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) + stream.finish(ids) == tok.decode(ids) == text

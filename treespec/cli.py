@@ -300,17 +300,13 @@ def cmd_generate(args) -> None:
     colour = args.show_tree and use_colour(args.color)
     if dec.tokenizer is None:
         raise CliError(f"no tokenizer found next to the target model {args.target!r}")
-    ids: list[int] = []
-    shown = ""
+    from .output import TextStream
+
+    stream = TextStream(dec.tokenizer)
 
     def on_tokens(new: list[int], sources: list[str]) -> None:
-        nonlocal shown
         for t, src in zip(new, sources):
-            ids.append(t)
-            # the text so far, less a character still being spelled by byte tokens ("\ufffd")
-            text = dec.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
-            piece = text[len(shown) :]
-            shown += piece
+            piece = stream.feed([t])
             sys.stdout.write(f"{COLOURS[src]}{piece}{RESET}" if colour and piece else piece)
         sys.stdout.flush()
 
@@ -331,7 +327,7 @@ def cmd_generate(args) -> None:
         verification=None if args.verification == "auto" else args.verification,
         trace=args.trace,
     )
-    sys.stdout.write(out.text[len(shown) :] if out.text.startswith(shown) else "")  # what was held back
+    sys.stdout.write(stream.finish(out.token_ids))  # what was held back
     sys.stdout.write("\n")
     if args.trace:
         from .trace import render_round
@@ -457,6 +453,8 @@ def cmd_chat(args) -> None:
     dec = _load(args)
     if dec.tokenizer is None or not getattr(dec.tokenizer, "chat_template", None):
         raise CliError("this model has no chat template; use treespec generate")
+    from .output import TextStream
+
     messages = [{"role": "system", "content": args.system}] if args.system else []
     while True:
         try:
@@ -466,15 +464,11 @@ def cmd_chat(args) -> None:
         if not line.strip():
             break
         messages.append({"role": "user", "content": line})
-        shown = ""
+        stream = TextStream(dec.tokenizer)
 
-        def stream(new: list[int], sources: list[str], ids: list[int] = []) -> None:  # noqa: B006
-            nonlocal shown
-            ids += new
-            text = dec.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
-            sys.stdout.write(text[len(shown) :])
+        def show(new: list[int], sources: list[str], stream: TextStream = stream) -> None:
+            sys.stdout.write(stream.feed(new))
             sys.stdout.flush()
-            shown = text
 
         out = dec.generate(
             messages,
@@ -482,9 +476,9 @@ def cmd_chat(args) -> None:
             tree=None if args.plain else tree,
             sampling=sampling,
             seed=args.seed,
-            on_tokens=stream,
+            on_tokens=show,
         )
-        sys.stdout.write(out.text[len(shown) :] + "\n")
+        sys.stdout.write(stream.finish(out.token_ids) + "\n")
         messages.append({"role": "assistant", "content": out.text})
 
 

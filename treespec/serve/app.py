@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import SamplingConfig, TreeConfig
 from ..engine import Engine
-from ..output import GenerationOutput
+from ..output import GenerationOutput, TextStream
 from ..request import ROLES, Request, encode_prompt, make_request
 from .loop import EngineLoop, Job
 from .metrics import Metrics
@@ -56,7 +56,6 @@ from .protocol import (
     error_param,
     openai_finish_reason,
 )
-from .text import TextStream
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CONTEXT = 4096  # the context assumed for a model that does not state its positions
