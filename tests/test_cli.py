@@ -303,3 +303,19 @@ def test_a_full_stdout_is_one_line_not_a_traceback():
             timeout=120,
         )
     assert r.returncode == 1 and "cannot write the output" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_ctrl_c_while_loading_is_exit_130_not_a_traceback():
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "treespec.cli", "generate", "x", "--max-new-tokens", "64"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(0.5)  # torch and the models are loading
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err

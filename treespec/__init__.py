@@ -8,27 +8,73 @@ out = dec.generate("def quicksort(xs):", max_new_tokens=128,
 out.text, out.token_ids, out.stats.tokens_per_step, out.stats.acceptance_by_depth
 """
 
-from .backends import Runner
-from .backends.hf import HFRunner
-from .config import SamplingConfig, TreeConfig
-from .decoder import SpeculativeDecoder
-from .drafters import (
-    BigramDrafter,
-    Drafter,
-    MergedDrafter,
-    ModelDrafter,
-    NgramDrafter,
-    PromptLookupDrafter,
-    UnigramDrafter,
-)
-from .engine import Engine
-from .output import GenerationOutput
-from .proposal import DraftTree, Draw, ProposalGroup, Walk
-from .request import Request
-from .rng import Rng, TorchRng
-from .stats import GenerationStats
-from .tree import TokenTree
-from .verify import verify
+import importlib
+from typing import TYPE_CHECKING
+
+# Where each public name lives. Importing treespec is cheap (the `treespec` command starts, and
+# answers Ctrl-C, before torch loads); a name's module is imported on first use.
+_EXPORTS = {
+    "Runner": ".backends",
+    "HFRunner": ".backends.hf",
+    "SamplingConfig": ".config",
+    "TreeConfig": ".config",
+    "SpeculativeDecoder": ".decoder",
+    "BigramDrafter": ".drafters",
+    "Drafter": ".drafters",
+    "MergedDrafter": ".drafters",
+    "ModelDrafter": ".drafters",
+    "NgramDrafter": ".drafters",
+    "PromptLookupDrafter": ".drafters",
+    "UnigramDrafter": ".drafters",
+    "Engine": ".engine",
+    "GenerationOutput": ".output",
+    "DraftTree": ".proposal",
+    "Draw": ".proposal",
+    "ProposalGroup": ".proposal",
+    "Walk": ".proposal",
+    "Request": ".request",
+    "Rng": ".rng",
+    "TorchRng": ".rng",
+    "GenerationStats": ".stats",
+    "TokenTree": ".tree",
+    "verify": ".verify",
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'treespec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:
+    from .backends import Runner
+    from .backends.hf import HFRunner
+    from .config import SamplingConfig, TreeConfig
+    from .decoder import SpeculativeDecoder
+    from .drafters import (
+        BigramDrafter,
+        Drafter,
+        MergedDrafter,
+        ModelDrafter,
+        NgramDrafter,
+        PromptLookupDrafter,
+        UnigramDrafter,
+    )
+    from .engine import Engine
+    from .output import GenerationOutput
+    from .proposal import DraftTree, Draw, ProposalGroup, Walk
+    from .request import Request
+    from .rng import Rng, TorchRng
+    from .stats import GenerationStats
+    from .tree import TokenTree
+    from .verify import verify
 
 __all__ = [
     "BigramDrafter",

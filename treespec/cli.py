@@ -483,9 +483,16 @@ def cmd_chat(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C, wherever it lands (imports included): no traceback
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # usage errors exit 2 with argparse's one-line message
-    from .backends.hf import quiet_transformers
+    from .backends.hf import quiet_transformers  # torch and transformers load here
 
     quiet_transformers()
     if args.command == "serve":  # the server reports its own errors and exit code

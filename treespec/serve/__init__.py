@@ -3,13 +3,10 @@
     app.py       the FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics
     protocol.py  request and response bodies (pydantic), the error body, finish reasons
     loop.py      the engine thread: one thread steps the Engine; handlers talk to it via queues
-    text.py      incremental decoding and OpenAI's stop semantics for streams
     metrics.py   Prometheus metrics (one registry per app)
     cli.py       the command's flags (`add_arguments`) and `run`
 
-docs/serving.md is the reference.
+Streamed text goes through `treespec.output.TextStream` (no half characters, OpenAI stops).
+docs/serving.md is the reference. The app is imported from `treespec.serve.app` (FastAPI and
+the models load only when the server starts).
 """
-
-from .app import ServeSettings, create_app
-
-__all__ = ["ServeSettings", "create_app"]
