@@ -315,7 +315,7 @@ def test_ctrl_c_while_loading_is_exit_130_not_a_traceback():
         stderr=subprocess.PIPE,
         text=True,
     )
-    time.sleep(0.5)  # torch and the models are loading
+    time.sleep(1.5)  # inside main(): torch and the models are loading, or generation runs
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "Traceback" not in err, err

@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .serve.cli import add_arguments as add_serve_arguments
 
     add_serve_arguments(sub.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/serving.md)"))
+    from .distill.cli import add_arguments as add_distill_arguments
+
+    add_distill_arguments(sub.add_parser("distill", help="distil a draft for a target (docs/distill.md)"))
 
     bench = sub.add_parser(
         "bench",
@@ -500,7 +503,12 @@ def _main(argv: list[str] | None) -> int:
 
         return run(args)
     try:
-        {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench}[args.command](args)
+        if args.command == "distill":
+            from .distill.cli import run as cmd_distill
+
+            cmd_distill(args)
+        else:
+            {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench}[args.command](args)
     except (CliError, ValueError) as e:
         print(f"treespec: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,401 @@
+"""`treespec distill`: input checks, learning, loading, exact resume, and lossless subset drafts.
+
+The end-to-end runs distill a tiny random Llama (96-word vocabulary, a word-level tokenizer
+built in-process) in a few seconds each; the subset-vocabulary runner is proven lossless by
+exact enumeration on table models and by a chi-square test on a tiny Llama.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
+from treespec.backends import make_runner
+from treespec.distill import (
+    Recipe,
+    SubsetVocabRunner,
+    VocabMap,
+    cli,
+    distill,
+    load_draft,
+    losses,
+    prompts,
+    train,
+)
+from treespec.distill.subset import choose_subset
+
+from .conftest import VOCAB, tiny_llama
+from .mc import PROMPT, K, N, V, chi2_pvalue, exact_joint, models  # noqa: F401 (fixture)
+from .toy import TableModel, TableRunner, enumerate_outcomes, max_abs_diff
+
+TINY = dict(  # a recipe that runs in seconds on the tiny target
+    max_prompts=32,
+    prompt_tokens=24,
+    response_tokens=12,
+    top_k=8,
+    gen_batch=8,
+    layers=1,
+    hidden_size=16,
+    head_dim=8,
+    steps=40,
+    batch_size=8,
+    lr=1e-2,
+    warmup_steps=5,
+    evals=1,
+    eval_prompts=8,
+    eval_tokens=16,
+    proxy_prompts=8,
+    save_dtype="float32",
+    threads=1,
+    progress=False,
+)
+
+
+def word_tokenizer():
+    """A word-level tokenizer over VOCAB ids: <bos>, <eos>, w2 .. w95."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<bos>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>")
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    """(target directory, prompt file): a 1-layer random Llama with its tokenizer, 40 prompts."""
+    root = tmp_path_factory.mktemp("distill")
+    model = tiny_llama(0, hidden=32, layers=1, dtype=torch.float32)
+    model.generation_config.eos_token_id = 1
+    model.save_pretrained(root / "target")
+    word_tokenizer().save_pretrained(root / "target")
+    rng = random.Random(0)
+    lines = [" ".join(f"w{rng.randrange(2, VOCAB)}" for _ in range(rng.randrange(5, 12))) for _ in range(40)]
+    (root / "prompts.txt").write_text("\n".join(lines) + "\n")
+    return root / "target", root / "prompts.txt"
+
+
+@pytest.fixture(scope="module")
+def distilled(tiny_target, tmp_path_factory):
+    target, prompt_file = tiny_target
+    out = tmp_path_factory.mktemp("run") / "draft"
+    distill(target, out, prompts=prompt_file, **TINY)
+    return out
+
+
+# ---- inputs ----------------------------------------------------------------------------------
+def test_bad_inputs_are_one_line_errors_before_any_work(tiny_target, tmp_path):
+    target, prompt_file = tiny_target
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out = tmp_path / "out"
+    cases = {
+        "does not exist": dict(target=tmp_path / "missing", out_dir=out),
+        "no prompts in": dict(target=target, out_dir=out, prompts=empty),
+        "no prompt file": dict(target=target, out_dir=out, prompts=tmp_path / "nope.txt"),
+        "cannot write": dict(target=target, out_dir=blocker / "sub"),
+        "minutes must be": dict(target=target, out_dir=out, minutes=0),
+        "minutes must be ": dict(target=target, out_dir=out, minutes=-2.5),
+        "unknown recipe option": dict(target=target, out_dir=out, layer=3),
+        "loss must be": dict(target=target, out_dir=out, loss="mse"),
+        "nothing to resume": dict(target=target, out_dir=out, resume=True),
+    }
+    for message, kwargs in cases.items():
+        with pytest.raises(ValueError, match=message.strip()) as e:
+            distill(**kwargs)
+        assert "\n" not in str(e.value)
+        assert not (out / "work").exists()
+    (out / "old.txt").write_text("x")
+    with pytest.raises(ValueError, match="not empty"):
+        distill(target, out, prompts=prompt_file)
+
+
+def test_prompt_files_and_chat_rendering(tmp_path):
+    (tmp_path / "a.txt").write_text("first\n\nsecond\n")
+    (tmp_path / "b.jsonl").write_text(
+        '"plain"\n{"instruction": "do it"}\n{"messages": [{"role": "user", "content": "hi"}]}\n'
+    )
+    chat = [
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a"},
+        ]
+    ]
+    (tmp_path / "c.json").write_text(json.dumps(chat))
+    assert prompts.load_prompt_file(tmp_path / "a.txt") == ["first", "second"]
+    assert prompts.load_prompt_file(tmp_path / "b.jsonl")[:2] == ["plain", "do it"]
+    (conversation,) = prompts.load_prompt_file(tmp_path / "c.json")
+    assert [m["role"] for m in conversation] == ["system", "user"]  # cut after the last user turn
+    tok = word_tokenizer()
+    with pytest.raises(ValueError, match="no chat template"):
+        prompts.check_renderable([conversation], tok)
+    assert prompts.render("w5 w6 w7", tok, 2) == [5, 6]
+    tok.chat_template = (
+        "{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}"
+        "{% if add_generation_prompt %}w4{% endif %}"
+    )
+    assert prompts.render("w9", tok, 10) == [2, 9, 3, 4]
+    assert prompts.render("w9 w9 w9 w9", tok, 4) is None  # a chat that does not fit is skipped
+
+
+def test_bundled_prompt_sets_keep_their_held_out_parts_apart():
+    chat_train = set(prompts._jsonl_prompts(prompts.CHAT_TRAIN))
+    chat_held = prompts._jsonl_prompts(prompts.CHAT_HELDOUT)
+    assert len(chat_train) >= 2000 and len(chat_held) == 64 and not chat_train & set(chat_held)
+    from treespec.zoo import ZOO
+
+    held = json.loads((ZOO / "pycode" / "heldout_prompts.json").read_text())["heldout_files"]
+    files = prompts.stdlib_training_files()
+    assert len(files) > 500 and not set(held) & set(files)
+    assert len(prompts.stdlib_snippets(seed=0)) > 5000
+
+
+# ---- losses ----------------------------------------------------------------------------------
+def test_bucketed_losses_equal_full_vocabulary_ones_when_k_is_v():
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(5, 7, generator=g) * 2, -1)
+    logq = torch.log_softmax(torch.randn(5, 7, generator=g) * 2, -1)
+    q = logq.exp()
+    ids = torch.arange(7).expand(5, 7)
+    P, Q, logQ = losses.buckets(logq, ids, p, torch.ones(5, 7, dtype=torch.bool))
+    assert torch.allclose(losses.divergence("kl", P, Q, logQ), (p * (p.log() - logq)).sum(-1), atol=1e-6)
+    assert torch.allclose(losses.divergence("tv", P, Q, logQ), 0.5 * (p - q).abs().sum(-1), atol=1e-6)
+    assert torch.allclose(losses.alpha_lower_bound(P, Q), torch.minimum(p, q).sum(-1), atol=1e-6)
+    m = 0.5 * (p + q)
+    jsd = 0.5 * (p * (p / m).log()).sum(-1) + 0.5 * (q * (q / m).log()).sum(-1)
+    assert torch.allclose(losses.divergence("jsd", P, Q, logQ), jsd, atol=1e-6)
+    # top-3 of 7: every divergence is a lower bound, and zero for q == p
+    top = torch.topk(p, 3, dim=-1)
+    P3, Q3, logQ3 = losses.buckets(logq, top.indices, top.values, torch.ones(5, 3, dtype=torch.bool))
+    for name in ("kl", "tv", "jsd"):
+        assert (losses.divergence(name, P3, Q3, logQ3) <= losses.divergence(name, P, Q, logQ) + 1e-6).all()
+        Pp, Qp, logQp = losses.buckets(p.log(), top.indices, top.values, torch.ones(5, 3, dtype=torch.bool))
+        assert losses.divergence(name, Pp, Qp, logQp).abs().max() < 1e-6
+
+
+# ---- end to end ------------------------------------------------------------------------------
+def test_distill_learns_and_its_output_loads_in_treespec_and_hf(distilled, tiny_target):
+    target, _ = tiny_target
+    rows = [json.loads(line) for line in (distilled / "eval.jsonl").read_text().splitlines()]
+    init, trained = rows[0], rows[-1]
+    assert init["step"] == 0 and trained["final"] and trained["step"] == TINY["steps"]
+    summary = json.loads((distilled / "distill.json").read_text())
+    (d,) = summary["drafts"]
+    assert d["loss_last_10pct"] < 0.7 * d["loss_first"]
+    assert trained["proxy"]["alpha"] > init["proxy"]["alpha"] + 0.05
+    assert trained["T0"]["acceptance_by_depth"][0] > init["T0"]["acceptance_by_depth"][0] + 0.1
+    assert (
+        summary["data"]["train_prompts"] == TINY["max_prompts"]
+        and summary["recipe"]["steps"] == TINY["steps"]
+    )
+    assert (distilled / "eval.png").stat().st_size > 1000
+    # treespec: greedy speculative output == the target's own greedy decoding
+    dec = SpeculativeDecoder.from_pretrained(target=target, draft=distilled, dtype="float32")
+    plain = dec.generate("w5 w9 w17", 12, tree=None, sampling=SamplingConfig(temperature=0), ignore_eos=True)
+    spec = dec.generate(
+        "w5 w9 w17", 12, tree=TreeConfig(1, 4), sampling=SamplingConfig(temperature=0), ignore_eos=True
+    )
+    assert spec.token_ids == plain.token_ids and spec.stats.accepted_tokens > 0
+    # transformers: assisted generation with the draft as the assistant model
+    from transformers import AutoModelForCausalLM
+
+    t = AutoModelForCausalLM.from_pretrained(target)
+    a = AutoModelForCausalLM.from_pretrained(distilled)
+    ids = torch.tensor([[5, 9, 17]])
+    ref = t.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None)
+    assisted = t.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None, assistant_model=a)
+    assert torch.equal(ref, assisted)
+
+
+def test_data_from_reuses_another_runs_data(distilled, tiny_target, tmp_path, monkeypatch):
+    target, prompt_file = tiny_target
+    from treespec.distill import data as data_module
+
+    with pytest.raises(ValueError, match="other response_tokens"):
+        distill(
+            target, tmp_path / "a", prompts=prompt_file, data_from=distilled, **{**TINY, "response_tokens": 9}
+        )
+    from treespec.distill import pipeline
+
+    for module in (data_module, pipeline):  # nothing may be generated
+        monkeypatch.setattr(module, "make_shard", None)
+    out = distill(target, tmp_path / "b", prompts=prompt_file, data_from=distilled, **{**TINY, "loss": "tv"})
+    for shard in (distilled / "work" / "data").glob("*.safetensors"):
+        assert (out / "work" / "data" / shard.name).read_bytes() == shard.read_bytes()
+    assert json.loads((out / "distill.json").read_text())["data"]["from"] == str(distilled)
+
+
+def test_resume_after_interruptions_reproduces_the_uninterrupted_run(tiny_target, tmp_path, monkeypatch):
+    target, prompt_file = tiny_target
+    recipe = {**TINY, "steps": 12, "evals": 2, "checkpoint_minutes": 0}
+    distill(target, tmp_path / "whole", prompts=prompt_file, **recipe)
+
+    from treespec.distill import data as data_module
+
+    def failing_after(n, real):
+        calls = [0]
+
+        def wrapped(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] > n:
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+
+        return wrapped
+
+    out = tmp_path / "cut"
+    monkeypatch.setattr(data_module, "make_shard", failing_after(2, data_module.make_shard))  # 2 of 4 shards
+    with pytest.raises(KeyboardInterrupt):
+        distill(target, out, prompts=prompt_file, **recipe)
+    monkeypatch.undo()
+    monkeypatch.setattr(train, "batch_loss", failing_after(7, train.batch_loss))
+    with pytest.raises(KeyboardInterrupt):
+        distill(target, out, prompts=prompt_file, resume=True)
+    assert torch.load(out / "work" / "draft_1.pt", weights_only=False)["step"] == 7
+    monkeypatch.undo()
+    distill(target, out, prompts=prompt_file, resume=True)
+
+    whole = torch.load(tmp_path / "whole" / "work" / "draft_1.pt", weights_only=False)
+    cut = torch.load(out / "work" / "draft_1.pt", weights_only=False)
+    assert whole["step"] == cut["step"] == 12 and whole["losses"] == cut["losses"]
+    for name, tensor in whole["model"].items():
+        assert torch.equal(tensor, cut["model"][name]), name
+    assert (tmp_path / "whole" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+    steps = [r["step"] for r in map(json.loads, (out / "eval.jsonl").read_text().splitlines())]
+    assert steps == [0, 6, 12, 12]  # evaluations past the checkpoint were dropped and redone once
+    with pytest.raises(ValueError, match="cannot change lr"):
+        distill(target, out, prompts=prompt_file, resume=True, lr=0.5)
+
+
+def test_cli_runs_boost_tuned_subset_vocabulary_drafts(tiny_target, tmp_path):
+    target, prompt_file = tiny_target
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items() if not isinstance(v, bool)]
+    args = parser.parse_args(
+        [
+            "--target",
+            str(target),
+            "--out",
+            str(tmp_path / "o"),
+            "--prompts",
+            str(prompt_file),
+            *flags,
+            "--drafts",
+            "2",
+            "--vocab-subset",
+            "48",
+            "--steps",
+            "20",
+            "--no-progress",
+        ]
+    )
+    assert args.progress is False and args.vocab_subset == 48 and args.steps == 20
+    cli.run(args)
+    summary = json.loads((tmp_path / "o" / "distill.json").read_text())
+    assert [d["dir"] for d in summary["drafts"]] == [".", "boost_2"]
+    assert 0.5 < summary["vocab_subset"]["response_mass_inside"] < 1
+    assert summary["merged"]["T1"]["tokens_per_step"] >= 1
+    model, vocab_map = load_draft(tmp_path / "o" / "boost_2")
+    assert model.config.vocab_size == 49 and vocab_map.size == 48 and vocab_map.target_vocab == VOCAB
+    first, _ = load_draft(tmp_path / "o")
+    assert not torch.equal(
+        first.model.layers[0].mlp.down_proj.weight, model.model.layers[0].mlp.down_proj.weight
+    )
+
+
+# ---- subset vocabulary: lossless ----------------------------------------------------------
+def test_subset_runner_scatters_into_the_target_vocabulary():
+    draft = tiny_llama(5, hidden=16, layers=1, heads=2, kv_heads=1, vocab=5)
+    vm = VocabMap([1, 3, 6, 7], target_vocab=9)
+    runner = SubsetVocabRunner(make_runner(draft), vm)
+    logits = runner.extend([6, 2, 7], [-1, 0, 1])  # 2 is outside the subset: read as row 4
+    with torch.no_grad():
+        ref = draft(torch.tensor([[2, 4, 3]])).logits[0]
+    assert runner.vocab_size == 9 and logits.shape == (3, 9)
+    assert torch.allclose(logits[:, [1, 3, 6, 7]], ref[:, :4], atol=1e-9)
+    assert torch.isinf(logits[:, [0, 2, 4, 5, 8]]).all()
+    runner.commit([0, 1])
+    assert runner.committed == [6, 2] and runner.inner.n_committed == 2
+    (after,) = runner.extend([3], [-1])  # the draft's cache holds the committed rows 2, 4
+    with torch.no_grad():
+        ref = draft(torch.tensor([[2, 4, 1]])).logits[0, -1]  # 3 is row 1
+    assert torch.allclose(after[[1, 3, 6, 7]], ref[:4], atol=1e-9)
+    assert choose_subset(torch.tensor([0.0, 5, 1, 9, 0]).numpy(), 3, always=[0]) == [0, 1, 3]
+
+
+@pytest.mark.parametrize(
+    "tree", [TreeConfig(1, 2), TreeConfig(2, 2), TreeConfig(2, 1, "without_replacement")]
+)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_subset_vocabulary_draft_is_lossless_by_enumeration(tree, temperature):
+    target = TableModel(4, seed=21)
+    draft = TableModel(3, seed=22)  # rows 0, 1 = target ids 0, 2; row 2 = ids 1 and 3 (never proposed)
+    dec = SpeculativeDecoder(TableRunner(target), SubsetVocabRunner(TableRunner(draft), VocabMap([0, 2], 4)))
+    sampling = SamplingConfig(temperature=temperature)
+
+    def run(rng):
+        out = dec.generate([1, 3], 3, tree=tree, sampling=sampling, rng=rng, ignore_eos=True)
+        assert all(t in (0, 2) for t, s in zip(out.token_ids, out.sources) if s == "accepted")
+        return tuple(out.token_ids)
+
+    got = enumerate_outcomes(run)
+    assert max_abs_diff(got, target.joint((1, 3), 3, sampling)) < 1e-9
+
+
+def subset_copy(model, ids: list[int]):
+    """`model` restricted to the vocabulary `ids` (+ one row for every other token)."""
+    draft = copy.deepcopy(model)
+    rest = [i for i in range(model.config.vocab_size) if i not in ids]
+    with torch.no_grad():
+        for m in (draft.model.embed_tokens, draft.lm_head):
+            w = m.weight
+            m.weight = torch.nn.Parameter(torch.cat([w[ids], w[rest].mean(0, keepdim=True)]))
+    draft.config.vocab_size = len(ids) + 1
+    return draft
+
+
+def test_subset_vocabulary_draft_is_lossless_by_chi_square(models):  # noqa: F811 (fixture)
+    target, _ = models
+    ids = [0, 2, 3, 5, 6]
+    draft = SubsetVocabRunner(make_runner(subset_copy(target, ids)), VocabMap(ids, V))
+    dec = SpeculativeDecoder(target, draft)
+    sampling = SamplingConfig(temperature=1.0)
+    outs = dec.generate_batch(
+        [PROMPT] * N,
+        K,
+        tree=TreeConfig(2, 2),
+        sampling=sampling,
+        seeds=list(range(N)),
+        ignore_eos=True,
+        max_batch=50,
+    )
+    counts = Counter(tuple(o.token_ids) for o in outs)
+    assert sum(o.sources.count("accepted") for o in outs) > N // 5  # the subset draft was really used
+    assert chi2_pvalue(counts, exact_joint(target, sampling), N) > 1e-3
+
+
+def test_recipe_checks_every_field():
+    assert Recipe().loss == "kl"
+    for bad in (
+        dict(top_k=0),
+        dict(temperature=-1),
+        dict(data_fraction=1.0),
+        dict(hidden_size=40, head_dim=32),
+        dict(embeddings="svd"),
+        dict(save_dtype="int8"),
+        dict(steps=True),
+    ):
+        with pytest.raises(ValueError):
+            Recipe(**bad)

@@ -1,0 +1,83 @@
+"""Command line of `treespec distill`: `add_arguments(parser)` and `run(args)`.
+
+    treespec distill --target T --out DIR [--prompts FILE] [--minutes M] [--resume] [recipe flags]
+
+Every `Recipe` field is a flag (`--response-tokens 64`, `--no-train-on-prompt`, ...) whose help
+is the field's comment; a flag not given keeps the recipe default (or, with --resume, the
+value the run was started with).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import re
+from dataclasses import fields
+
+from .recipe import Recipe
+
+_FIELD_LINE = re.compile(r"^\s+(\w+): [^=]+= .*?#\s*(.*)$")
+
+
+def _field_help() -> dict[str, str]:
+    """Each Recipe field's comment, read from its source line."""
+    return {
+        m.group(1): m.group(2) for m in map(_FIELD_LINE.match, inspect.getsource(Recipe).splitlines()) if m
+    }
+
+
+def _type(annotation: str):
+    for name, kind in (("bool", bool), ("int", int), ("float", float)):
+        if annotation.split(" | ")[0] == name:
+            return kind
+    return str
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="target model: HF directory, .gguf file or hub id")
+    parser.add_argument(
+        "--out", required=True, help="output directory (the draft, distill.json, eval.jsonl/png)"
+    )
+    parser.add_argument(
+        "--prompts",
+        help=".txt (one per line), .jsonl or chat .json prompt file "
+        "(default: a bundled set suited to the target)",
+    )
+    parser.add_argument("--minutes", type=float, help="wall-clock budget for data + training")
+    parser.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
+    parser.add_argument(
+        "--data-from", help="reuse the data of a finished run (same target, prompts and data flags)"
+    )
+    helps = _field_help()
+    group = parser.add_argument_group("recipe")
+    for f in fields(Recipe):
+        flag = "--" + f.name.replace("_", "-")
+        kind = _type(str(f.type))
+        help_text = f"{helps.get(f.name, '')} (default: {f.default})"
+        if kind is bool:
+            group.add_argument(
+                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+        else:
+            group.add_argument(flag, dest=f.name, type=kind, default=None, help=help_text)
+
+
+def run(args: argparse.Namespace) -> None:
+    from .pipeline import distill
+
+    recipe = {f.name: getattr(args, f.name) for f in fields(Recipe) if getattr(args, f.name) is not None}
+    out = distill(
+        args.target, args.out, prompts=args.prompts, minutes=args.minutes, resume=args.resume, **recipe
+    )
+    summary = json.loads((out / "distill.json").read_text())
+    for d in summary["drafts"]:
+        final = d["eval_final"]
+        print(
+            f"draft {d['dir']}: {d['params']:,} params, {d['steps']} steps; acceptance at depth 1: "
+            f"T=0 {final['T0']['acceptance_by_depth'][0]}, T=1 {final['T1']['acceptance_by_depth'][0]}"
+        )
+    print(
+        f"wrote {out} (distill.json, eval.jsonl, eval.png): {summary['budget_seconds']:.0f} s of data and "
+        f"training, {summary['eval_seconds']:.0f} s of evaluation"
+    )

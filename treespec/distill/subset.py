@@ -1,0 +1,147 @@
+"""Subset-vocabulary drafts: the draft knows only the K tokens the target emits most.
+
+The draft is a standard Llama checkpoint whose vocabulary is K + 1 rows: row r < K stands for
+the target token `ids[r]`, row K for every other token (read as input, never proposed). A
+draft's cost is dominated by its output layer when the vocabulary is large (49,152 rows of
+576 for SmolLM2), so K << V cuts both the lm_head product and the embedding table.
+
+`vocab_map.json` in the draft directory holds `ids` (the K target ids, in row order) and the
+target's vocabulary size. `SubsetVocabRunner` wraps the draft's runner: it feeds the draft
+its own rows and scatters the K output logits into the target's V columns with -inf
+elsewhere, so q is exactly zero outside the subset. Verification accepts any q as long as
+the q stored with a proposal is the one it was drawn from, so decoding stays lossless; the
+only price is acceptance: alpha <= the target's mass inside the subset.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..backends.base import Feed, Runner, forward_grouped
+
+MAP_FILE = "vocab_map.json"
+
+
+class VocabMap:
+    """Target ids <-> draft rows for a K-token subset of a V-token target vocabulary."""
+
+    def __init__(self, ids, target_vocab: int):
+        self.ids = torch.as_tensor(ids, dtype=torch.long)  # [K] target id of draft row r
+        self.target_vocab = int(target_vocab)
+        if self.ids.ndim != 1 or len(self.ids) == 0 or len(torch.unique(self.ids)) != len(self.ids):
+            raise ValueError("a vocabulary subset needs distinct target ids")
+        if int(self.ids.min()) < 0 or int(self.ids.max()) >= self.target_vocab:
+            raise ValueError(f"subset ids must lie in [0, {self.target_vocab})")
+        self.row_of = torch.full(
+            (self.target_vocab,), -1, dtype=torch.long
+        )  # [V] row of a target id, -1 outside
+        self.row_of[self.ids] = torch.arange(len(self.ids))
+
+    @property
+    def size(self) -> int:
+        """K: the proposable rows (the draft has K + 1, the last for every other token)."""
+        return len(self.ids)
+
+    def input_rows(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Draft input rows of target ids (row K for ids outside the subset); any shape."""
+        rows = self.row_of.to(target_ids.device)[target_ids]
+        return torch.where(rows < 0, self.size, rows)
+
+    def output_rows(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Draft output rows of target ids, -1 outside the subset; any shape."""
+        return self.row_of.to(target_ids.device)[target_ids]
+
+    def save(self, directory: Path) -> None:
+        data = {"target_vocab_size": self.target_vocab, "ids": self.ids.tolist()}
+        (Path(directory) / MAP_FILE).write_text(json.dumps(data) + "\n")
+
+    @classmethod
+    def load(cls, directory: Path) -> VocabMap | None:
+        path = Path(directory) / MAP_FILE
+        if not path.is_file():
+            return None
+        data = json.loads(path.read_text())
+        return cls(data["ids"], data["target_vocab_size"])
+
+
+def choose_subset(token_mass: np.ndarray, k: int, always: list[int]) -> list[int]:
+    """The `k` ids with the most target probability mass (`token_mass` [V]), `always` included;
+    in id order."""
+    if k < len(set(always)):
+        raise ValueError(
+            f"vocab_subset {k} is smaller than the {len(set(always))} special tokens it must keep"
+        )
+    order = np.argsort(-token_mass, kind="stable")
+    chosen = list(dict.fromkeys([int(i) for i in always] + [int(i) for i in order]))[:k]
+    return sorted(chosen)
+
+
+class SubsetVocabRunner(Runner):
+    """A draft runner over a subset vocabulary, seen by treespec as a runner over the target's
+    V ids: input ids are mapped to draft rows, logits [n, K + 1] are scattered to [n, V] with
+    -inf outside the subset. The runner bookkeeping (committed tokens, pending tree) lives in
+    the wrapped runner, so its own cache arithmetic stays what it is tested for."""
+
+    def __init__(self, inner: Runner, vocab_map: VocabMap):
+        if inner.vocab_size != vocab_map.size + 1:
+            raise ValueError(
+                f"the draft has {inner.vocab_size} rows; its vocab map needs {vocab_map.size} + 1"
+            )
+        self.inner, self.map = inner, vocab_map
+        self.vocab_size = vocab_map.target_vocab
+        self.max_positions = inner.max_positions
+        self.device, self.dtype = inner.device, inner.dtype
+        self.eos_token_ids = frozenset(
+            int(vocab_map.ids[e]) for e in inner.eos_token_ids if e < vocab_map.size
+        )
+        self._ids = vocab_map.ids.to(inner.device)  # [K]
+        self._rows = vocab_map.input_rows(torch.arange(vocab_map.target_vocab)).to(inner.device)  # [V]
+        super().__init__()
+
+    # the bookkeeping attributes of `Runner` are the wrapped runner's
+    committed = property(
+        lambda self: self.inner.committed, lambda self, v: setattr(self.inner, "committed", v)
+    )
+    _tokens = property(lambda self: self.inner._tokens, lambda self, v: setattr(self.inner, "_tokens", v))
+    _parents = property(lambda self: self.inner._parents, lambda self, v: setattr(self.inner, "_parents", v))
+    _depths = property(lambda self: self.inner._depths, lambda self, v: setattr(self.inner, "_depths", v))
+
+    def _scatter(self, logits: torch.Tensor) -> torch.Tensor:
+        """[n, K + 1] draft logits -> [n, V] target logits, -inf outside the subset."""
+        out = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        out[:, self._ids] = logits[:, : self.map.size]
+        return out
+
+    def _feed(self, feed: Feed) -> Feed:
+        return Feed(self._rows[feed.tokens], feed.positions, feed.visible)
+
+    def _reset_cache(self) -> None:
+        self.inner._reset_cache()
+
+    def _forward(self, tokens, positions, visible, need_logits):
+        logits = self.inner._forward(self._rows[tokens], positions, visible, need_logits)
+        return None if logits is None else self._scatter(logits)
+
+    def _keep(self, nodes: list[int]) -> None:
+        self.inner._keep(nodes)
+
+    def _truncate(self, n_slots: int) -> None:
+        self.inner._truncate(n_slots)
+
+    def lanes(self, n: int) -> list[Runner]:
+        return [SubsetVocabRunner(lane, self.map) for lane in self.inner.lanes(n)]
+
+    @classmethod
+    def _forward_many(cls, runners, feeds, need_logits):
+        """The wrapped lanes' own (batched) forward, then one scatter per lane."""
+        inner = forward_grouped(
+            [r.inner for r in runners],
+            [r._feed(f) for r, f in zip(runners, feeds)],
+            type,
+            lambda group, fs: type(group[0])._forward_many(group, fs, need_logits),
+        )
+        return [None if out is None else r._scatter(out) for r, out in zip(runners, inner)]
