@@ -2,11 +2,14 @@
 
 masked_attention is checked against torch's SDPA; the cascade (prefix half + masked tree half,
 merged by log-sum-exp) against masked_attention over the full mask; the flash-attn plumbing
-against a fake `flash_attn` module that enforces what flash-attn's own source requires.
+against a fake `flash_attn` module that enforces what flash-attn's own source requires; the
+forward's per-layer attention over the KV pool (one lane, packed lanes, the compiled graph's
+version) against masked_attention over what each lane's cache row holds.
 """
 
 from __future__ import annotations
 
+import random
 import sys
 import types
 
@@ -18,13 +21,17 @@ from hypothesis import strategies as st
 
 from treespec.backends import attention
 from treespec.backends.attention import (
+    LaneAttention,
+    PackedAttention,
     cascade_attention,
     flash_available,
     flash_prefix_attention,
+    graph_lane_attention,
     masked_attention,
     merge_attention,
     reference_prefix_attention,
 )
+from treespec.backends.base import causal_visible
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 
@@ -320,3 +327,114 @@ def test_cascade_default_uses_flash_only_where_available(fake_flash, monkeypatch
 def test_flash_unavailable_on_cpu():
     assert flash_available(torch.device("cpu")) is False
     assert flash_available("cpu") is False
+
+
+# ---------------------------------------------------------------- attention over the KV pool
+L_, HKV, D_ = 2, 2, 16  # layers, kv heads, head dim of the pools below
+
+
+def pool(rows: int, cap: int = 96, dtype=torch.float64, seed: int = 0) -> torch.Tensor:
+    """A KV pool [L, 2, R, Hkv, cap, D] of random keys and values (every slot filled)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(L_, 2, rows, HKV, cap, D_, generator=g, dtype=dtype)
+
+
+def new_qkv(n: int, heads: int, dtype=torch.float64, seed: int = 1) -> torch.Tensor:
+    """A layer's rotated q, k and its v side by side: [n, Hq + 2 Hkv, D]."""
+    return torch.randn(n, heads + 2 * HKV, D_, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def expected(kv, layer, row, S, n, qkv, heads, visible):
+    """What a lane's attention must return, from first principles: the lane's row with the new k
+    and v in slots [S, S+n), masked_attention of q over slots [0, S+n) under `visible`."""
+    k = kv[layer, 0, row].clone()  # [Hkv, cap, D]
+    v = kv[layer, 1, row].clone()
+    k[:, S : S + n] = qkv[:, heads : heads + HKV].transpose(0, 1)
+    v[:, S : S + n] = qkv[:, heads + HKV :].transpose(0, 1)
+    q = qkv[:, :heads].transpose(0, 1)[None]  # [1, Hq, n, D]
+    mask = causal_visible(n, S, kv.device) if visible is None else visible
+    out, _ = masked_attention(q, k[None, :, : S + n], v[None, :, : S + n], mask)
+    return out[0].transpose(0, 1).reshape(n, heads * D_), k, v
+
+
+def random_visible(n: int, S: int, seed: int) -> torch.Tensor:
+    """A tree's pattern: every cached slot, then the ancestors (random parents) and self."""
+    rng = random.Random(seed)
+    parents = [-1] + [rng.randrange(i) for i in range(1, n)]
+    return torch.cat([torch.ones(n, S, dtype=torch.bool), tree_mask(parents)], dim=1)
+
+
+@pytest.mark.parametrize("fold_max", [0, attention.FOLD_MAX_QUERIES])
+@pytest.mark.parametrize("n, pattern", [(1, "none"), (1, "tree"), (4, "causal"), (4, "tree"), (70, "causal")])
+@pytest.mark.parametrize("g", [1, 3])
+def test_lane_attention(g, n, pattern, fold_max, monkeypatch):
+    """One lane (row 1 of 3) of n new tokens after S = 9 cached slots: the output is attention
+    over the row with the new keys and values, which are written to slots [S, S+n) of that
+    layer and row only. n = 1 with no pattern: the decode step (no mask); 70 > 64: enable_gqa."""
+    monkeypatch.setattr(attention, "FOLD_MAX_QUERIES", fold_max)
+    heads, S, row = HKV * g, 9, 1
+    kv = pool(3)
+    before = kv.clone()
+    visible = random_visible(n, S, seed=n) if pattern == "tree" else None
+    qkv = new_qkv(n, heads)
+    attend = LaneAttention(kv, row, S, n, heads, visible, committed=S)
+    for layer in range(L_):
+        want, k, v = expected(before, layer, row, S, n, qkv, heads, visible)
+        torch.testing.assert_close(attend(layer, qkv), want, atol=1e-12, rtol=0)
+        assert torch.equal(kv[layer, 0, row], k) and torch.equal(kv[layer, 1, row], v)
+    rows = [0, 2]
+    assert torch.equal(kv[:, :, rows], before[:, :, rows])  # other lanes untouched
+
+
+def test_lane_attention_single_node_after_pending_nodes_is_masked():
+    """A single new node with pending nodes before it (S != committed) is not the decode step:
+    its pattern applies, here one that skips the pending slot 8."""
+    heads, S = 2 * HKV, 9
+    kv = pool(1)
+    before = kv.clone()
+    visible = torch.ones(1, S + 1, dtype=torch.bool)
+    visible[0, 8] = False
+    attend = LaneAttention(kv, 0, S, 1, heads, visible, committed=8)
+    qkv = new_qkv(1, heads)
+    want, _, _ = expected(before, 0, 0, S, 1, qkv, heads, visible)
+    torch.testing.assert_close(attend(0, qkv), want, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2], [2, 0]], ids=["consecutive", "gathered"])
+@pytest.mark.parametrize("fold_max", [0, attention.FOLD_MAX_QUERIES])
+def test_packed_attention(rows, fold_max, monkeypatch):
+    """Several lanes' tokens packed: ragged sizes (padding), own starts, own patterns (None:
+    causal); each lane gets what it would get alone, its own row written, no other."""
+    monkeypatch.setattr(attention, "FOLD_MAX_QUERIES", fold_max)
+    heads = 3 * HKV
+    kv = pool(4)
+    before = kv.clone()
+    starts, ns = [9, 30, 2][: len(rows)], [5, 1, 3][: len(rows)]
+    visibles = [random_visible(5, 9, seed=3), None, random_visible(3, 2, seed=4)][: len(rows)]
+    qkvs = [new_qkv(n, heads, seed=10 + b) for b, n in enumerate(ns)]
+    attend = PackedAttention(kv, rows, starts, ns, heads, visibles)
+    for layer in range(L_):
+        got = attend(layer, torch.cat(qkvs)).split(ns)
+        for b, (row, S, n) in enumerate(zip(rows, starts, ns)):
+            want, k, v = expected(before, layer, row, S, n, qkvs[b], heads, visibles[b])
+            torch.testing.assert_close(got[b], want, atol=1e-12, rtol=0)
+            assert torch.equal(kv[layer, 0, row], k) and torch.equal(kv[layer, 1, row], v)
+    idle = [r for r in range(4) if r not in rows]
+    assert torch.equal(kv[:, :, idle], before[:, :, idle])
+
+
+@pytest.mark.parametrize("n", [1, 6])
+@pytest.mark.parametrize("g", [1, 3])
+def test_graph_lane_attention_equals_lane_attention(g, n):
+    """The compiled graph's attention (index_put_ into the pool, explicit [n, span] mask) run
+    eagerly: the same outputs and cache as `LaneAttention` for a decode step and a tree."""
+    heads, S = HKV * g, 11
+    kv, kv_graph = pool(1), pool(1)
+    qkv = new_qkv(n, heads)
+    visible = random_visible(n, S, seed=n) if n > 1 else None
+    mask = torch.ones(1, S + 1, dtype=torch.bool) if visible is None else visible
+    attend = LaneAttention(kv, 0, S, n, heads, visible, committed=S)
+    for layer in range(L_):
+        got = graph_lane_attention(kv_graph, layer, qkv, torch.arange(S, S + n), mask, heads)
+        torch.testing.assert_close(got, attend(layer, qkv), atol=1e-12, rtol=0)
+    assert torch.equal(kv, kv_graph)

@@ -1,5 +1,6 @@
 """The native Llama backend against the HF runner: tree forwards, multi-round commits, drafting
-level by level, loading from safetensors, bf16, the flash cascade's math, cache growth."""
+level by level, loading from safetensors, bf16, the flash cascade's math, cache growth, the
+forward's building blocks (norm, fused RoPE) on the SmolLM2 shape, and the compiled forward."""
 
 from __future__ import annotations
 
@@ -17,13 +18,20 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from treespec.backends import linear, native
+from treespec.backends import attention, linear, native
 from treespec.backends.attention import reference_prefix_attention
 from treespec.backends.base import prefill_many, score_many
 from treespec.backends.checkpoint import LlamaShape, unsupported_reason
 from treespec.backends.hf import HFRunner, load_model
 from treespec.backends.linear import Projection, packing_available
-from treespec.backends.native import NativeRunner
+from treespec.backends.native import (
+    CompiledForward,
+    NativeRunner,
+    compile_unsupported_reason,
+    rms_norm,
+    rope_rows,
+    rotate,
+)
 from treespec.tree import TokenTree
 
 VOCAB = 96
@@ -190,12 +198,12 @@ def test_llama32_1b_shaped():
     assert max_diff(hf.score(tree), nat.score(tree)) < 1e-4
 
 
-@pytest.mark.parametrize("fold_max", [0, native.FOLD_MAX_QUERIES])
+@pytest.mark.parametrize("fold_max", [0, attention.FOLD_MAX_QUERIES])
 def test_both_gqa_layouts_match_hf(fold_max, monkeypatch):
     """Feeds of at most FOLD_MAX_QUERIES tokens fold the query heads sharing a kv head into the
     query axis (mask repeated per head), longer ones use SDPA's enable_gqa: both layouts, on
     one lane and on packed lanes, are HF's attention (float64, 1e-9). fold_max=0: never fold."""
-    monkeypatch.setattr(native, "FOLD_MAX_QUERIES", fold_max)
+    monkeypatch.setattr(attention, "FOLD_MAX_QUERIES", fold_max)
     model = build("gqa_tied", torch.float64)
     rng = random.Random(11)
     hfs, nat = [HFRunner(model) for _ in range(2)], NativeRunner.from_hf(model)
@@ -498,3 +506,241 @@ def test_cuda_matches_hf(dtype):
         chain = random_chain(rng, tree)
         for r in (hf, nat):
             r.commit(chain)
+
+
+# ---- 8. the forward's building blocks, the SmolLM2 shape ---------------------------------------
+# SmolLM2-135M's layout (30 layers, 9 query / 3 kv heads, tied embeddings, RoPE theta 1e5) at a
+# tiny width: hidden 72 = 9 heads x head_dim 8
+SMOLLM2_SHAPED = dict(
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    hidden_size=72,
+    intermediate_size=64,
+    tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_rms_norm_is_hf_bit_for_bit(dtype):
+    """`rms_norm` skips the float32 round trip for float32 and bf16 (F.rms_norm computes in
+    float32 for them) and keeps it for float64: HF's LlamaRMSNorm, bit for bit, in all three."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    hf = LlamaRMSNorm(72, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(72, generator=g) * 0.3 + 1)
+    for rows in (1, 7, 130):
+        x = (torch.randn(rows, 72, generator=g) * 4).to(dtype)
+        assert torch.equal(rms_norm(x, hf.weight.detach(), 1e-5), hf(x).detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_fused_qkv_rotation_leaves_v_exact(dtype):
+    """RoPE on the whole fused q/k/v output (`rope_rows` + `rotate`): q and k rotated exactly as
+    with [T, 1, D] tables, v heads (cos 1, sin 0) bit for bit unchanged."""
+    model = build("gqa_tied", **SMOLLM2_SHAPED)
+    shape = LlamaShape.from_config(model.config)
+    runner = NativeRunner(shape, model.state_dict(), dtype=dtype)
+    Hq, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
+    positions = torch.tensor([0, 3, 3, 40, 129])
+    qkv = torch.randn(5, Hq + 2 * Hkv, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    cos, sin = rope_rows(runner.pool.cos, runner.pool.sin_signed, positions, shape)
+    assert cos.shape == sin.shape == (5, Hq + 2 * Hkv, D)
+    got = rotate(qkv, cos, sin)
+    want_qk = rotate(
+        qkv[:, : Hq + Hkv], runner.pool.cos[positions][:, None], runner.pool.sin_signed[positions][:, None]
+    )
+    assert torch.equal(got[:, : Hq + Hkv], want_qk)
+    assert torch.equal(got[:, Hq + Hkv :], qkv[:, Hq + Hkv :])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_smollm2_shaped_matches_hf(dtype):
+    """The forward on SmolLM2's layout (30 layers, 9/3 heads, tied): one lane and two packed
+    lanes, trees, commits that move slots, a drafting step; HF's logits to 1e-4 / 1e-9."""
+    model = build("gqa_tied", dtype, **SMOLLM2_SHAPED)
+    hf, nat = runners(model)
+    assert nat.shape.layers == 30 and (nat.shape.heads, nat.shape.kv_heads) == (9, 3) and nat.shape.tied
+    rng = random.Random(12)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (13, 6)]
+    hfs, lanes = [HFRunner(model) for _ in range(2)], nat.lanes(2)
+    prefill_many(list(zip(hfs, prompts)))
+    prefill_many(list(zip(lanes, prompts)))
+    hf.prefill(prompts[0])
+    nat.prefill(prompts[0])
+    for size in (1, 5, 17):
+        tree = random_tree(rng, size)
+        assert max_diff(hf.score(tree), nat.score(tree)) < TOL[dtype]
+        trees = [tree, random_tree(rng, 3)]
+        for want, got in zip(score_many(list(zip(hfs, trees))), score_many(list(zip(lanes, trees)))):
+            assert max_diff(want, got) < TOL[dtype]
+        chain = random_chain(rng, tree)
+        for r in (hf, nat, hfs[0], lanes[0]):
+            r.commit(chain)
+        for r in (hfs[1], lanes[1]):
+            r.commit([0])
+        toks, parents = [rng.randrange(VOCAB) for _ in range(3)], [-1, 0, 1]  # a drafting step
+        assert max_diff(hf.extend(toks, parents), nat.extend(toks, parents)) < TOL[dtype]
+        for r in (hf, nat):
+            r.commit([0, 1])
+
+
+# ---- 9. the compiled forward (compile=True) -----------------------------------------------------
+# Compiling takes tens of seconds even for a 2-layer model: the default run compiles one small
+# model with inductor's cheapest settings; the SmolLM2- and Llama-3.2-shaped models with the
+# settings the library uses are slow tests.
+CHEAP = {"freezing": True}  # no max-autotune: inductor's default products, the same graph otherwise
+
+
+def compiled_runner(model, config=None, **kw):
+    runner = NativeRunner.from_hf(model, compile=True, **kw)
+    assert runner.compiled is not None
+    if config is not None:
+        runner.compiled = CompiledForward(runner, config)
+    return runner
+
+
+def unique_graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def drive(hf, nat, rng, rounds: int, tol: float) -> None:
+    """Decode steps, trees, moved and in-order commits and drafting steps, checking every forward
+    against `hf` (an HF runner, or an eager native runner) and the caches' bookkeeping."""
+    for _ in range(rounds):
+        one = TokenTree([rng.randrange(VOCAB)], [-1])
+        assert max_diff(hf.score(one), nat.score(one)) < tol  # the decode step: the n = 1 graph
+        for r in (hf, nat):
+            r.commit([0])
+        tree = random_tree(rng, rng.randint(2, 12))
+        assert max_diff(hf.score(tree), nat.score(tree)) < tol  # the 2..64 graph
+        chain = random_chain(rng, tree)
+        for r in (hf, nat):
+            r.commit(chain)
+        toks, parents = [rng.randrange(VOCAB) for _ in range(2)], [-1, 0]
+        assert max_diff(hf.extend(toks, parents), nat.extend(toks, parents)) < tol
+        toks, parents = [rng.randrange(VOCAB)], [0]  # node 1's sibling: a masked single node
+        assert max_diff(hf.extend(toks, parents), nat.extend(toks, parents)) < tol
+        for r in (hf, nat):
+            r.commit([0, 2])
+        assert hf.committed == nat.committed and nat.filled == nat.n_committed
+
+
+def test_compiled_forward_matches_hf(monkeypatch):
+    """Two graphs serve every forward with logits of 1..64 tokens, through cache growth (8 slots
+    at first, here) without recompiling; prefills and packed lanes run eagerly; HF's logits."""
+    monkeypatch.setattr(native, "INITIAL_CAPACITY", 8)
+    model = build("gqa_tied")
+    hf, nat = HFRunner(model), compiled_runner(model, CHEAP)
+    assert all(p.packed is None for p in projections(nat))  # the graphs pack their own copies
+    rng = random.Random(13)
+    prompt = [rng.randrange(VOCAB) for _ in range(11)]
+    for r in (hf, nat):
+        r.prefill(prompt)  # no logits: eager
+    before = unique_graphs()
+    drive(hf, nat, rng, rounds=4, tol=1e-4)
+    assert nat.capacity >= 32 and not nat.compiled.failed
+    assert unique_graphs() - before == 2  # n = 1 and n = 2..64, whatever the span and capacity
+    long = TokenTree([rng.randrange(VOCAB) for _ in range(70)], [-1] + list(range(69)))  # > 64: eager
+    assert max_diff(hf.score(long), nat.score(long)) < 1e-4
+    hfs, lanes = [HFRunner(model) for _ in range(2)], nat.lanes(2)  # a pool of two rows: eager
+    prefill_many(list(zip(hfs, [prompt, prompt[:5]])))
+    prefill_many(list(zip(lanes, [prompt, prompt[:5]])))
+    trees = [random_tree(rng, 6), random_tree(rng, 1)]
+    for want, got in zip(score_many(list(zip(hfs, trees))), score_many(list(zip(lanes, trees)))):
+        assert max_diff(want, got) < 1e-4
+    assert unique_graphs() - before == 2
+
+
+def test_compiled_forward_falls_back_to_eager(monkeypatch):
+    model = build("gqa_tied")
+    eager, nat = NativeRunner.from_hf(model), compiled_runner(model, CHEAP)
+
+    def broken(*args):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(nat.compiled, "graph", broken)
+    for r in (eager, nat):
+        r.prefill([3, 1, 4, 1, 5])
+    tree = TokenTree([9, 2, 6], [-1, 0, 0])
+    with pytest.warns(UserWarning, match="compiled forward failed .*no C\\+\\+ compiler.*running eagerly"):
+        got = nat.score(tree)
+    assert nat.compiled.failed and max_diff(eager.score(tree), got) < 1e-5
+    for r in (eager, nat):
+        r.commit([0])
+    monkeypatch.setattr(nat.compiled, "graph", lambda *a: pytest.fail("a failed graph is not tried again"))
+    assert max_diff(eager.score(tree), nat.score(tree)) < 1e-5
+
+
+def test_compile_unsupported_is_ignored_with_a_warning():
+    assert compile_unsupported_reason(torch.device("cpu"), torch.float32) is None
+    assert compile_unsupported_reason(torch.device("cpu"), torch.bfloat16) is None
+    assert "CPU only" in compile_unsupported_reason(torch.device("cuda"), torch.bfloat16)
+    assert "float64" in compile_unsupported_reason(torch.device("cpu"), torch.float64)
+    model = build("gqa_tied", torch.float64)
+    with pytest.warns(UserWarning, match="compile=True ignored"):
+        nat = NativeRunner.from_hf(model, compile=True)
+    assert nat.compiled is None
+    hf = HFRunner(model)
+    for r in (hf, nat):
+        r.prefill([1, 2, 3])
+    assert max_diff(hf.score(TokenTree([4, 5], [-1, 0])), nat.score(TokenTree([4, 5], [-1, 0]))) < 1e-9
+
+
+@pytest.mark.slow
+def test_compiled_smollm2_shaped():
+    """The library's settings (max-autotune GEMMs) on SmolLM2's layout: float32 against HF, and
+    bf16 against the eager bf16 forward (fused kernels round bf16 differently, nothing more)."""
+    model = build("gqa_tied", **SMOLLM2_SHAPED)
+    hf, nat = HFRunner(model), compiled_runner(model)
+    rng = random.Random(14)
+    prompt = [rng.randrange(VOCAB) for _ in range(9)]
+    for r in (hf, nat):
+        r.prefill(prompt)
+    drive(hf, nat, rng, rounds=3, tol=1e-4)
+    eager, comp = (NativeRunner.from_hf(model, dtype=torch.bfloat16, compile=c) for c in (False, True))
+    for r in (eager, comp):
+        r.prefill(prompt)
+    for _ in range(3):
+        tree = random_tree(rng, 7)
+        a, b = eager.score(tree).float(), comp.score(tree).float()
+        assert (a - b).abs().max() < 0.05 * a.abs().max()
+        chain = random_chain(rng, tree)
+        for r in (eager, comp):
+            r.commit(chain)
+
+
+@pytest.mark.slow
+def test_compiled_llama32_1b_shaped():
+    """Llama-3.2-1B's shape (one layer), compiled with the library's settings: HF's logits."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=1,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_parameters=dict(LLAMA3_ROPE, factor=32.0, original_max_position_embeddings=8192),
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(config).eval()
+    hf, nat = HFRunner(model), compiled_runner(model)
+    rng = random.Random(15)
+    prompt = [rng.randrange(128256) for _ in range(20)]
+    for r in (hf, nat):
+        r.prefill(prompt)
+    for tree in (
+        TokenTree([rng.randrange(128256)], [-1]),
+        TokenTree([5, 6, 7, 8, 9, 10], [-1, 0, 0, 1, 1, 2]),
+    ):
+        assert max_diff(hf.score(tree), nat.score(tree)) < 1e-4
+        for r in (hf, nat):
+            r.commit([0])

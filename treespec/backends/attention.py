@@ -1,5 +1,6 @@
-"""Tree attention for the native backend: masked attention with its log-sum-exp, the LSE merge,
-and the cascade (prefix + tree block) that lets flash-attn serve the prefix on CUDA.
+"""Attention for the native backend: the per-layer attention of a forward over the KV pool
+(one lane, or several lanes packed), masked attention with its log-sum-exp, the LSE merge, and
+the cascade (prefix + tree block) that lets flash-attn serve the prefix on CUDA.
 
 Layout everywhere: q [B, Hq, n, D]; the KV cache k, v [B, Hkv, S, D] (Hq a multiple of Hkv,
 query head h reads kv head h // (Hq // Hkv), as in HF's repeat_kv). Slots [0, prefix_len) hold
@@ -22,6 +23,9 @@ import functools
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
+
+from .base import causal_visible
 
 # (q, k, v, prefix_len) -> (out, lse): attention of every query over cache slots [0, prefix_len)
 PrefixAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
@@ -183,3 +187,199 @@ def cascade_attention(
     prefix_attention = prefix_attention or _default_prefix_attention(q)
     prefix_out, prefix_lse = prefix_attention(q, k, v, prefix_len)  # [B, Hq, n, D], [B, Hq, n]
     return merge_attention(prefix_out, prefix_lse, tree_out, tree_lse).to(q.dtype)
+
+
+# ---- the native backend's attention over its KV pool ----------------------------------------
+# The pool is one tensor kv [L, 2, R, Hkv, cap, D]: layer, (key | value), lane, kv head, slot,
+# head dim. A forward builds one of the two classes below from what it feeds, then calls it once
+# per layer with that layer's rotated q and k and its v side by side, qkv [T, Hq + 2 Hkv, D]
+# (the fused projection's output, viewed per head); it writes k and v into the cache and returns
+# the attention output [T, Hq * D]. Every per-forward decision (mask, GQA layout, the views of
+# each layer's cache) is made once, in the constructor, not per layer.
+#
+# GQA layout: a feed of at most FOLD_MAX_QUERIES queries per lane folds the g = Hq // Hkv query
+# heads that share a kv head into the query axis (q viewed as [B, Hkv, g * n, D], row j * n + t
+# is query head kv * g + j at token t; a mask is repeated g times to match), which measured
+# faster than SDPA's enable_gqa or repeating k and v, masked or not (numbers in
+# docs/performance.md). Longer feeds (prefills) keep enable_gqa: a folded mask would be g times
+# the n x (S + n) one.
+FOLD_MAX_QUERIES = 64
+
+
+def _fold_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[T, Hq, D] -> [1, Hkv, g * T, D] (row j * T + t: head kv * g + j, token t); a view for T = 1."""
+    T, Hq, D = q.shape
+    g = Hq // kv_heads
+    return q.view(T, kv_heads, g, D).permute(1, 2, 0, 3).reshape(1, kv_heads, g * T, D)
+
+
+def _unfold_output(o: torch.Tensor, T: int) -> torch.Tensor:
+    """[B, Hkv, g * n, D] -> [B * n, Hq * D], token-major (the inverse of `_fold_queries`)."""
+    B, Hkv, gn, D = o.shape
+    g = gn // T
+    return o.view(B, Hkv, g, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, Hkv * g * D)
+
+
+class LaneAttention:
+    """Attention of ONE lane's n new tokens over its own cache row, layer by layer.
+
+    `kv` is the pool [L, 2, R, Hkv, cap, D], the lane its row `row`; slots [0, S) hold what the
+    lane has cached, the new tokens go to [S, S + n). `visible` is the feed's attention pattern,
+    bool [n, S + n] (True = attend), or None: causal after the S cached slots (a prefill, a
+    chain). `committed` is how many of the S slots are the committed prefix (the rest are
+    pending tree nodes). A single token that continues the committed prefix with nothing else
+    pending sees every slot and gets no mask at all (the decode path). With `flash` (CUDA,
+    fp16/bf16, flash-attn importable) a masked feed after a committed prefix runs as the cascade:
+    `prefix_attention` over the committed slots + the masked tree block, merged by LSE.
+    """
+
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        row: int,
+        S: int,
+        n: int,
+        heads: int,
+        visible: torch.Tensor | None,
+        committed: int,
+        flash: bool = False,
+        prefix_attention: PrefixAttention | None = None,
+    ):
+        Hkv, D = kv.shape[3], kv.shape[5]
+        self.n, self.heads, self.kv_heads, self.scale = n, heads, Hkv, D**-0.5
+        mask, self.cascade = None, 0
+        if visible is None:
+            if n > 1:
+                mask = causal_visible(n, S, kv.device)  # [n, S+n]
+        elif n > 1 or S != committed:
+            mask = visible  # [n, S+n]
+            self.cascade = committed if flash else 0
+        self.fold = n <= FOLD_MAX_QUERIES and not self.cascade
+        if self.fold and mask is not None:
+            mask = mask.repeat(heads // Hkv, 1)  # [g*n, S+n]: row j*n + t is token t's
+        self.mask, self.prefix_attention = mask, prefix_attention
+        # per layer: where the new keys and values go, [n, 2, Hkv, D] (a view of the pool, token
+        # first, as the projection lays them out), and the keys / values seen, [1, Hkv, S+n, D]
+        self.new = kv[:, :, row, :, S : S + n].permute(0, 3, 1, 2, 4).unbind(0)
+        self.keys = kv[:, 0, row : row + 1, :, : S + n].unbind(0)
+        self.values = kv[:, 1, row : row + 1, :, : S + n].unbind(0)
+
+    def __call__(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:  # [n, Hq+2Hkv, D] -> [n, Hq*D]
+        n, Hq, Hkv = self.n, self.heads, self.kv_heads
+        D = qkv.shape[-1]
+        self.new[layer].copy_(qkv[:, Hq:].view(n, 2, Hkv, D))  # k and v: one copy
+        keys, values = self.keys[layer], self.values[layer]  # [1, Hkv, S+n, D]
+        if n == 1 and self.fold:  # folding one token is a view: q [1, Hkv, g, D], output [1, Hq*D]
+            q = qkv[:, :Hq].view(1, Hkv, Hq // Hkv, D)
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, scale=self.scale)
+            return o.reshape(1, Hq * D)
+        if self.fold:
+            o = F.scaled_dot_product_attention(
+                _fold_queries(qkv[:, :Hq], Hkv), keys, values, attn_mask=self.mask, scale=self.scale
+            )  # [1, Hkv, g*n, D]
+            return _unfold_output(o, n)
+        q = qkv[:, :Hq].transpose(0, 1)[None]  # [1, Hq, n, D]
+        if self.cascade:  # flash over the committed prefix + the masked tree block, merged by LSE
+            c = self.cascade
+            o = cascade_attention(
+                q, keys, values, c, self.mask[:, c:], prefix_attention=self.prefix_attention
+            )
+        else:
+            o = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=self.mask, scale=self.scale, enable_gqa=True
+            )
+        return o[0].transpose(0, 1).reshape(n, Hq * D)  # [n, Hq*D]
+
+
+class PackedAttention:
+    """Attention of several lanes' packed new tokens (T in all), each over its own cache row.
+
+    `rows`, `starts` (S_b) and `ns` (n_b) per lane, `visibles` as `LaneAttention`'s `visible`.
+    Keys and values are written into each lane's row at its own slots; queries are padded to
+    [B, n_max] (the only padding in a packed forward) with each lane's mask over its own row;
+    outputs are unpadded back to [T, Hq * D].
+    """
+
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        rows: list[int],
+        starts: list[int],
+        ns: list[int],
+        heads: int,
+        visibles: list[torch.Tensor | None],
+    ):
+        device, Hkv, D = kv.device, kv.shape[3], kv.shape[5]
+        B, n_max = len(rows), max(ns)
+        self.span = span = max(S + n for S, n in zip(starts, ns))  # key slots any lane reads
+        idx = torch.tensor(
+            [[rows[b], S + i, b * n_max + i] for b, (S, n) in enumerate(zip(starts, ns)) for i in range(n)],
+            device=device,
+        ).T  # [3, T]: lane row, cache slot and padded index of every new token
+        self.row_of, self.slot_of = idx[0], idx[1]
+        self.padded = None if min(ns) == n_max else idx[2]  # equal sizes: no padding at all
+        self.layers = kv.unbind(0)  # per layer [2, R, Hkv, cap, D]
+        if rows == list(range(rows[0], rows[0] + B)):  # consecutive rows: the keys are views
+            seen = kv[:, :, rows[0] : rows[0] + B, :, :span]  # [L, 2, B, Hkv, span, D]
+            self.keys, self.values = seen[:, 0].unbind(0), seen[:, 1].unbind(0)
+            self.rows = None
+        else:  # gathered per layer, after the layer's keys are written
+            self.rows = torch.tensor(rows, device=device)
+        # every lane causal after its S cached slots (row i sees slots <= S + i); a padding row
+        # (i >= n) sees slot 0 only, so it has no NaN, and its output is dropped; a tree feed's
+        # own pattern replaces its causal one. Built in a few ops for all lanes at once.
+        S_n = torch.tensor([starts, ns], device=device)[:, :, None, None]  # [2, B, 1, 1]
+        i = torch.arange(n_max, device=device)[:, None]  # [n_max, 1]
+        j = torch.arange(span, device=device)  # [span]
+        mask = torch.where(i < S_n[1], j <= S_n[0] + i, j == 0)[:, None]  # [B, 1, n_max, span]
+        for b, (visible, S, n) in enumerate(zip(visibles, starts, ns)):
+            if visible is not None:
+                mask[b, 0, :n, : S + n] = visible
+        self.g = heads // Hkv if n_max <= FOLD_MAX_QUERIES else 1  # GQA folding (see above)
+        self.mask = mask.repeat(1, 1, self.g, 1)  # [B, 1, g*n_max, span]
+        self.B, self.n_max, self.heads, self.kv_heads, self.scale = B, n_max, heads, Hkv, D**-0.5
+
+    def __call__(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:  # [T, Hq+2Hkv, D] -> [T, Hq*D]
+        B, n_max, Hq, Hkv, D = self.B, self.n_max, self.heads, self.kv_heads, qkv.shape[-1]
+        T = qkv.shape[0]
+        kv = self.layers[layer]
+        kv[:, self.row_of, :, self.slot_of] = qkv[:, Hq:].view(T, 2, Hkv, D)
+        if self.rows is None:
+            keys, values = self.keys[layer], self.values[layer]  # [B, Hkv, span, D]
+        else:
+            keys, values = kv[:, self.rows, :, : self.span]  # [B, Hkv, span, D] each
+        q = qkv[:, :Hq]
+        if self.padded is not None:
+            q = q.new_zeros(B * n_max, Hq, D).index_copy_(0, self.padded, q)
+        q = q.view(B, n_max, Hq, D).transpose(1, 2).reshape(B, Hq // self.g, self.g * n_max, D)
+        o = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=self.mask, scale=self.scale, enable_gqa=self.g == 1
+        )  # [B, Hkv, g*n_max, D]
+        o = o.view(B, Hq, n_max, D).transpose(1, 2).reshape(B * n_max, Hq * D)  # [B*n_max, Hq*D]
+        return o if self.padded is None else o.index_select(0, self.padded)  # [T, Hq*D]
+
+
+def graph_lane_attention(
+    kv: torch.Tensor, layer: int, qkv: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, heads: int
+) -> torch.Tensor:
+    """`LaneAttention`'s folded path written for a compiled graph (`native.CompiledForward`):
+    one lane in row 0 of the pool, every shape taken from the inputs, nothing decided per call.
+
+    kv [L, 2, 1, Hkv, cap, D] (written in place: index_put_ on the pool itself, which inductor
+    does in place, where a write through a view of an input would copy the whole pool); qkv
+    [n, Hq + 2 Hkv, D] as `LaneAttention` takes it; slots [n] the cache slots of the new tokens;
+    mask bool [n, span] over slots [0, span) (True = attend). Returns [n, Hq * D].
+    """
+    n, Hkv, D = qkv.shape[0], kv.shape[3], kv.shape[5]
+    layer_idx = torch.tensor([layer], device=kv.device)
+    row0 = torch.zeros(1, dtype=torch.long, device=kv.device)
+    torch.ops.aten.index_put_(kv, [layer_idx, None, row0, None, slots], qkv[:, heads:].view(n, 2, Hkv, D))
+    span = mask.shape[1]
+    o = F.scaled_dot_product_attention(
+        _fold_queries(qkv[:, :heads], Hkv),
+        kv[layer, 0, 0:1, :, :span],
+        kv[layer, 1, 0:1, :, :span],
+        attn_mask=mask.repeat(heads // Hkv, 1),
+        scale=D**-0.5,
+    )  # [1, Hkv, g*n, D]
+    return _unfold_output(o, n)

@@ -1,23 +1,13 @@
 """How the native backend multiplies activations by a weight matrix: `Projection`.
 
-On CPU the products are most of a forward (76% of the bundled target's 1-token forward in the
-profiler), and how the weight is stored decides their speed more than the dtype does. oneDNN
-can multiply by a weight reordered once into its kernel's blocked layout (what inductor's
-weight freezing and IPEX do); plain `x @ W` / `F.linear` hand the library a strided matrix
-on every call, so whatever reordering its kernel needs is redone per call. Median us per
-product on a 2-core AMD EPYC (avx512_bf16), 2 threads:
-
-    weight [out, in]     rows   fp32 F.linear  fp32 packed   bf16 F.linear  bf16 packed
-    2752 x 512              1         72.5          45.5           90.5          31.2
-    2752 x 512             13        322.7          91.9          128.4          57.0
-    8192 x 512 (lm_head)    1        227.8          94.8          223.7          61.4
-    8192 x 512 (lm_head)   13       1461.5         242.3          383.3         133.6
-
-(`python -m treespec.backends.linear`; the packed results equal F.linear's on these shapes.)
-A packed call has a fixed cost of about 12 us, where MKL's fp32 product of a small weight takes
-2-6 us (128 x 128 one row: 2.3 us plain, 12.2 packed; 768 x 512: 21.6 / 21.0 one row, 93.3 /
-35.1 for 13 rows), so fp32 weights below `MIN_PACKED_FP32` elements stay plain; bf16 packed was
-never slower on the shapes measured (128 x 128: 13.5 plain, 11.7 packed).
+On CPU the products are most of a forward, and how the weight is stored decides their speed
+more than the dtype does. oneDNN can multiply by a weight reordered once into its kernel's
+blocked layout (what inductor's weight freezing and IPEX do); plain `x @ W` / `F.linear` hand
+the library a strided matrix on every call, so whatever reordering its kernel needs is redone
+per call. A packed call also has a fixed cost of its own, larger than MKL's for a small fp32
+weight, so fp32 weights below `MIN_PACKED_FP32` elements stay plain; bf16 weights are always
+packed (MKL has no fast bf16 path for them). The measurements behind these rules are in
+docs/performance.md ("Native forward overhead on SmolLM2-135M").
 
 So a `Projection` packs where oneDNN serves the dtype (CPU, float32 / bfloat16) and checks the
 packed product against `F.linear` once, at construction; anywhere else (CUDA, float64, a torch
@@ -57,13 +47,18 @@ class Projection:
         )
         # unpacked: W^T [in, out]. A transposed view makes x @ W^T the very BLAS call F.linear
         # makes (float64: bitwise HF; CUDA: cuBLAS transposes for free); a CPU float32/bf16
-        # weight is laid out [in, out], 1.2-1.6x faster per row than F.linear on the CPUs measured
+        # weight is laid out [in, out], which multiplies faster per row than F.linear's layout
         if self.packed is not None:
             self.weight_t = None  # the packed copy replaces it
         elif weight.device.type == "cpu" and weight.dtype != torch.float64:
             self.weight_t = weight.t().contiguous()
         else:
             self.weight_t = weight.t()
+
+    @property
+    def weight(self) -> torch.Tensor | None:
+        """W [out, in] (a view of the unpacked weight), or None where only the packed copy is kept."""
+        return None if self.weight_t is None else self.weight_t.t()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.packed is not None:

@@ -29,19 +29,26 @@ float64 models) and the weight applied in the input dtype; logits in the model d
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..config import check_positive_int
-from .attention import cascade_attention, flash_available, flash_prefix_attention
+from .attention import (
+    LaneAttention,
+    PackedAttention,
+    flash_available,
+    flash_prefix_attention,
+    graph_lane_attention,
+)
 from .base import Feed, Runner, causal_visible, forward_grouped
 from .checkpoint import LlamaShape, read_checkpoint
 from .linear import Projection
 
 INITIAL_CAPACITY = 256  # cache slots allocated before the first growth
-FOLD_MAX_QUERIES = 64  # feeds of at most this many tokens fold GQA heads into the query axis
+COMPILE_MAX_TOKENS = 64  # feeds of up to this many tokens run through the compiled graphs (compile=True)
 
 
 @dataclass
@@ -60,15 +67,36 @@ class Layer:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's LlamaRMSNorm: x32 * rsqrt(mean(x32^2) + eps) with x32 = x in float32 (whatever x's
     dtype, float64 included), then weight * (that in x's dtype). F.rms_norm without a weight
-    is that very expression in one kernel (bitwise equal on CPU; the float64 tests check it)."""
-    return weight * F.rms_norm(x.to(torch.float32), x.shape[-1:], eps=eps).to(x.dtype)
+    is that very expression in one call: it computes in float32 for float32 and narrower inputs
+    and returns x's dtype (bitwise equal on CPU, tests/test_native.py), so only float64 converts
+    explicitly, two ops more."""
+    if x.dtype == torch.float64:
+        return weight * F.rms_norm(x.to(torch.float32), x.shape[-1:], eps=eps).to(x.dtype)
+    return weight * F.rms_norm(x, x.shape[-1:], eps=eps)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """RoPE as HF applies it, x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1).
     As sin = cat(s, s), rotate_half(x) * sin == roll(x, D/2) * cat(-s, s) exactly (a sign flip
-    is exact), one op fewer: `sin_signed` is that cat(-s, s)."""
+    is exact), one op fewer: `sin_signed` is that cat(-s, s). The forward rotates the whole
+    fused q/k/v output at once, the v heads with cos = 1 and sin = 0, which leaves them exactly
+    as they were (v * 1 + roll(v) * 0 == v for finite v): one rotation per layer, and k and v
+    stay side by side for the cache write."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+def rope_rows(
+    cos: torch.Tensor, sin_signed: torch.Tensor, positions: torch.Tensor, shape: LlamaShape
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin_signed ([cap, D] tables) at `positions` [T], laid out for the fused q/k/v
+    heads: [T, Hq + 2 Hkv, D] each, the v heads with cos 1 and sin 0 (see `rotate`)."""
+    T, qk, D = positions.shape[0], shape.heads + shape.kv_heads, shape.head_dim
+    cos, sin = cos[positions][:, None], sin_signed[positions][:, None]  # [T, 1, D]
+    v_cos = torch.ones(1, 1, D, dtype=cos.dtype, device=cos.device).expand(T, shape.kv_heads, D)
+    return (
+        torch.cat((cos.expand(T, qk, D), v_cos), dim=1),
+        torch.cat((sin.expand(T, qk, D), torch.zeros_like(v_cos)), dim=1),
+    )
 
 
 # ---- the KV cache -----------------------------------------------------------------------------
@@ -99,9 +127,11 @@ class KVPool:
         self.cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)  # [cap, D]
         half = s.head_dim // 2
         self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # [cap, D], see rotate()
-        # per-layer views of the cache, [R, Hkv, cap, D] each: no indexing chain in the hot loop
-        self.k_cache, self.v_cache = list(self.kv[:, 0]), list(self.kv[:, 1])
         self.capacity = capacity
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope_rows` of this pool's tables: indexed once per forward, shared by every layer."""
+        return rope_rows(self.cos, self.sin_signed, positions, self.shape)
 
     def fit(self, slots: int) -> None:
         """Make room for `slots` slots per lane."""
@@ -122,14 +152,25 @@ class NativeRunner(Runner):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         pack_weights: bool = True,
+        compile: bool = False,
     ):
         """`weights`: the HF state dict names (model.layers.{i}.self_attn.q_proj.weight, ...).
         `pack_weights`: let each projection take oneDNN's packed layout where it can
-        (`linear.Projection`; False: plain BLAS products everywhere, for comparisons)."""
+        (`linear.Projection`; False: plain BLAS products everywhere, for comparisons).
+        `compile`: run forwards of up to COMPILE_MAX_TOKENS tokens that need logits (decoding,
+        tree verification, drafting) through inductor graphs (`CompiledForward`): minutes of
+        compilation on first use, then a faster forward. CPU and float32 / bfloat16 only;
+        elsewhere it is ignored with a warning. The graphs hold their own packed copies of the
+        weights, so the eager path (prefills, batched lanes) then multiplies unpacked."""
         self.shape = s = shape
         self.vocab_size, self.max_positions = s.vocab, s.max_positions
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device, self.dtype = torch.device(device), dtype
+        reason = compile_unsupported_reason(self.device, dtype) if compile else None
+        if reason:
+            warnings.warn(f"treespec: compile=True ignored, {reason}", stacklevel=2)
+            compile = False
+        pack_weights = pack_weights and not compile
 
         def get(name: str) -> torch.Tensor:
             if name not in weights:
@@ -180,12 +221,18 @@ class NativeRunner(Runner):
             KVPool(s, 1, self.inv_freq, dtype, self.device),
             0,
         )  # this runner's cache: row 0 of a pool of one
+        self.compiled = CompiledForward(self) if compile else None
         super().__init__()
 
     # ---- constructors ----------------------------------------------------------------------
     @classmethod
     def from_hf(
-        cls, model: torch.nn.Module, dtype: torch.dtype | None = None, device=None, pack_weights: bool = True
+        cls,
+        model: torch.nn.Module,
+        dtype: torch.dtype | None = None,
+        device=None,
+        pack_weights: bool = True,
+        compile: bool = False,
     ) -> NativeRunner:
         """The weights of an HF `LlamaForCausalLM` / `Qwen2ForCausalLM` / `MistralForCausalLM`,
         copied into the runner's layout (norms and biases shared where dtype and device agree;
@@ -201,16 +248,22 @@ class NativeRunner(Runner):
             dtype or param.dtype,
             device or param.device,
             pack_weights,
+            compile,
         )
 
     @classmethod
     def from_pretrained(
-        cls, path, dtype: torch.dtype = torch.float32, device="cpu", pack_weights: bool = True
+        cls,
+        path,
+        dtype: torch.dtype = torch.float32,
+        device="cpu",
+        pack_weights: bool = True,
+        compile: bool = False,
     ) -> NativeRunner:
         """A local directory with config.json and model.safetensors (or a sharded
         model.safetensors.index.json); no transformers import (`checkpoint.read_checkpoint`)."""
         shape, weights, eos_ids = read_checkpoint(path)
-        return cls(shape, weights, eos_ids, dtype, device, pack_weights)
+        return cls(shape, weights, eos_ids, dtype, device, pack_weights, compile)
 
     # ---- the KV cache ---------------------------------------------------------------------
     @property
@@ -276,146 +329,154 @@ class NativeRunner(Runner):
         for f, S, n in zip(feeds, starts, ns):
             if f.visible is not None and f.visible.shape[-1] != S + n:
                 raise RuntimeError(f"mask covers {f.visible.shape[-1]} slots, the cache holds {S} + {n} new")
-        pool.fit(max(S + n for S, n in zip(starts, ns)))
-        Hq, Hkv, D = s.heads, s.kv_heads, s.head_dim
         one = len(lanes) == 1
+        if one and need_logits and self.compiled is not None:
+            logits = self.compiled(self, feeds[0], starts[0])
+            if logits is not None:
+                self.filled = starts[0] + ns[0]
+                return [logits]
+        pool.fit(max(S + n for S, n in zip(starts, ns)))
         tokens = feeds[0].tokens if one else torch.cat([f.tokens for f in feeds])  # [T]
         positions = feeds[0].positions if one else torch.cat([f.positions for f in feeds])  # [T]
-        attend = (
-            self._lane_attention(feeds[0], starts[0]) if one else _PackedAttention(lanes, feeds, starts, Hq)
-        )
-        T = tokens.shape[0]
+        if one:
+            attend = LaneAttention(
+                pool.kv, self.row, starts[0], ns[0], s.heads, feeds[0].visible, self.n_committed,
+                self.flash, self.prefix_attention,
+            )  # fmt: skip
+        else:
+            attend = PackedAttention(
+                pool.kv, [lane.row for lane in lanes], starts, ns, s.heads, [f.visible for f in feeds]
+            )
+        T, F_qkv, D, eps = tokens.shape[0], s.heads + 2 * s.kv_heads, s.head_dim, s.eps
 
-        cos, sin = pool.cos[positions][:, None], pool.sin_signed[positions][:, None]  # [T, 1, D]
+        cos, sin = pool.rope(positions)  # [T, Hq+2Hkv, D] each
         x = self._embed(tokens)  # [T, hidden]
-        for layer, k_cache, v_cache in zip(self.layers, pool.k_cache, pool.v_cache):
-            # attention: fused q/k/v projection, RoPE on q and k together, k and v into the cache
-            h = rms_norm(x, layer.attn_norm, s.eps)
-            qkv = layer.qkv(h).view(T, Hq + 2 * Hkv, D)  # [T, Hq+2Hkv, D]
-            qk = rotate(qkv[:, : Hq + Hkv], cos, sin)  # [T, Hq+Hkv, D]
-            o = attend(qk[:, :Hq], qk[:, Hq:], qkv[:, Hq + Hkv :], k_cache, v_cache)  # [T, Hq*D]
-            x = x + layer.o(o)
+        for i, layer in enumerate(self.layers):
+            # attention: fused q/k/v projection, RoPE on all of it at once, k and v into the cache
+            qkv = rotate(layer.qkv(rms_norm(x, layer.attn_norm, eps)).view(T, F_qkv, D), cos, sin)
+            x = layer.o(attend(i, qkv)) + x  # [T, hidden]
 
             # MLP: fused gate/up projection, SiLU gate, down projection
-            h = rms_norm(x, layer.mlp_norm, s.eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [T, I] each
-            x = x + layer.down(F.silu(gate) * up)
+            gate, up = layer.gate_up(rms_norm(x, layer.mlp_norm, eps)).chunk(2, dim=-1)  # [T, I] each
+            x = layer.down(F.silu(gate) * up) + x
         for lane, S, n in zip(lanes, starts, ns):
             lane.filled = S + n
         if not need_logits:
             return [None] * len(lanes)
-        logits = self.lm_head(rms_norm(x, self.norm, s.eps))  # [T, V]
+        logits = self.lm_head(rms_norm(x, self.norm, eps))  # [T, V]
         return [logits] if one else list(logits.split(ns))
-
-    def _lane_attention(self, feed: Feed, S: int):
-        """Attention of one lane's n new tokens over its slots [0, S+n): keys and values written
-        into its cache row, SDPA over the row. A node continuing the committed prefix with
-        nothing else pending sees everything: no mask (the decode fast path). A prefill is
-        causal after the S cached slots. Trees bring their ancestor mask."""
-        n, r, Hq, Hkv, D = (
-            feed.tokens.shape[0],
-            self.row,
-            self.shape.heads,
-            self.shape.kv_heads,
-            self.shape.head_dim,
-        )
-        g = Hq // Hkv  # query heads per kv head
-        mask, cascade = None, False
-        if feed.visible is None:
-            if n > 1:
-                mask = causal_visible(n, S, self.device)  # [n, S+n]
-        elif n > 1 or S != self.n_committed:
-            mask = feed.visible  # [n, S+n]
-            cascade = self.flash and self.n_committed > 0
-
-        fold = n <= FOLD_MAX_QUERIES
-        if fold and mask is not None and not cascade:
-            mask = mask.repeat(g, 1)  # [g*n, S+n]: row j*n + t is token t's, see attend
-
-        def attend(q, k, v, k_cache, v_cache):  # q [n, Hq, D], k and v [n, Hkv, D]
-            k_cache[r, :, S : S + n] = k.transpose(0, 1)
-            v_cache[r, :, S : S + n] = v.transpose(0, 1)
-            q = q.transpose(0, 1)[None]  # [1, Hq, n, D]
-            keys, values = k_cache[r : r + 1, :, : S + n], v_cache[r : r + 1, :, : S + n]  # [1, Hkv, S+n, D]
-            # GQA by folding the g query heads that share a kv head into the query axis (row
-            # j*n + t is head kv*g + j, token t; the mask repeated g times to match), the fastest
-            # of three on the 2-core AMD EPYC, masked or not; us per call over a 250-slot prefix,
-            # heads 8/2 x 64: n=7 masked bf16 39.7 folded vs 60.6 enable_gqa vs 64.0
-            # repeat_interleave (fp32 39.1 / 55.0 / 56.4); n=1 unmasked bf16 13.4 vs 85.2; eight
-            # lanes of a packed forward, n=1: bf16 93 vs 648. (An earlier session's Intel Xeon
-            # had masked n=17 within 10% either way.) Prefill-sized feeds keep enable_gqa: a
-            # folded mask would be g times the n x (S+n) one.
-            if cascade:  # flash over the committed prefix + the masked tree block, merged by LSE
-                c = self.n_committed
-                o = cascade_attention(q, keys, values, c, mask[:, c:], prefix_attention=self.prefix_attention)
-            elif fold:
-                qg = q.reshape(1, Hkv, g * n, D)  # [1, Hkv, g*n, D]
-                o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=D**-0.5)
-            else:
-                o = F.scaled_dot_product_attention(
-                    q, keys, values, attn_mask=mask, scale=D**-0.5, enable_gqa=True
-                )
-            return o.view(Hq, n, D).transpose(0, 1).reshape(n, Hq * D)  # [n, Hq*D]
-
-        return attend
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """[n] token ids -> [n, hidden]."""
         return F.embedding(tokens, self.embed)
 
 
-class _PackedAttention:
-    """Attention for several lanes' packed tokens: keys and values written into each lane's
-    row at its own slots; queries padded to [B, n_max] (the only padding in a packed forward)
-    with each lane's mask over its own row; outputs unpadded back to [T, Hq*D]."""
+# ---- the compiled forward (compile=True) ---------------------------------------------------------
+def compile_unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why `NativeRunner(compile=True)` cannot compile here, or None."""
+    if device.type != "cpu":
+        return f"compiled forwards are built for CPU only, not {device.type}"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"compiled forwards run float32 and bfloat16 only, not {dtype}"
+    return None
 
-    def __init__(self, lanes: list[NativeRunner], feeds: list[Feed], starts: list[int], heads: int):
-        device, ns = lanes[0].device, [f.tokens.shape[0] for f in feeds]
-        B, n_max = len(lanes), max(ns)
-        self.span = max(S + n for S, n in zip(starts, ns))  # key slots any lane reads
-        rows = [lane.row for lane in lanes]
-        idx = torch.tensor(
-            [[rows[b], S + i, b * n_max + i] for b, (S, n) in enumerate(zip(starts, ns)) for i in range(n)],
-            device=device,
-        ).T  # [3, T]: lane row, cache slot and padded index of every new token
-        self.row_of, self.slot_of = idx[0], idx[1]
-        self.padded = None if min(ns) == n_max else idx[2]  # equal sizes: no padding at all
-        self.rows = (
-            slice(rows[0], rows[0] + B)
-            if rows == list(range(rows[0], rows[0] + B))
-            else torch.tensor(rows, device=device)
-        )
-        # every lane causal after its S cached slots (row i sees slots <= S + i); a padding row
-        # (i >= n) sees slot 0 only, so it has no NaN, and its output is dropped; a tree feed's
-        # own pattern replaces its causal one. Built in a few ops for all lanes at once.
-        S_n = torch.tensor([starts, ns], device=device)[:, :, None, None]  # [2, B, 1, 1]
-        i = torch.arange(n_max, device=device)[:, None]  # [n_max, 1]
-        j = torch.arange(self.span, device=device)  # [span]
-        self.mask = torch.where(i < S_n[1], j <= S_n[0] + i, j == 0)[:, None]  # [B, 1, n_max, span]
-        for b, (f, S, n) in enumerate(zip(feeds, starts, ns)):
-            if f.visible is not None:
-                self.mask[b, 0, :n, : S + n] = f.visible
-        self.B, self.n_max, self.heads = B, n_max, heads
-        self.g = (
-            heads // lanes[0].shape.kv_heads if n_max <= FOLD_MAX_QUERIES else 1
-        )  # GQA folding, see _lane_attention
-        self.mask = self.mask.repeat(1, 1, self.g, 1)  # [B, 1, g*n_max, span]
 
-    def __call__(self, q, k, v, k_cache, v_cache):  # q [T, Hq, D], k and v [T, Hkv, D]
-        B, n_max, Hq, D = self.B, self.n_max, self.heads, q.shape[-1]
-        k_cache[self.row_of, :, self.slot_of] = k
-        v_cache[self.row_of, :, self.slot_of] = v
-        keys, values = (
-            k_cache[self.rows, :, : self.span],
-            v_cache[self.rows, :, : self.span],
-        )  # [B, Hkv, span, D]
-        if self.padded is not None:
-            q = q.new_zeros(B * n_max, Hq, D).index_copy_(0, self.padded, q)
-        q = (
-            q.view(B, n_max, Hq, D).transpose(1, 2).reshape(B, Hq // self.g, self.g * n_max, D)
-        )  # [B, Hkv, g*n_max, D]
-        o = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=self.mask, scale=D**-0.5, enable_gqa=self.g == 1
-        )
-        o = o.view(B, Hq, n_max, D).transpose(1, 2).reshape(B * n_max, Hq * D)  # [B*n_max, Hq*D]
-        return o if self.padded is None else o.index_select(0, self.padded)  # [T, Hq*D]
+class _ForwardGraph(torch.nn.Module):
+    """The one-lane forward with logits, written for inductor: the weights are buffers (frozen
+    into the graph as constants); the fed tokens, their positions and cache slots, the attention
+    pattern, the RoPE tables and the KV pool (written in place) are inputs. The math is the
+    eager forward's, layer for layer."""
+
+    def __init__(self, runner: NativeRunner):
+        super().__init__()
+        self.shape = runner.shape
+        self.register_buffer("embed", runner.embed)
+        self.register_buffer("norm", runner.norm)
+        self.register_buffer("lm_head", runner.lm_head.weight)
+        for i, layer in enumerate(runner.layers):
+            for name in ("attn_norm", "mlp_norm"):
+                self.register_buffer(f"{name}_{i}", getattr(layer, name))
+            for name in ("qkv", "o", "gate_up", "down"):
+                self.register_buffer(f"{name}_{i}", getattr(layer, name).weight)
+                self.register_buffer(f"{name}_bias_{i}", getattr(layer, name).bias)
+
+    def forward(self, tokens, positions, slots, mask, cos_table, sin_table, kv):
+        s = self.shape
+        w = lambda name: getattr(self, name)  # noqa: E731 - buffers read as attributes: inductor freezes them
+        T, F_qkv, D, eps = tokens.shape[0], s.heads + 2 * s.kv_heads, s.head_dim, s.eps
+        cos, sin = rope_rows(cos_table, sin_table, positions, s)  # [T, Hq+2Hkv, D] each
+        x = F.embedding(tokens, self.embed)  # [T, hidden]
+        for i in range(s.layers):
+            h = rms_norm(x, w(f"attn_norm_{i}"), eps)
+            qkv = rotate(F.linear(h, w(f"qkv_{i}"), w(f"qkv_bias_{i}")).view(T, F_qkv, D), cos, sin)
+            o = graph_lane_attention(kv, i, qkv, slots, mask, s.heads)  # [T, Hq*D]
+            x = F.linear(o, w(f"o_{i}"), w(f"o_bias_{i}")) + x
+            gate, up = F.linear(rms_norm(x, w(f"mlp_norm_{i}"), eps), w(f"gate_up_{i}")).chunk(2, dim=-1)
+            x = F.linear(F.silu(gate) * up, w(f"down_{i}")) + x
+        return F.linear(rms_norm(x, self.norm, eps), self.lm_head)  # [T, V]
+
+
+class CompiledForward:
+    """A lane's forwards that need logits, of 1 to COMPILE_MAX_TOKENS tokens, as inductor graphs.
+
+    Two graphs, each compiled on first use (minutes on a small CPU): one for a single token (the
+    decode step), one for 2..COMPILE_MAX_TOKENS tokens (trees, drafting levels); both take the
+    attended span and the cache capacity as dynamic sizes, so neither recompiles as the
+    sequence or the cache grows. Inductor freezes the weights into the graphs, packs them for its
+    own GEMM kernels (max-autotune's C++ templates, which beat oneDNN's calls on one row) and
+    fuses the norms, RoPE, SiLU gate and residual adds into a few C++ kernels; the wrapper that
+    calls them replaces ~30 eager ops per layer. Attention is SDPA over the lane's cache row under
+    an explicit mask (`attention.graph_lane_attention`). The math is the eager forward's; fused
+    kernels keep float32 intermediates where eager rounds bf16 after each op, so bf16 logits
+    differ in the last bits, as any two kernels for one op may (float32 agrees with HF to 1e-4,
+    tests/test_native.py). What the graphs do not serve runs eagerly: prefills (no logits),
+    longer feeds, lanes of a pool of several rows, a first token with an empty cache. A graph
+    that fails to compile (no C++ compiler, an unsupported torch) is reported once and not tried
+    again; the eager forward takes over. Measurements: docs/performance.md.
+    """
+
+    # inductor settings, patched in around every call (a call may compile): freezing is read
+    # outside what torch.compile(options=...) patches, and setting it process-wide would change
+    # every other torch.compile of the process
+    CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+
+    def __init__(self, runner: NativeRunner, config: dict | None = None):
+        self.graph = torch.compile(_ForwardGraph(runner).eval(), fullgraph=True)
+        self.config = dict(self.CONFIG if config is None else config)
+        self.failed = False
+
+    def __call__(self, runner: NativeRunner, feed: Feed, S: int) -> torch.Tensor | None:
+        """Logits [n, V] of `feed` after the S slots `runner` holds (its cache written), or None
+        where the graphs do not serve it."""
+        n, pool = feed.tokens.shape[0], runner.pool
+        if self.failed or pool.rows != 1 or S < 1 or n > COMPILE_MAX_TOKENS:
+            return None
+        span = S + n
+        # capacity > span: the first call of a graph fixes which dynamic sizes are one symbol,
+        # and a span equal to the capacity there would tie the two for good
+        pool.fit(span + 1)
+        if feed.visible is not None:
+            mask = feed.visible.clone()  # [n, span]; made here, as the other masks (the graph checks how)
+        elif n == 1:
+            mask = torch.ones(1, span, dtype=torch.bool, device=runner.device)
+        else:
+            mask = causal_visible(n, S, runner.device)
+        slots = torch.arange(S, span, device=runner.device)
+        if n > 1:
+            for t in (feed.tokens, feed.positions, slots, mask):
+                torch._dynamo.mark_dynamic(t, 0, min=2, max=COMPILE_MAX_TOKENS)
+        torch._dynamo.mark_dynamic(mask, 1)
+        for t, dim in ((pool.kv, 4), (pool.cos, 0), (pool.sin_signed, 0)):
+            torch._dynamo.mark_dynamic(t, dim)
+        try:
+            with torch._inductor.config.patch(self.config):
+                return self.graph(
+                    feed.tokens, feed.positions, slots, mask, pool.cos, pool.sin_signed, pool.kv
+                )
+        except Exception as e:  # noqa: BLE001 - any compile failure means: run eagerly from now on
+            self.failed = True
+            warnings.warn(
+                f"treespec: the compiled forward failed ({type(e).__name__}: {e}); running eagerly",
+                stacklevel=2,
+            )
+            return None
