@@ -9,6 +9,8 @@ out.text, out.token_ids, out.stats.tokens_per_step, out.stats.acceptance_by_dept
 """
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING
 
 # Where each public name lives. Importing treespec is cheap (the `treespec` command starts, and
@@ -39,6 +41,19 @@ _EXPORTS = {
     "TokenTree": ".tree",
     "verify": ".verify",
 }
+
+
+class _Package(types.ModuleType):
+    """`treespec.verify` is the function, as `from treespec import verify` promises: importing
+    the submodule of the same name does not replace it (the module stays in sys.modules)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str):
