@@ -423,17 +423,22 @@ def test_packed_attention(rows, fold_max, monkeypatch):
     assert torch.equal(kv[:, :, idle], before[:, :, idle])
 
 
+@pytest.mark.parametrize("reduction", [True, False])
 @pytest.mark.parametrize("n", [1, 6])
 @pytest.mark.parametrize("g", [1, 3])
-def test_graph_lane_attention_equals_lane_attention(g, n):
+def test_graph_lane_attention_equals_lane_attention(g, n, reduction, monkeypatch):
     """The compiled graph's attention (index_put_ into the pool, explicit [n, span] mask) run
-    eagerly: the same outputs and cache as `LaneAttention` for a decode step and a tree."""
+    eagerly: the same outputs and cache as `LaneAttention` for a single node (by reductions or
+    by SDPA; masked, beside a pending node) and a tree."""
+    monkeypatch.setattr(attention, "GRAPH_DECODE_REDUCTION", reduction)
     heads, S = HKV * g, 11
     kv, kv_graph = pool(1), pool(1)
     qkv = new_qkv(n, heads)
-    visible = random_visible(n, S, seed=n) if n > 1 else None
-    mask = torch.ones(1, S + 1, dtype=torch.bool) if visible is None else visible
-    attend = LaneAttention(kv, 0, S, n, heads, visible, committed=S)
+    visible = random_visible(n, S, seed=n) if n > 1 else torch.ones(1, S + 1, dtype=torch.bool)
+    if n == 1:
+        visible[0, 8] = False  # a single node beside a pending one (slot 8): masked
+    attend = LaneAttention(kv, 0, S, n, heads, visible, committed=8)
+    mask = visible
     for layer in range(L_):
         got = graph_lane_attention(kv_graph, layer, qkv, torch.arange(S, S + n), mask, heads)
         torch.testing.assert_close(got, attend(layer, qkv), atol=1e-12, rtol=0)

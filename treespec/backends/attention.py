@@ -359,6 +359,9 @@ class PackedAttention:
         return o if self.padded is None else o.index_select(0, self.padded)  # [T, Hq*D]
 
 
+GRAPH_DECODE_REDUCTION = True  # one-token graphs: attention as reductions (False: SDPA)
+
+
 def graph_lane_attention(
     kv: torch.Tensor, layer: int, qkv: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, heads: int
 ) -> torch.Tensor:
@@ -368,13 +371,25 @@ def graph_lane_attention(
     kv [L, 2, 1, Hkv, cap, D] (written in place: index_put_ on the pool itself, which inductor
     does in place, where a write through a view of an input would copy the whole pool); qkv
     [n, Hq + 2 Hkv, D] as `LaneAttention` takes it; slots [n] the cache slots of the new tokens;
-    mask bool [n, span] over slots [0, span) (True = attend). Returns [n, Hq * D].
+    mask bool [n, span] over slots [0, span) (True = attend). Returns [n, Hq * D]. One token
+    (a graph of its own) is attended by plain reductions (`GRAPH_DECODE_REDUCTION`), which
+    inductor fuses into its own loops; more tokens by SDPA with the folded GQA layout.
     """
     n, Hkv, D = qkv.shape[0], kv.shape[3], kv.shape[5]
     layer_idx = torch.tensor([layer], device=kv.device)
     row0 = torch.zeros(1, dtype=torch.long, device=kv.device)
     torch.ops.aten.index_put_(kv, [layer_idx, None, row0, None, slots], qkv[:, heads:].view(n, 2, Hkv, D))
     span = mask.shape[1]
+    if n == 1 and GRAPH_DECODE_REDUCTION:
+        # one query row per head: two reductions and a softmax, which inductor fuses into a few
+        # loops of its own (in float32, or float64), cheaper than a call of SDPA's kernel
+        g, dtype = heads // Hkv, _compute_dtype(qkv)
+        q = qkv[0, :heads].view(Hkv, g, 1, D).to(dtype)
+        k, v = kv[layer, 0, 0, :, :span].to(dtype), kv[layer, 1, 0, :, :span].to(dtype)  # [Hkv, span, D]
+        scores = (q * k[:, None]).sum(-1) * D**-0.5  # [Hkv, g, span]
+        p = torch.softmax(scores.masked_fill(~mask[0], float("-inf")), dim=-1)
+        o = (p[..., None] * v[:, None]).sum(-2)  # [Hkv, g, D]
+        return o.to(qkv.dtype).view(1, heads * D)
     o = F.scaled_dot_product_attention(
         _fold_queries(qkv[:, :heads], Hkv),
         kv[layer, 0, 0:1, :, :span],

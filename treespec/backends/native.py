@@ -21,6 +21,15 @@ the MLP as one [T, hidden] matrix, only attention pads them to [R, n_max] agains
 own cache row. The capacity doubles (capped near max_positions) when a forward would overflow
 it, so a 128k-token model does not allocate 128k slots up front.
 
+A layer is: RMSNorm, the fused q/k/v projection, RoPE once over all of its output (v heads
+untouched), attention (`attention.LaneAttention` / `PackedAttention`: k and v into the cache
+with one copy, SDPA over the lane's row), the o projection and the residual, RMSNorm, the fused
+gate/up projection, SiLU gate, the down projection and the residual. Every per-forward
+decision (mask, GQA layout, each layer's cache views, the RoPE rows) is made once per forward,
+not per layer. With `compile=True` the forwards that need logits run as inductor graphs of the
+same math (`CompiledForward`); this module holds the model and its cache, attention.py all the
+attention.
+
 Numerics mirror HF's Llama exactly where it matters for parity: RoPE cos/sin from float32
 inverse frequencies, cast to the compute dtype; RMSNorm statistics in float32 (even for
 float64 models) and the weight applied in the input dtype; logits in the model dtype.
@@ -339,10 +348,18 @@ class NativeRunner(Runner):
         tokens = feeds[0].tokens if one else torch.cat([f.tokens for f in feeds])  # [T]
         positions = feeds[0].positions if one else torch.cat([f.positions for f in feeds])  # [T]
         if one:
+            feed, c = feeds[0], self.n_committed
             attend = LaneAttention(
-                pool.kv, self.row, starts[0], ns[0], s.heads, feeds[0].visible, self.n_committed,
-                self.flash, self.prefix_attention,
-            )  # fmt: skip
+                pool.kv,
+                self.row,
+                starts[0],
+                ns[0],
+                s.heads,
+                feed.visible,
+                c,
+                self.flash,
+                self.prefix_attention,
+            )
         else:
             attend = PackedAttention(
                 pool.kv, [lane.row for lane in lanes], starts, ns, s.heads, [f.visible for f in feeds]
@@ -437,12 +454,19 @@ class CompiledForward:
 
     # inductor settings, patched in around every call (a call may compile): freezing is read
     # outside what torch.compile(options=...) patches, and setting it process-wide would change
-    # every other torch.compile of the process
-    CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+    # every other torch.compile of the process. One token: max-autotune picks, per product,
+    # inductor's C++ GEMM template or oneDNN's packed product (the template wins on one row);
+    # 2..64 tokens: oneDNN's packed products, no autotuning (the template, tuned for one size of
+    # a dynamic row count, loses badly at others; docs/performance.md).
+    CONFIG = {
+        1: {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"},
+        2: {"freezing": True, "max_autotune": False},
+    }
 
     def __init__(self, runner: NativeRunner, config: dict | None = None):
+        """`config`: inductor settings for both graphs instead of `CONFIG` (tests use cheap ones)."""
         self.graph = torch.compile(_ForwardGraph(runner).eval(), fullgraph=True)
-        self.config = dict(self.CONFIG if config is None else config)
+        self.config = {1: dict(config), 2: dict(config)} if config is not None else copy.deepcopy(self.CONFIG)
         self.failed = False
 
     def __call__(self, runner: NativeRunner, feed: Feed, S: int) -> torch.Tensor | None:
@@ -469,7 +493,7 @@ class CompiledForward:
         for t, dim in ((pool.kv, 4), (pool.cos, 0), (pool.sin_signed, 0)):
             torch._dynamo.mark_dynamic(t, dim)
         try:
-            with torch._inductor.config.patch(self.config):
+            with torch._inductor.config.patch(self.config[min(n, 2)]):
                 return self.graph(
                     feed.tokens, feed.positions, slots, mask, pool.cos, pool.sin_signed, pool.kv
                 )
