@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from ..config import SamplingConfig, TreeConfig
 from ..decoder import SpeculativeDecoder
 from ..drafters import MergedDrafter, ModelDrafter
 from .losses import alpha_lower_bound, buckets
+from .train import draft_logprobs
 
 CHAIN = TreeConfig(width=1, depth=4)
 TEMPERATURES = {"T0": 0.0, "T1": 1.0}
@@ -88,8 +90,6 @@ def merged_acceptance(
 @torch.no_grad()
 def proxy(draft, dataset, vocab_map, batch_size: int = 16) -> dict:
     """{"alpha": mean sum_topk min(p, q), "top1": argmax agreement} on `dataset`'s response rows."""
-    from .train import draft_logprobs
-
     mask = dataset.response_rows()
     alpha, top1, n = 0.0, 0.0, 0
     for start in range(0, len(dataset), batch_size):
@@ -110,8 +110,11 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def plot(eval_path: Path, png_path: Path) -> None:
     """Loss, acceptance at depth 1 (T=0, T=1) and the proxies against the step, one line per draft."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:  # an optional dependency (treespec[experiments]); the JSONL has every number
+        print(f"treespec distill: matplotlib is not installed; {png_path.name} not drawn", file=sys.stderr)
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -7,11 +7,12 @@ is `lr_at(s, total)` (linear warm-up, then cosine to min_lr_ratio x lr) and the 
 state is saved with the weights. A resumed run therefore reproduces the uninterrupted one
 bit for bit.
 
-The step count is fixed before the cosine phase begins: `recipe.steps`, or `epochs` passes
-without a time budget, or, with one, what fits in the draft's share of the budget at the
-median step time of the warm-up (at least `CALIBRATION_STEPS` steps; evaluations are not
-charged to the budget). That decision is checkpointed with the rest (a run interrupted
-before it re-measures).
+The step count is `recipe.steps`, or `epochs` passes without a time budget. With one, it is
+what fits in the draft's share of the budget at the median time of recent steps: planned at
+the end of the warm-up (at least `CALIBRATION_STEPS` steps) and re-planned after each
+evaluation, so a machine that slows down or speeds up moves the end of the cosine schedule
+(evaluations are not charged to the budget). Each plan is checkpointed with the rest; a run
+interrupted after a plan reproduces the uninterrupted one, one interrupted before re-plans.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from .data import Batch, Dataset
 from .losses import buckets, divergence, tv_distance
 from .subset import VocabMap
 
-CALIBRATION_STEPS = 5  # steps timed (at least; the warm-up if longer) before a budget fixes the count
+CALIBRATION_STEPS = 5  # steps timed (at least; the warm-up if longer) before a budget plans the count
+CALIBRATION_WINDOW = 20  # recent steps whose median time plans the rest
 RESERVE_SECONDS = 2.0  # of a draft's budget share, kept for its final save
 
 
@@ -207,6 +209,7 @@ def train_draft(draft, job: Job) -> dict:
             "done": False,
             "since_eval": [],
         }
+        state["budgeted"] = state["total"] is None  # the step count follows the time budget
     if state["done"]:
         return _summary(draft, state)
     bar = (
@@ -240,6 +243,10 @@ def train_draft(draft, job: Job) -> dict:
         if state["total"] is not None and state["step"] in eval_steps(state["total"], recipe.evals):
             record = job.evaluate(draft, state["step"], float(np.mean(state["since_eval"])))
             state["since_eval"] = []
+            if state["budgeted"] and state["step"] < state["total"]:  # re-plan at the recent step time
+                state["total"] = _budgeted_total(state, job)
+                if bar is not None:
+                    bar.total = state["total"]
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.3f}", acc1_T0=record["T0"]["acceptance_by_depth"][0])
             draft.train()
@@ -258,8 +265,9 @@ def train_draft(draft, job: Job) -> dict:
 
 
 def _budgeted_total(state: dict, job: Job) -> int:
-    """Steps that fit in what is left of this draft's share of the budget."""
-    t_step = float(np.median(state["step_seconds"][1:]))  # the first step pays for allocations
+    """Steps that fit in what is left of this draft's share of the budget, at the median time
+    of the last `CALIBRATION_WINDOW` steps (the first step, which pays for allocations, never)."""
+    t_step = float(np.median(state["step_seconds"][1:][-CALIBRATION_WINDOW:]))
     return state["step"] + max(1, int((job.until - job.clock.elapsed() - RESERVE_SECONDS) / t_step))
 
 
