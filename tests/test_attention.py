@@ -31,7 +31,7 @@ from treespec.backends.attention import (
     merge_attention,
     reference_prefix_attention,
 )
-from treespec.backends.base import causal_visible
+from treespec.backends.base import causal_visible, lanes_mask
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 
@@ -443,3 +443,24 @@ def test_graph_lane_attention_equals_lane_attention(g, n, reduction, monkeypatch
         got = graph_lane_attention(kv_graph, layer, qkv, torch.arange(S, S + n), mask, heads)
         torch.testing.assert_close(got, attend(layer, qkv), atol=1e-12, rtol=0)
     assert torch.equal(kv, kv_graph)
+
+
+@pytest.mark.parametrize("layout", ["own row", "after the padded cache"])
+def test_lanes_mask(layout):
+    """The one multi-lane mask (native's packed lanes and HF's batched cache): each lane's rows
+    see exactly its cached slots and its new tokens by its pattern (causal or a tree), wherever
+    the layout puts them; padding rows see column 0 only; nothing else is visible."""
+    starts, ns = [5, 0, 9, 3], [3, 1, 4, 4]
+    visibles = [None, None, random_visible(4, 9, seed=1), random_visible(4, 3, seed=2)]
+    S = max(starts)
+    new_at = starts if layout == "own row" else [S] * len(starts)
+    mask = lanes_mask(
+        starts, ns, visibles, torch.device("cpu"), new_at=None if layout == "own row" else new_at
+    )
+    assert mask.shape == (4, max(ns), max(a + n for a, n in zip(new_at, ns)))
+    for b, (S_b, n, a, visible) in enumerate(zip(starts, ns, new_at, visibles)):
+        visible = causal_visible(n, S_b, torch.device("cpu")) if visible is None else visible
+        expected = torch.zeros(n, mask.shape[2], dtype=torch.bool)
+        expected[:, :S_b], expected[:, a : a + n] = visible[:, :S_b], visible[:, S_b:]
+        assert torch.equal(mask[b, :n], expected)
+        assert torch.equal(mask[b, n:], torch.zeros_like(mask[b, n:]).index_fill_(1, torch.tensor([0]), True))

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .base import causal_visible
+from .base import causal_visible, lanes_mask
 
 # (q, k, v, prefix_len) -> (out, lse): attention of every query over cache slots [0, prefix_len)
 PrefixAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
@@ -325,16 +325,7 @@ class PackedAttention:
             self.rows = None
         else:  # gathered per layer, after the layer's keys are written
             self.rows = torch.tensor(rows, device=device)
-        # every lane causal after its S cached slots (row i sees slots <= S + i); a padding row
-        # (i >= n) sees slot 0 only, so it has no NaN, and its output is dropped; a tree feed's
-        # own pattern replaces its causal one. Built in a few ops for all lanes at once.
-        S_n = torch.tensor([starts, ns], device=device)[:, :, None, None]  # [2, B, 1, 1]
-        i = torch.arange(n_max, device=device)[:, None]  # [n_max, 1]
-        j = torch.arange(span, device=device)  # [span]
-        mask = torch.where(i < S_n[1], j <= S_n[0] + i, j == 0)[:, None]  # [B, 1, n_max, span]
-        for b, (visible, S, n) in enumerate(zip(visibles, starts, ns)):
-            if visible is not None:
-                mask[b, 0, :n, : S + n] = visible
+        mask = lanes_mask(starts, ns, visibles, device)[:, None]  # [B, 1, n_max, span]
         self.g = heads // Hkv if n_max <= FOLD_MAX_QUERIES else 1  # GQA folding (see above)
         self.mask = mask.repeat(1, 1, self.g, 1)  # [B, 1, g*n_max, span]
         self.B, self.n_max, self.heads, self.kv_heads, self.scale = B, n_max, heads, Hkv, D**-0.5

@@ -250,6 +250,36 @@ def forward_grouped(
     return out
 
 
+def lanes_mask(
+    starts: Sequence[int],
+    ns: Sequence[int],
+    visibles: Sequence[torch.Tensor | None],
+    device: torch.device,
+    new_at: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """The padded attention mask of B lanes fed in one forward: [B, n_max, W] bool.
+
+    Lane b holds S_b = starts[b] cached slots (columns [0, S_b)) and feeds n_b = ns[b] new
+    tokens, whose keys sit at columns new_at[b] .. new_at[b] + n_b (default S_b, right after its
+    own cache, as the native pool stores them; HF's batched cache puts every lane's new tokens
+    after the common padded length). Row i < n_b sees the lane's cached slots and its new tokens
+    by `visibles[b]` ([n_b, S_b + n_b], as a Feed's `visible`; None: causal); a padding row
+    (i >= n_b) sees column 0 only, so it has no NaN, and its output is dropped."""
+    new_at = list(starts) if new_at is None else list(new_at)
+    n_max, width = max(ns), max(a + n for a, n in zip(new_at, ns))
+    S, n, a = torch.tensor([list(starts), list(ns), new_at], device=device)[:, :, None, None]  # [B, 1, 1]
+    i = torch.arange(n_max, device=device)[:, None]  # [n_max, 1]
+    j = torch.arange(width, device=device)  # [W]
+    causal = (j < S) | ((j >= a) & (j <= a + i))
+    mask = torch.where(i < n, causal, j == 0)  # [B, n_max, W]
+    for b, visible in enumerate(visibles):
+        if visible is not None:
+            S_b, n_b, a_b = starts[b], ns[b], new_at[b]
+            mask[b, :n_b, :S_b] = visible[:, :S_b]
+            mask[b, :n_b, a_b : a_b + n_b] = visible[:, S_b:]
+    return mask
+
+
 def causal_visible(n: int, S: int, device: torch.device) -> torch.Tensor:
     """[n, S+n] bool: n new tokens fed causally after S cached slots (what a Feed's
     `visible=None` stands for)."""

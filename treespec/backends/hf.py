@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .base import Feed, Runner, causal_visible, forward_grouped
+from .base import Feed, Runner, forward_grouped, lanes_mask
 from .checkpoint import eos_ids
 
 # Attention implementations that take a custom 4D mask as given. flash_attention_* ignore
@@ -137,13 +137,10 @@ def _batched_forward(
     S, n_max = max(starts), max(ns)
     tokens = torch.zeros(B, n_max, dtype=torch.long, device=device)  # [B, n_max]
     positions = torch.zeros(B, n_max, dtype=torch.long, device=device)  # [B, n_max]
-    mask = torch.zeros(B, 1, n_max, S + n_max, dtype=torch.bool, device=device)  # [B, 1, n_max, S + n_max]
-    for b, (f, S_b, n) in enumerate(zip(feeds, starts, ns)):
+    for b, (f, n) in enumerate(zip(feeds, ns)):
         tokens[b, :n], positions[b, :n] = f.tokens, f.positions
-        visible = f.visible if f.visible is not None else causal_visible(n, S_b, device)
-        mask[b, 0, :n, :S_b] = visible[:, :S_b]  # its cached slots
-        mask[b, 0, :n, S : S + n] = visible[:, S_b:]  # its new tokens (after the padded cache)
-        mask[b, 0, n:, 0] = True  # padding rows attend somewhere (no NaN)
+    # new tokens after the padded cache: [B, 1, n_max, S + n_max]
+    mask = lanes_mask(starts, ns, [f.visible for f in feeds], device, new_at=[S] * B)[:, None]
     cache = DynamicCache()
     if S > 0:  # every layer's keys and values, each lane right-padded to S slots
         ref = next(lane for lane, S_b in zip(lanes, starts) if S_b > 0).cache.layers
