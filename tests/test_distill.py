@@ -29,7 +29,7 @@ from treespec.distill import (
     prompts,
     train,
 )
-from treespec.distill.subset import choose_subset
+from treespec.distill.pipeline import choose_subset
 
 from .conftest import VOCAB, tiny_llama
 from .mc import PROMPT, K, N, V, chi2_pvalue, exact_joint, models  # noqa: F401 (fixture)
@@ -313,6 +313,19 @@ def test_cli_runs_boost_tuned_subset_vocabulary_drafts(tiny_target, tmp_path):
     assert not torch.equal(
         first.model.layers[0].mlp.down_proj.weight, model.model.layers[0].mlp.down_proj.weight
     )
+    # a subset draft directory is an ordinary draft to every loader: from_pretrained wraps it
+    # (vocab_map.json) on both backends, and greedy speculation equals plain greedy decoding
+    greedy = SamplingConfig(temperature=0)
+    plain = SpeculativeDecoder.from_pretrained(target=target, dtype="float32").generate(
+        [5, 6, 7], 12, tree=None, sampling=greedy, ignore_eos=True
+    )
+    for backend in ("native", "hf"):
+        dec = SpeculativeDecoder.from_pretrained(
+            target=target, draft=tmp_path / "o", dtype="float32", backend=backend
+        )
+        assert isinstance(dec.draft_runner, SubsetVocabRunner) and dec.draft_runner.vocab_size == VOCAB
+        out = dec.generate([5, 6, 7], 12, tree=TreeConfig(2, 3), sampling=greedy, ignore_eos=True)
+        assert out.token_ids == plain.token_ids
 
 
 # ---- subset vocabulary: lossless ----------------------------------------------------------

@@ -16,9 +16,9 @@ pipeline.py  `distill()`: the phases in order, resumable
 cli.py       `treespec distill` / `python -m treespec.distill`
 """
 
+from ..backends.subset import SubsetVocabRunner, VocabMap
 from .model import load_draft, load_draft_runner
 from .pipeline import distill
 from .recipe import Recipe
-from .subset import SubsetVocabRunner, VocabMap
 
 __all__ = ["Recipe", "SubsetVocabRunner", "VocabMap", "distill", "load_draft", "load_draft_runner"]

@@ -14,7 +14,7 @@ embedding then is the target's (projected), shared rather than learned.
 
 Output: a standard HF directory (config.json, model.safetensors, the target's tokenizer,
 generation_config.json with the target's EOS) that treespec and `transformers` load as is;
-a subset-vocabulary draft adds `vocab_map.json` (see `subset.py`) and needs `load_draft_runner`.
+a subset-vocabulary draft adds `vocab_map.json` (`treespec.backends.subset`), which every loader reads.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .subset import SubsetVocabRunner, VocabMap
+from ..backends.subset import SubsetVocabRunner, VocabMap
 
 
 def draft_config(target_config, recipe, vocab_rows: int):
@@ -157,7 +157,8 @@ def draft_runner(model, vocab_map: VocabMap | None, backend: str = "auto"):
 
 
 def load_draft_runner(path, dtype: torch.dtype = torch.float32, device="cpu", backend: str = "auto"):
-    """A Runner for any distilled draft directory, subset vocabulary included (the hook
-    `SpeculativeDecoder.from_pretrained` needs for `vocab_map.json`)."""
-    model, vocab_map = load_draft(path, dtype, device)
-    return draft_runner(model, vocab_map, backend)
+    """A Runner for any distilled draft directory, subset vocabulary included: what
+    `SpeculativeDecoder.from_pretrained(draft=path)` loads (`treespec.loading.load_runner`)."""
+    from .. import loading
+
+    return loading.load_runner(path, dtype, loading.resolve_device(device), backend)

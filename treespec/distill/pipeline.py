@@ -21,12 +21,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..backends.subset import VocabMap
 from .data import Dataset, load_shard, make_data, make_shard, prompt_seed, save_shard
 from .evaluate import acceptance, merged_acceptance, plot, proxy, read_jsonl
 from .model import build_draft, draft_runner, load_draft, load_draft_runner, save_draft
 from .prompts import Rendered, bundled_prompts, check_renderable, load_prompt_file, split_heldout
 from .recipe import Recipe
-from .subset import VocabMap, choose_subset
 from .train import Clock, Job, rejection_weights, train_draft
 
 # recipe fields a resumed run may change: they do not alter what is computed
@@ -380,3 +380,15 @@ class _Run:
             "threads": torch.get_num_threads(),
         }
         (self.out / "distill.json").write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def choose_subset(token_mass: np.ndarray, k: int, always: list[int]) -> list[int]:
+    """The `k` ids with the most target probability mass (`token_mass` [V]), `always` included;
+    in id order."""
+    if k < len(set(always)):
+        raise ValueError(
+            f"vocab_subset {k} is smaller than the {len(set(always))} special tokens it must keep"
+        )
+    order = np.argsort(-token_mass, kind="stable")
+    chosen = list(dict.fromkeys([int(i) for i in always] + [int(i) for i in order]))[:k]
+    return sorted(chosen)

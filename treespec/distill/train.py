@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..backends.subset import VocabMap
 from .data import Batch, Dataset
 from .losses import buckets, divergence, tv_distance
-from .subset import VocabMap
 
 CALIBRATION_STEPS = 5  # steps timed (at least; the warm-up if longer) before a budget plans the count
 CALIBRATION_WINDOW = 20  # recent steps whose median time plans the rest

@@ -85,19 +85,27 @@ def checkpoint(path) -> str | Path:
 
 def load_runner(path, dtype: torch.dtype, device: torch.device, backend: str = "auto") -> Runner:
     """A runner for the checkpoint at `path` (`checkpoint`): native straight from safetensors
-    when the backend allows it and the directory holds a supported checkpoint, else through HF."""
+    when the backend allows it and the directory holds a supported checkpoint, else through HF.
+    A draft with a subset vocabulary (`vocab_map.json` beside its weights) is wrapped so that
+    it reads and proposes the target's token ids (`backends.subset`)."""
     from ..backends import hf
+    from ..backends.subset import SubsetVocabRunner, VocabMap
 
     check_backend(backend)
     local = checkpoint(path)
+    runner = None
     if backend != "hf" and isinstance(local, Path):
         from ..backends.checkpoint import read_json, unsupported_reason
         from ..backends.native import NativeRunner
 
         if use_native(backend, unsupported_reason(read_json(local / "config.json")), repr(str(path))):
-            return NativeRunner.from_pretrained(local, dtype=dtype, device=device)
-        backend = "hf"  # the fallback notice has been printed
-    return make_runner(hf.load_model(local, dtype, device), backend)
+            runner = NativeRunner.from_pretrained(local, dtype=dtype, device=device)
+        else:
+            backend = "hf"  # the fallback notice has been printed
+    if runner is None:
+        runner = make_runner(hf.load_model(local, dtype, device), backend)
+    vocab_map = VocabMap.load(local) if isinstance(local, Path) else None
+    return runner if vocab_map is None else SubsetVocabRunner(runner, vocab_map)
 
 
 def load_tokenizer(path):

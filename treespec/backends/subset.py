@@ -6,11 +6,13 @@ draft's cost is dominated by its output layer when the vocabulary is large (49,1
 576 for SmolLM2), so K << V cuts both the lm_head product and the embedding table.
 
 `vocab_map.json` in the draft directory holds `ids` (the K target ids, in row order) and the
-target's vocabulary size. `SubsetVocabRunner` wraps the draft's runner: it feeds the draft
-its own rows and scatters the K output logits into the target's V columns with -inf
-elsewhere, so q is exactly zero outside the subset. Verification accepts any q as long as
-the q stored with a proposal is the one it was drawn from, so decoding stays lossless; the
-only price is acceptance: alpha <= the target's mass inside the subset.
+target's vocabulary size; `treespec.loading.load_runner` wraps any checkpoint that has one
+(`treespec distill --vocab-subset K` writes such drafts). `SubsetVocabRunner` wraps the
+draft's runner: it feeds the draft its own rows and scatters the K output logits into the
+target's V columns with -inf elsewhere, so q is exactly zero outside the subset.
+Verification accepts any q as long as the q stored with a proposal is the one it was drawn
+from, so decoding stays lossless; the only price is acceptance: alpha <= the target's mass
+inside the subset.
 """
 
 from __future__ import annotations
@@ -18,10 +20,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from ..backends.base import Feed, Runner, forward_grouped
+from .base import Feed, Runner, forward_grouped
 
 MAP_FILE = "vocab_map.json"
 
@@ -66,18 +67,6 @@ class VocabMap:
             return None
         data = json.loads(path.read_text())
         return cls(data["ids"], data["target_vocab_size"])
-
-
-def choose_subset(token_mass: np.ndarray, k: int, always: list[int]) -> list[int]:
-    """The `k` ids with the most target probability mass (`token_mass` [V]), `always` included;
-    in id order."""
-    if k < len(set(always)):
-        raise ValueError(
-            f"vocab_subset {k} is smaller than the {len(set(always))} special tokens it must keep"
-        )
-    order = np.argsort(-token_mass, kind="stable")
-    chosen = list(dict.fromkeys([int(i) for i in always] + [int(i) for i in order]))[:k]
-    return sorted(chosen)
 
 
 class SubsetVocabRunner(Runner):
