@@ -26,9 +26,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .backends import Runner, cpu_bf16_flags, cpu_model
+from .backends import Runner, cpu_bf16_flags, cpu_model, make_runner
+from .backends.subset import SubsetVocabRunner, VocabMap
 from .config import SamplingConfig, TreeConfig, check_positive_int
 from .decoder import SpeculativeDecoder
+from .request import encode_prompt
 from .stats import GenerationStats
 from .tree import TokenTree
 from .verify import RULES
@@ -134,7 +136,7 @@ def run_bench(
     target,
     draft,
     tokenizer,
-    prompts: Sequence[str | Sequence[int]],
+    prompts: Sequence,
     max_new_tokens: int,
     tree: TreeConfig,
     sampling: SamplingConfig,
@@ -146,9 +148,14 @@ def run_bench(
     config: dict | None = None,
     verifications: Sequence[str] = ("auto",),
     batch_size: int = 1,
+    compile: bool = False,
+    draft_vocab: VocabMap | None = None,
 ) -> BenchResult:
     """Benchmark HF causal LMs `target` and `draft` (HF generate runs them directly; treespec
-    wraps them once per backend). `prompts`: text (needs `tokenizer`) or lists of token ids.
+    wraps them once per backend). `prompts`: text or chats (need `tokenizer`) or token ids.
+    `compile`: treespec's native runners use their inductor forward (HF's models are as
+    loaded). `draft_vocab`: the draft has a subset vocabulary (`backends.subset`): treespec
+    wraps it, and HF assisted generation, which needs the target's vocabulary, is not run.
 
     `batch_size` > 1 times batches instead of single prompts: the prompts, cycled, form
     batches of `batch_size` requests (ceil(len(prompts) / batch_size) of them); HF runs each as
@@ -156,17 +163,26 @@ def run_bench(
     request's tokens over the batch's wall time. HF assisted generation cannot batch and is
     not run then."""
     check_positive_int("batch_size", batch_size)
-    if batch_size > 1:
+    if batch_size > 1 or draft_vocab is not None:
         methods = [m for m in methods if m != "hf-assisted"]
     unknown = set(methods) - set(METHODS)
     if unknown:
         raise ValueError(f"unknown bench methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
-    if tokenizer is None and any(isinstance(p, str) for p in prompts):
-        raise ValueError("bench needs a tokenizer for text prompts (or give the prompts as token ids)")
+    prompts = [list(encode_prompt(p, tokenizer)) for p in prompts]  # text and chats -> token ids
     bad = [v for v in verifications if v not in ("auto",) + RULES]
     if bad or not verifications:
         raise ValueError(f"unknown verification rules {bad}; choose from auto, token, block, traversal")
-    decoders = {b: SpeculativeDecoder(target, draft, tokenizer, drafter=drafter, backend=b) for b in backends}
+
+    def draft_runner(backend: str) -> Runner:
+        runner = make_runner(draft, backend, compile)
+        return runner if draft_vocab is None else SubsetVocabRunner(runner, draft_vocab)
+
+    decoders = {
+        b: SpeculativeDecoder(
+            make_runner(target, b, compile), draft_runner(b), tokenizer, drafter=drafter, backend=b
+        )
+        for b in backends
+    }
     n_batches = -(-len(prompts) // batch_size)
     batches = [
         [prompts[(j * batch_size + k) % len(prompts)] for k in range(batch_size)] for j in range(n_batches)
@@ -288,7 +304,7 @@ def result_table(result: BenchResult) -> str:
 def encode_batch(
     tokenizer, prompts: Sequence[str | Sequence[int]], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch of prompts (text, or token ids) as left-padded input_ids and attention_mask
+    """A batch of prompts (token ids, or text) as left-padded input_ids and attention_mask
     [B, S] (what HF `generate()` of a decoder-only model expects; the pad id never reaches a
     model row)."""
     rows = [tokenizer(p)["input_ids"] if isinstance(p, str) else [int(t) for t in p] for p in prompts]

@@ -52,6 +52,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         choices=("auto", "native", "hf"),
         help="auto (default): treespec's native forward where supported, else HF; bench: both",
     )
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the native forwards as torch.compile (inductor) graphs: faster on deep models, "
+        "minutes of compilation at start (docs/performance.md)",
+    )
 
 
 def _add_decode_args(p: argparse.ArgumentParser, max_new_tokens: int, width: int = TreeConfig.width) -> None:
@@ -173,7 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
         "the same depth.",
     )
     bench.add_argument(
-        "--prompts", type=Path, help="JSON list of prompts (default: bundled held-out prompts)"
+        "--prompts",
+        type=Path,
+        help="JSON list of prompts (default: held-out prompts; chat instructions for a chat model)",
     )
     bench.add_argument("--n-prompts", type=int, default=8, help="use the first N prompts (default 8)")
     bench.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
@@ -250,6 +258,7 @@ def _load(args):
         backend=args.backend,
         draft_dtype=args.draft_dtype,
         drafter=args.drafter,
+        compile=args.compile,
     )
 
 
@@ -373,11 +382,12 @@ def cmd_generate(args) -> None:
 
 
 def cmd_bench(args) -> None:
+    from .backends.subset import VocabMap
     from .bench import result_table, run_bench
-    from .zoo import load_prompts
+    from .zoo import heldout_chats, load_prompts
 
     tree, sampling = _configs(args)
-    prompts = load_prompts(args.prompts, args.n_prompts)
+    prompts = None if args.prompts is None else load_prompts(args.prompts, args.n_prompts)  # before loading
     if args.repeats < 1 or args.n_prompts < 1 or args.batch_size < 1:
         raise CliError("--repeats, --n-prompts and --batch-size must be >= 1")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -399,6 +409,10 @@ def cmd_bench(args) -> None:
     dtype = resolve_dtype(args.dtype, device, "target")
     draft_dtype = resolve_dtype(args.dtype if args.draft_dtype is None else args.draft_dtype, device, "draft")
     target, draft = hf.load_model(paths[0], dtype, device), hf.load_model(paths[1], draft_dtype, device)
+    tokenizer = hf.load_tokenizer(paths[0])
+    if prompts is None:  # the held-out prompts: chat instructions for a chat model
+        chat = getattr(tokenizer, "chat_template", None)
+        prompts = heldout_chats(args.n_prompts) if chat else load_prompts(None, args.n_prompts)
     backends = ("native", "hf") if args.backend == "auto" else (args.backend,)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
     # a progress line redrawn in place: terminal control codes, so only on a terminal
@@ -422,7 +436,7 @@ def cmd_bench(args) -> None:
     result = run_bench(
         target,
         draft,
-        hf.load_tokenizer(paths[0]),
+        tokenizer,
         prompts,
         args.max_new_tokens,
         tree,
@@ -435,6 +449,8 @@ def cmd_bench(args) -> None:
         config=config,
         verifications=[v.strip() for v in args.verification.split(",") if v.strip()] or ["auto"],
         batch_size=args.batch_size,
+        compile=args.compile,
+        draft_vocab=VocabMap.load(paths[1]) if isinstance(paths[1], Path) else None,
     )
     if progress is not None:
         print("\r\033[K", end="", file=sys.stderr)

@@ -104,6 +104,7 @@ class SpeculativeDecoder:
         backend: str = "auto",
         drafter: str | Drafter = "model",
         draft_dtype: torch.dtype | str | None = None,
+        compile: bool = False,
     ) -> SpeculativeDecoder:
         """Load target, draft and the target's tokenizer: local directories, GGUF files or HF ids.
 
@@ -111,7 +112,8 @@ class SpeculativeDecoder:
         bf16 on CUDA; on a CPU, bf16 for the target where the CPU has AMX or AVX512-BF16 and
         bf16 products measure faster, fp32 for the draft (`treespec.backends.auto_dtype`).
         `draft_dtype` overrides the draft's (default: `dtype`). `device` defaults to the CPU.
-        The native backend reads the weights straight from safetensors.
+        The native backend reads the weights straight from safetensors; `compile=True` runs its
+        forwards as inductor graphs (minutes of compilation on first use; docs/performance.md).
         """
         from . import loading
         from .backends import check_backend
@@ -138,7 +140,7 @@ class SpeculativeDecoder:
             loading.resolve_dtype(dtype if draft_dtype is None else draft_dtype, device, "draft"),
         )
         runners = [
-            None if p is None else loading.load_runner(p, t, device, backend)
+            None if p is None else loading.load_runner(p, t, device, backend, compile)
             for p, t in zip((target, draft), dtypes)
         ]
         draft_tokenizer = None if draft is None else loading.load_tokenizer(draft)

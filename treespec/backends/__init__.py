@@ -44,8 +44,9 @@ def use_native(backend: str, reason: str | None, what: str) -> bool:
     return False
 
 
-def make_runner(model, backend: str = "auto") -> Runner:
-    """A `Runner` for `model` (a Runner is returned as is; an HF causal LM gets wrapped)."""
+def make_runner(model, backend: str = "auto", compile: bool = False) -> Runner:
+    """A `Runner` for `model` (a Runner is returned as is; an HF causal LM gets wrapped;
+    `compile`: the native runner's inductor forward)."""
     check_backend(backend)
     if isinstance(model, Runner):
         return model
@@ -59,7 +60,7 @@ def make_runner(model, backend: str = "auto") -> Runner:
     from .native import NativeRunner
 
     if backend != "hf" and use_native(backend, unsupported_reason(model.config), "this model"):
-        return NativeRunner.from_hf(model)
+        return NativeRunner.from_hf(model, compile=compile)
     return HFRunner(model)
 
 

@@ -83,9 +83,13 @@ def checkpoint(path) -> str | Path:
     return hf.resolve_path(path)
 
 
-def load_runner(path, dtype: torch.dtype, device: torch.device, backend: str = "auto") -> Runner:
+def load_runner(
+    path, dtype: torch.dtype, device: torch.device, backend: str = "auto", compile: bool = False
+) -> Runner:
     """A runner for the checkpoint at `path` (`checkpoint`): native straight from safetensors
     when the backend allows it and the directory holds a supported checkpoint, else through HF.
+    `compile`: the native runner's inductor forward (`NativeRunner(compile=True)`; ignored,
+    with a warning, where it cannot compile; the HF backend has none).
     A draft with a subset vocabulary (`vocab_map.json` beside its weights) is wrapped so that
     it reads and proposes the target's token ids (`backends.subset`)."""
     from ..backends import hf
@@ -99,7 +103,7 @@ def load_runner(path, dtype: torch.dtype, device: torch.device, backend: str = "
         from ..backends.native import NativeRunner
 
         if use_native(backend, unsupported_reason(read_json(local / "config.json")), repr(str(path))):
-            runner = NativeRunner.from_pretrained(local, dtype=dtype, device=device)
+            runner = NativeRunner.from_pretrained(local, dtype=dtype, device=device, compile=compile)
         else:
             backend = "hf"  # the fallback notice has been printed
     if runner is None:

@@ -34,6 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="torch device (default: cpu)")
     g.add_argument("--backend", default="auto", choices=("auto", "native", "hf"))
     g.add_argument(
+        "--compile",
+        action="store_true",
+        help="native forwards as inductor graphs (one live request at a time gains; minutes to compile)",
+    )
+    g.add_argument(
         "--drafter", default="model", choices=("model", "ngram", "lookup", "merged"), help="who proposes"
     )
     g.add_argument("--served-model-name", default=None, help="the model id clients name (default: the pair)")
@@ -140,6 +145,7 @@ def build(args):
         backend=args.backend,
         draft_dtype=args.draft_dtype,
         drafter=args.drafter,
+        compile=args.compile,
     )
     engine = dec.engine(
         max_live=args.max_live,

@@ -68,3 +68,13 @@ def load_prompts(path: str | Path | None = None, n: int | None = None) -> list[s
     if not prompts or not all(isinstance(p, str) and p for p in prompts):
         raise ValueError(f"{path} must hold a non-empty list of non-empty prompt strings")
     return prompts
+
+
+def heldout_chats(n: int | None = None) -> list[list[dict]]:
+    """One-turn chats of the held-out chat instructions (`treespec/distill/prompts/
+    chat_heldout.jsonl`: many kinds of instruction, never used to distil a draft)."""
+    import json
+
+    path = ZOO.parent / "distill" / "prompts" / "chat_heldout.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [[{"role": "user", "content": item["prompt"]}] for item in lines[:n]]
