@@ -18,6 +18,7 @@ import torch
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.backends import make_runner
+from treespec.backends.subset import full_vocabulary_model
 from treespec.distill import (
     Recipe,
     SubsetVocabRunner,
@@ -329,6 +330,22 @@ def test_cli_runs_boost_tuned_subset_vocabulary_drafts(tiny_target, tmp_path):
 
 
 # ---- subset vocabulary: lossless ----------------------------------------------------------
+def test_full_vocabulary_model_has_the_subset_runners_distribution():
+    """The HF model HF assisted generation runs for a subset draft: logits equal the subset
+    runner's, -inf outside the subset included, for ids inside and outside it."""
+    draft = tiny_llama(5, hidden=16, layers=1, heads=2, kv_heads=1, vocab=5)
+    vm = VocabMap([1, 3, 6, 7], target_vocab=9)
+    full = full_vocabulary_model(draft, vm)
+    ids = [6, 2, 7, 0, 3]
+    expected = SubsetVocabRunner(make_runner(draft, "hf"), vm).extend(ids, [-1, 0, 1, 2, 3])
+    with torch.no_grad():
+        got = full(torch.tensor([ids])).logits[0]
+    assert full.config.vocab_size == 9 and got.shape == (5, 9)
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    torch.testing.assert_close(got[:, vm.ids], expected[:, vm.ids], atol=1e-6, rtol=0)
+    assert draft.config.vocab_size == 5  # the draft itself is untouched
+
+
 def test_subset_runner_scatters_into_the_target_vocabulary():
     draft = tiny_llama(5, hidden=16, layers=1, heads=2, kv_heads=1, vocab=5)
     vm = VocabMap([1, 3, 6, 7], target_vocab=9)

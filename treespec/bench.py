@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .backends import Runner, cpu_bf16_flags, cpu_model, make_runner
-from .backends.subset import SubsetVocabRunner, VocabMap
+from .backends.subset import SubsetVocabRunner, VocabMap, full_vocabulary_model
 from .config import SamplingConfig, TreeConfig, check_positive_int
 from .decoder import SpeculativeDecoder
 from .request import encode_prompt
@@ -155,7 +155,7 @@ def run_bench(
     wraps them once per backend). `prompts`: text or chats (need `tokenizer`) or token ids.
     `compile`: treespec's native runners use their inductor forward (HF's models are as
     loaded). `draft_vocab`: the draft has a subset vocabulary (`backends.subset`): treespec
-    wraps it, and HF assisted generation, which needs the target's vocabulary, is not run.
+    wraps it, and HF assisted generation runs its full-vocabulary equivalent (the same q).
 
     `batch_size` > 1 times batches instead of single prompts: the prompts, cycled, form
     batches of `batch_size` requests (ceil(len(prompts) / batch_size) of them); HF runs each as
@@ -163,8 +163,9 @@ def run_bench(
     request's tokens over the batch's wall time. HF assisted generation cannot batch and is
     not run then."""
     check_positive_int("batch_size", batch_size)
-    if batch_size > 1 or draft_vocab is not None:
+    if batch_size > 1:
         methods = [m for m in methods if m != "hf-assisted"]
+    assistant = draft if draft_vocab is None else full_vocabulary_model(draft, draft_vocab)
     unknown = set(methods) - set(METHODS)
     if unknown:
         raise ValueError(f"unknown bench methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
@@ -224,7 +225,7 @@ def run_bench(
                     progress(f"repeat {rep + 1}/{repeats} batch {i + 1}/{len(encoded)} {name}")
                 seed = rep * 1000 + i * batch_size
                 if name.startswith("hf"):
-                    extra = {"assistant_model": draft} if name == "hf-assisted" else {}
+                    extra = {"assistant_model": assistant} if name == "hf-assisted" else {}
                     torch.manual_seed(seed)
                     t0 = time.perf_counter()
                     with torch.inference_mode():

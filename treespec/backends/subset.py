@@ -134,3 +134,27 @@ class SubsetVocabRunner(Runner):
             lambda group, fs: type(group[0])._forward_many(group, fs, need_logits),
         )
         return [None if out is None else r._scatter(out) for r, out in zip(runners, inner)]
+
+
+def full_vocabulary_model(model: torch.nn.Module, vocab_map: VocabMap) -> torch.nn.Module:
+    """A copy of the HF draft `model` (K + 1 rows) over the target's V ids with the same
+    distribution as `SubsetVocabRunner`: input embeddings gathered by `input_rows`, an output
+    layer of V rows whose bias is -inf outside the subset. What a consumer that needs the
+    target's vocabulary (Hugging Face assisted generation) can run."""
+    import copy
+
+    full = copy.deepcopy(model)
+    V = vocab_map.target_vocab
+    rows = vocab_map.input_rows(torch.arange(V))  # [V] draft row of every target id
+    emb = model.get_input_embeddings().weight.detach()  # [K + 1, h]
+    head = model.get_output_embeddings().weight.detach()  # [K + 1, h]
+    full.set_input_embeddings(torch.nn.Embedding.from_pretrained(emb[rows].clone(), freeze=False))
+    out = torch.nn.Linear(emb.shape[1], V, bias=True, dtype=head.dtype, device=head.device)
+    with torch.no_grad():
+        out.weight.copy_(head[rows])
+        out.bias.fill_(float("-inf"))
+        out.bias[vocab_map.ids.to(head.device)] = 0
+    full.set_output_embeddings(out)
+    full.config.vocab_size = V
+    full.config.tie_word_embeddings = False
+    return full.eval()
