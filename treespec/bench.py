@@ -165,7 +165,9 @@ def run_bench(
     check_positive_int("batch_size", batch_size)
     if batch_size > 1:
         methods = [m for m in methods if m != "hf-assisted"]
-    assistant = draft if draft_vocab is None else full_vocabulary_model(draft, draft_vocab)
+    assistant = draft
+    if draft_vocab is not None and "hf-assisted" in methods:
+        assistant = full_vocabulary_model(draft, draft_vocab)
     unknown = set(methods) - set(METHODS)
     if unknown:
         raise ValueError(f"unknown bench methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
