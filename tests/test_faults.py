@@ -208,13 +208,31 @@ def test_memory_stays_flat_over_2000_requests():
             for i in [i for i in ids if i in engine.requests and engine.requests[i].output is not None]:
                 engine.take(i)
 
-    serve(200)
+    serve(2000)  # warm-up: allocator pools and lazily built state reach their size
     gc.collect()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
     serve(2000)
     gc.collect()
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     assert not engine.requests and grown < 4096, f"peak RSS grew {grown} KiB over 2,000 requests"
+
+
+def test_a_cache_larger_than_memory_is_refused_before_allocating(dec, solo, monkeypatch):
+    """max_live beyond what memory holds is a clear error at once (not an allocator failure
+    minutes later), and a cache that must grow past the memory left ends its request alone."""
+    import treespec.backends.native as native
+
+    with pytest.raises(MemoryError, match="KV cache of 10000000 lane.*GiB.*max_live"):
+        dec.engine(max_live=10_000_000)
+    engine = dec.engine(max_live=5)
+    ids = add_all(engine)
+    engine.step()  # every lane holds its prompt in the pool's initial capacity
+    monkeypatch.setattr(native, "available_memory", lambda device: 0)  # no memory left to grow
+    too_long = engine.add(PROMPTS[0] * 80, seed=9, **SETTINGS)  # more slots than the pool has
+    outputs = engine.run()
+    failed = outputs[too_long]
+    assert failed.finish_reason == "error" and "KV cache" in failed.error and not failed.token_ids
+    assert [outputs[i].token_ids for i in ids] == solo
 
 
 def test_edges_are_clear_errors(dec):

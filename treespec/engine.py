@@ -385,6 +385,8 @@ class Engine:
                 self.targets[r.lane].reset()
             # the target holds all but the last prompt token (the root of the first tree)
             prefill_many([(self.targets[r.lane], r.context[:-1]) for r in admitted])
+        except Exception:  # noqa: BLE001 - one request's prefill failed (e.g. its cache cannot grow)
+            admitted = self._prefill_alone(admitted)
         except BaseException:
             self._unadmit(admitted)
             raise
@@ -405,6 +407,25 @@ class Engine:
         t1 = time.perf_counter()
         for r in admitted:
             r.stats.prefill_seconds = t1 - t0
+
+    def _prefill_alone(self, admitted: list[RequestState]) -> list[RequestState]:
+        """After a packed prefill failed: each request prefilled on its own, so that the one
+        at fault ends alone (finish_reason "error") and the others are admitted. Returns them."""
+        ok = []
+        for i, r in enumerate(admitted):
+            target = self.targets[r.lane]
+            target.reset()
+            try:
+                prefill_many([(target, r.context[:-1])])
+            except Exception as e:  # noqa: BLE001 - this request's own failure
+                target.reset()
+                self._fail(r, e)
+                continue
+            except BaseException:
+                self._unadmit(ok + [r] + admitted[i + 1 :])
+                raise
+            ok.append(r)
+        return ok
 
     def _unadmit(self, states: list[RequestState]) -> None:
         """Put requests whose admission was interrupted back at the head of the queue."""

@@ -109,6 +109,23 @@ def rope_rows(
 
 
 # ---- the KV cache -----------------------------------------------------------------------------
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that can be allocated on `device` now (Linux MemAvailable on the CPU, the CUDA
+    allocator's free memory plus what its cache holds), or None where it cannot be told."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
 class KVPool:
     """The static KV cache of `rows` lanes of one model, and the RoPE tables of its positions."""
 
@@ -122,8 +139,17 @@ class KVPool:
 
     def grow(self, capacity: int) -> None:
         """Reallocate for `capacity` slots per lane (keeping what the cache holds) and the RoPE
-        tables for positions [0, capacity): positions never exceed the slot count."""
+        tables for positions [0, capacity): positions never exceed the slot count. A cache that
+        would not fit in the memory available now is refused before anything is allocated."""
         s, old = self.shape, self.kv
+        need = s.layers * 2 * self.rows * s.kv_heads * capacity * s.head_dim * self.dtype.itemsize
+        free = available_memory(self.device)
+        if free is not None and need > free:
+            raise MemoryError(
+                f"a KV cache of {self.rows} lane(s) x {capacity} slots needs {need / 2**30:.2f} GiB and "
+                f"{free / 2**30:.2f} GiB of {self.device.type} memory is available; serve fewer requests "
+                f"at once (max_live / max_kv_tokens) or shorter ones"
+            )
         self.kv = torch.zeros(
             s.layers, 2, self.rows, s.kv_heads, capacity, s.head_dim, device=self.device, dtype=self.dtype
         )
