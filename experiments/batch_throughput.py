@@ -29,7 +29,7 @@ from tqdm import tqdm
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.backends import hf
 from treespec.bench import encode_batch, machine_info
-from treespec.zoo import default_pair, load_prompts
+from treespec.zoo import load_prompts, pair
 
 
 def main() -> None:
@@ -55,8 +55,8 @@ def main() -> None:
     out_path = args.out or Path(f"experiments/results/batch_T{args.temperature:g}.json")
 
     sampling = SamplingConfig(temperature=args.temperature)
-    dec = SpeculativeDecoder.from_pretrained(dtype=args.dtype, backend=args.backend, drafter=args.drafter)
-    target_path, _ = default_pair()
+    dec = SpeculativeDecoder.from_pretrained(*pair("pycode"), dtype=args.dtype, backend=args.backend, drafter=args.drafter)
+    target_path, _ = pair("pycode")
     hf_target = hf.load_model(target_path, dec.target_runner.dtype, dec.target_runner.device)
     trees = {"autoregressive": None, f"linear 1x{args.depth}": TreeConfig(1, args.depth, args.strategy)}
     widths = [int(w) for w in args.widths.split(",")]

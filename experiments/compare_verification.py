@@ -33,7 +33,7 @@ from scipy.stats import t as student_t
 from treespec import GenerationStats, SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.sequoia import TreeShape
 from treespec.theory import kary_parents
-from treespec.zoo import load_prompts
+from treespec.zoo import load_prompts, pair
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -81,7 +81,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     prompts = load_prompts(None, args.n_prompts)
-    dec = SpeculativeDecoder.from_pretrained(dtype="float32")
+    dec = SpeculativeDecoder.from_pretrained(*pair("pycode"), dtype="float32")
     ids = [dec.tokenizer(p)["input_ids"] for p in prompts]
     cells = trees(args)
     if args.only:

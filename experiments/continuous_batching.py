@@ -23,7 +23,7 @@ from pathlib import Path
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.bench import machine_info
-from treespec.zoo import load_prompts
+from treespec.zoo import load_prompts, pair
 
 
 def main() -> None:
@@ -41,7 +41,7 @@ def main() -> None:
     args = ap.parse_args()
     out_path = args.out or Path(f"experiments/results/continuous_T{args.temperature:g}.json")
 
-    dec = SpeculativeDecoder.from_pretrained(dtype=args.dtype)
+    dec = SpeculativeDecoder.from_pretrained(*pair("pycode"), dtype=args.dtype)
     texts = load_prompts()
     requests = [dec.tokenizer.encode(texts[i % len(texts)]) for i in range(args.requests)]
     tree = TreeConfig(args.width, args.depth)

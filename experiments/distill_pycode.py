@@ -37,7 +37,7 @@ from treespec.decoder import SpeculativeDecoder
 from treespec.distill import distill, load_draft, load_draft_runner
 from treespec.distill.evaluate import acceptance, merged_acceptance
 from treespec.distill.prompts import Rendered
-from treespec.zoo import default_pair, load_prompts
+from treespec.zoo import load_prompts, pair
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "experiments" / "results" / "distill_pycode.json"
@@ -109,7 +109,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     quiet_transformers()
-    target_dir, bundled_dir = default_pair()
+    target_dir, bundled_dir = pair("pycode")
     tokenizer = load_tokenizer(target_dir)
     target = load_model(target_dir, torch.float32, torch.device("cpu"))
     target_runner = SpeculativeDecoder(target, None, tokenizer).target_runner

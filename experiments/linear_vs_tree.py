@@ -19,7 +19,7 @@ Rows:
   {"kind": "cell", ...}   per cell: tokens/step, tokens/s, acceptance by depth, nodes per
                           round, c, t(n)/t(1) at the cell's mean tree size (interpolated)
 
-Only the public API is used: `SpeculativeDecoder.from_pretrained(dtype=, backend=)`, costs
+Only the public API is used: `SpeculativeDecoder.from_pretrained(*pair("pycode"), dtype=, backend=)`, costs
 through its runners (`treespec.bench.forward_seconds`), `generate()` stats. Every row records
 its backend, dtype and thread count.
 `experiments/plot_linear_vs_tree.py` turns the JSONL into plots.
@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from treespec import BigramDrafter, GenerationStats, SamplingConfig, SpeculativeDecoder, TreeConfig, UnigramDrafter
 from treespec.bench import forward_seconds
-from treespec.zoo import load_prompts
+from treespec.zoo import load_prompts, pair
 
 COST_SIZES = (1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33, 49, 65, 97)
 
@@ -98,7 +98,7 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
-    model = SpeculativeDecoder.from_pretrained(dtype=args.dtype, backend=args.backend)
+    model = SpeculativeDecoder.from_pretrained(*pair("pycode"), dtype=args.dtype, backend=args.backend)
     target, tok = model.target_runner, model.tokenizer
     prompts = [tok(p)["input_ids"] for p in load_prompts(n=args.n_prompts)]
     decoders = {"model": model}

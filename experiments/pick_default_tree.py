@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.sequoia import optimal_shape
-from treespec.zoo import load_prompts
+from treespec.zoo import load_prompts, pair
 
 CANDIDATES = (
     "iid:1x4", "iid:1x5", "iid:1x6", "iid:2x3", "iid:2x4", "iid:4x3", "iid:4x4",
@@ -66,7 +66,7 @@ def main() -> None:
     acceptance = json.loads(args.sequoia.read_text())["acceptance"] if args.sequoia else None
     candidates = {spec: parse(spec, acceptance) for spec in args.candidates.split(",")}
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    dec = SpeculativeDecoder.from_pretrained(dtype=args.dtype, backend=args.backend)
+    dec = SpeculativeDecoder.from_pretrained(*pair("pycode"), dtype=args.dtype, backend=args.backend)
     prompts = [dec.tokenizer(p)["input_ids"] for p in load_prompts(n=args.n_prompts)]
     methods = {"plain": None, **candidates}
     speedups = {(t, m): [] for t in temperatures for m in methods}

@@ -29,7 +29,7 @@ from pick_default_tree import parse
 import treespec.engine as engine
 from treespec import SamplingConfig, SpeculativeDecoder
 from treespec.backends.native import NativeRunner
-from treespec.zoo import load_prompts
+from treespec.zoo import load_prompts, pair
 
 PARTS = ("target_forward", "target_prefill", "draft_forwards", "draft_prefill", "drafting_python", "verify", "rest")
 
@@ -90,7 +90,7 @@ def main() -> None:
 
     acceptance = json.loads(args.sequoia.read_text())["acceptance"] if args.sequoia else None
     trees = {spec: parse(spec, acceptance) for spec in args.trees.split(",")}
-    dec = SpeculativeDecoder.from_pretrained(dtype=args.dtype, backend="native")
+    dec = SpeculativeDecoder.from_pretrained(*pair("pycode"), dtype=args.dtype, backend="native")
     prompts = [dec.tokenizer(p)["input_ids"] for p in load_prompts(n=args.n_prompts)]
     sampling = SamplingConfig(temperature=args.temperature)
     timers = Timers(dec.target_runner)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from treespec import SpeculativeDecoder
-from treespec.zoo import load_prompts
+from treespec.zoo import load_prompts, pair
 
 
 def main() -> None:
@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("experiments/results/sibling_acceptance.json"))
     args = ap.parse_args()
 
-    dec = SpeculativeDecoder.from_pretrained(dtype="float32", backend="native")
+    dec = SpeculativeDecoder.from_pretrained(*pair("pycode"), dtype="float32", backend="native")
     zp, zq = [], []
     for text in load_prompts(n=args.n_prompts):
         ids = dec.tokenizer.encode(text)[: args.max_tokens]

@@ -34,11 +34,11 @@ def load_pair():
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from treespec.zoo import default_pair
+    from treespec.zoo import pair
 
     hf_logging.disable_progress_bar()
 
-    target_path, draft_path = default_pair()
+    target_path, draft_path = pair("pycode")
     load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, attn_implementation="sdpa").eval()  # noqa: E731
     return load(target_path), load(draft_path), AutoTokenizer.from_pretrained(target_path)
 

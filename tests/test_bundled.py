@@ -6,19 +6,20 @@ import pytest
 import torch
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
-from treespec.zoo import ZOO, default_pair, load_prompts
+from treespec.zoo import ZOO, load_prompts, pair
 
 GREEDY = SamplingConfig(temperature=0)
 # Measured on the shipped checkpoints (see treespec/zoo/pycode/README.md), with margin: a
 # broken or mismatched checkpoint falls far below this.
 GREEDY_ALPHA_FLOOR = 0.55
+PYCODE = pair("pycode")  # the bundled pair, whatever the default pair is
 
 
 @pytest.fixture(scope="module")
 def dec64():
     """float64, so that tree and sequential forwards cannot disagree on an argmax by rounding."""
     return {
-        backend: SpeculativeDecoder.from_pretrained(dtype="float64", backend=backend)
+        backend: SpeculativeDecoder.from_pretrained(*PYCODE, dtype="float64", backend=backend)
         for backend in ("native", "hf")
     }
 
@@ -27,11 +28,11 @@ def dec64():
 def hf_target64():
     from treespec.backends.hf import load_model
 
-    return load_model(default_pair()[0], torch.float64, None)
+    return load_model(PYCODE[0], torch.float64, None)
 
 
 def test_checkpoints_are_shipped_small_and_complete():
-    target, draft = default_pair()
+    target, draft = PYCODE
     for d in (target, draft):
         for name in (
             "config.json",
@@ -48,7 +49,7 @@ def test_checkpoints_are_shipped_small_and_complete():
 
 def test_loads_offline_with_a_tokenizer_that_round_trips(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    dec = SpeculativeDecoder.from_pretrained()
+    dec = SpeculativeDecoder.from_pretrained(*PYCODE)
     text = 'def f(xs):\n    """Sum."""\n    return sum(x * 2 for x in xs)  # é\n'
     ids = dec.tokenizer(text)["input_ids"]
     assert dec.tokenizer.decode(ids) == text
@@ -71,7 +72,7 @@ def test_greedy_equals_hf_generate_on_heldout_prompts(dec64, hf_target64, backen
 
 
 def test_greedy_acceptance_is_above_the_measured_floor():
-    dec = SpeculativeDecoder.from_pretrained()
+    dec = SpeculativeDecoder.from_pretrained(*PYCODE)
     accepted = attempted = 0
     for prompt in load_prompts(n=4):
         s = dec.generate(prompt, 48, tree=TreeConfig(1, 4), sampling=GREEDY, ignore_eos=True).stats

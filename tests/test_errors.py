@@ -151,10 +151,10 @@ def _corrupt_copy(tmp_path, how: str):
     """A copy of the bundled draft checkpoint with its weights truncated or overwritten."""
     import shutil
 
-    from treespec.zoo import default_pair
+    from treespec.zoo import pair
 
     dst = tmp_path / f"draft-{how}"
-    shutil.copytree(default_pair()[1], dst)
+    shutil.copytree(pair("pycode")[1], dst)
     f = dst / "model.safetensors"
     data = f.read_bytes()
     f.write_bytes(

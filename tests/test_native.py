@@ -313,9 +313,9 @@ def test_from_pretrained_sharded(tmp_path):
 
 
 def test_bundled_pair_loads():
-    from treespec.zoo import default_pair
+    from treespec.zoo import pair
 
-    for path in default_pair():
+    for path in pair("pycode"):
         r = NativeRunner.from_pretrained(path)
         assert r.vocab_size == 8192 and r.eos_token_ids == frozenset({0}) and r.dtype == torch.float32
         r.prefill([5, 6, 7])
