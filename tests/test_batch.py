@@ -645,3 +645,38 @@ def test_stops_and_streaming_per_request(models):
         PROMPTS[:3], 20, tree=TreeConfig(2, 3), sampling=T1, seeds=[0, 1, 2], ignore_eos=True, stop=[stop_at]
     )
     assert_same(same[0], want[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_deterministic_engine_outputs_do_not_depend_on_batch_mates(dtype, monkeypatch):
+    """`engine(deterministic=True)`: 8 requests decoded together, greedy and sampled, each
+    token-identical to its own `generate()` in bf16 too (where the packed forward's products
+    round differently and, on this model, change 4 of 8 greedy and 7 of 8 sampled outputs),
+    because each lane forwards alone: one target forward per live request per round."""
+    target = tiny_llama(0, hidden=64, layers=3, heads=4, kv_heads=2).to(dtype)
+    dec = SpeculativeDecoder(target, perturbed(target, noise=0.3, seed=1), backend="native")
+    prompts = [[5 + i, 9, 13 + 2 * i, 2, 7 + i] * (1 + i % 3) for i in range(8)]
+    for temperature in (0.0, 1.0):
+        settings = dict(
+            max_new_tokens=40,
+            tree=TreeConfig(2, 3),
+            sampling=SamplingConfig(temperature=temperature),
+            ignore_eos=True,
+        )
+        solo = [dec.generate(p, seed=i, **settings).token_ids for i, p in enumerate(prompts)]
+        engine = dec.engine(max_live=8, deterministic=True)
+        ids = [engine.add(p, seed=i, **settings) for i, p in enumerate(prompts)]
+        lanes_per_forward = []
+        packed = NativeRunner._packed_forward
+
+        def spy(self, lanes, feeds, need_logits):
+            lanes_per_forward.append(len(lanes))
+            return packed(self, lanes, feeds, need_logits)
+
+        monkeypatch.setattr(NativeRunner, "_packed_forward", spy)
+        out = engine.run()
+        monkeypatch.undo()
+        assert [out[i].token_ids for i in ids] == solo
+        assert lanes_per_forward and set(lanes_per_forward) == {1}  # no forward shared by lanes
+    with pytest.raises(ValueError, match="deterministic=True needs speculate_max_live=None"):
+        dec.engine(deterministic=True, speculate_max_live=2)

@@ -22,6 +22,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -46,12 +47,16 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    yield from start_server(tmp_path_factory, "float32")
+
+
+def start_server(tmp_path_factory, dtype: str, *extra: str):
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     env = dict(os.environ, TREESPEC_SERVE_FAULTS="1", OMP_NUM_THREADS="1", NO_COLOR="1")
-    cmd = [sys.executable, "-m", "treespec.serve", "--pair", "pycode", "--dtype", "float32", "--threads", "1"]
+    cmd = [sys.executable, "-m", "treespec.serve", "--pair", "pycode", "--dtype", dtype, "--threads", "1"]
     cmd += ["--port", str(port), "--max-live", str(MAX_LIVE), "--max-queue", str(MAX_QUEUE)]
-    cmd += ["--grace-period", "20", "--log-level", "warning"]
+    cmd += ["--grace-period", "20", "--log-level", "warning", *extra]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
@@ -239,6 +244,46 @@ def test_concurrent_seeded_streams_each_equal_their_solo_output(server, client, 
         want = solo(ref, PROMPTS[i], 16, s["temperature"], s.get("seed"), trees[i])
         assert results[i][0] == want.text, f"request {i}"
     assert metric(server, "treespec_requests_running") == 0
+
+
+def test_deterministic_server_16_concurrent_bf16_streams_each_equal_their_solo_output(tmp_path_factory):
+    """`--deterministic` in bf16: 16 seeded streams at once (sampled, trees and chains), each
+    the text its own `generate()` gives alone, whatever its batch-mates were."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the server (--threads 1): the same products, the same rounding
+    ref = SpeculativeDecoder.from_pretrained(
+        target=ZOO / "pycode" / "target", draft=ZOO / "pycode" / "draft", dtype="bfloat16"
+    )
+    n, trees = 16, [TreeConfig(), TreeConfig(2, 3)]
+    gen = start_server(tmp_path_factory, "bfloat16", "--deterministic", "--max-live", str(n))
+    server = next(gen)
+    results: dict[int, str] = {}
+    try:
+        with openai.OpenAI(base_url=server["base"] + "/v1", api_key="x", max_retries=0, timeout=120) as c:
+
+            def run(i):
+                tree = trees[i % 2]
+                stream = c.completions.create(
+                    model=MODEL,
+                    prompt=PROMPTS[i % len(PROMPTS)],
+                    max_tokens=24,
+                    temperature=1.0,
+                    seed=i,
+                    stream=True,
+                    extra_body={"tree": {"width": tree.width, "depth": tree.depth}},
+                )
+                results[i] = read_stream(stream)[0]
+
+            workers = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+            for t in workers:
+                t.start()
+            for t in workers:
+                t.join(120)
+    finally:
+        next(gen, None)
+    wants = [solo(ref, PROMPTS[i % len(PROMPTS)], 24, 1.0, i, trees[i % 2]).text for i in range(n)]
+    torch.set_num_threads(threads)
+    assert [results.get(i) for i in range(n)] == wants
 
 
 # ---- faults ---------------------------------------------------------------------------------------

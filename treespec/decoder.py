@@ -266,7 +266,11 @@ class SpeculativeDecoder:
         return [outputs[i] for i in ids]
 
     def engine(
-        self, max_live: int = 8, max_kv_tokens: int | None = None, speculate_max_live: int | str | None = None
+        self,
+        max_live: int = 8,
+        max_kv_tokens: int | None = None,
+        speculate_max_live: int | str | None = None,
+        deterministic: bool = False,
     ) -> Engine:
         """A continuous-batching `Engine` over `max_live` new lanes of this decoder's models (its
         own: no other engine and no `generate()` touches them): add requests, `step()` rounds,
@@ -278,10 +282,23 @@ class SpeculativeDecoder:
         token-identical to `generate()` alone (its draws are consumed differently). "auto":
         each round speculates or not by which has measured more tokens per second at about
         this many live requests (`treespec.adaptive.GoodputSwitch`, one per decoder, so what
-        its engines measured carries over). None (default): always speculate."""
+        its engines measured carries over). None (default): always speculate.
+
+        `deterministic=True`: a request's output depends only on itself (prompt, settings,
+        seed), never on what else the engine runs: each lane forwards alone, with the numbers
+        of `generate()` (batch-invariant; vLLM's idea), at the cost of batching's speed-up. It
+        excludes `speculate_max_live`, whose choice depends on the load."""
         check_positive_int("max_live", max_live)
+        if deterministic and speculate_max_live is not None:
+            raise ValueError(
+                "deterministic=True needs speculate_max_live=None: switching speculation by load "
+                "would make outputs depend on the load"
+            )
         targets = self.target_runner.lanes(max_live)
         drafts = [None] * max_live if self.draft_runner is None else self.draft_runner.lanes(max_live)
+        for lane in targets + drafts:
+            if lane is not None:
+                lane.batch_invariant = bool(deterministic)
         return self._engine(targets, drafts, max_kv_tokens, speculate_max_live)
 
     def rules(self, tree: TreeConfig | None) -> tuple[str, ...]:

@@ -47,6 +47,10 @@ class Runner(ABC):
     eos_token_ids: frozenset[int] = frozenset()  # from the model's generation config
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
+    # True: this lane's forwards never share a batched forward with other lanes, so its numbers
+    # are those of the same sequence decoded alone, whatever runs beside it (a lane of a
+    # deterministic engine; costs the batching speed-up)
+    batch_invariant: bool = False
 
     def __init__(self) -> None:
         self.forwards = 0  # model calls so far (prefills included), for statistics
@@ -223,9 +227,13 @@ def prefill_many(jobs: Sequence[tuple[Runner, Sequence[int]]]) -> None:
 
 
 def _run(runners: list[Runner], feeds: list[Feed], need_logits: bool) -> list[torch.Tensor | None]:
-    """Forward `feeds`, grouping runners by class so a batched backend sees all its lanes."""
+    """Forward `feeds`, grouping runners by class so a batched backend sees all its lanes (a
+    batch-invariant lane forms a group of its own)."""
     out = forward_grouped(
-        runners, feeds, type, lambda group, fs: type(group[0])._forward_many(group, fs, need_logits)
+        runners,
+        feeds,
+        lambda r: id(r) if r.batch_invariant else type(r),
+        lambda group, fs: type(group[0])._forward_many(group, fs, need_logits),
     )
     for r in runners:
         r.forwards += 1

@@ -65,6 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="draft nothing while more requests than this are live; 'auto' measures (default: always draft)",
     )
     s.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="same seed, same text, whatever else runs: each request forwards alone (batch-invariant; "
+        "slower under load)",
+    )
+    s.add_argument(
         "--grace-period",
         type=float,
         default=30.0,
@@ -151,6 +157,7 @@ def build(args):
         max_live=args.max_live,
         max_kv_tokens=args.max_kv_tokens,
         speculate_max_live=_speculate_max_live(args.speculate_max_live),
+        deterministic=args.deterministic,
     )
     settings = ServeSettings(
         max_queue=args.max_queue,
