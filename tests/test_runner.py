@@ -207,3 +207,36 @@ def test_bf16_probe_answers_and_is_cached():
         backends.bf16_matmul_is_faster.cache_info().hits + backends.bf16_matmul_is_faster.cache_info().misses
         >= 1
     )
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_prefix_reuse_prefills_only_what_is_new_and_changes_no_output(backend, temperature, monkeypatch):
+    """A chat's second turn with `prefix_reuse` on both runners: the target and the draft feed
+    only the tokens after what their caches share with the new prompt, and the output (float64,
+    seeded) equals a decoder that starts from empty caches."""
+    import treespec.backends.base as base
+
+    target = tiny_llama(0).double()
+    fresh, reusing = (SpeculativeDecoder(target, tiny_llama(1).double(), backend=backend) for _ in range(2))
+    for runner in (reusing.target_runner, reusing.draft_runner):
+        runner.prefix_reuse = True
+    settings = dict(tree=TreeConfig(2, 3), sampling=SamplingConfig(temperature=temperature), ignore_eos=True)
+    first = reusing.generate(PREFIX, 12, seed=0, **settings)
+    second_prompt = PREFIX + first.token_ids + [5, 9]  # the next turn extends the first
+    fed = []
+    run = base._run
+    monkeypatch.setattr(
+        base,
+        "_run",
+        lambda rs, fs, need_logits: fed.extend(len(f.tokens) for f in fs) or run(rs, fs, need_logits),
+    )
+    got = reusing.generate(second_prompt, 12, seed=1, **settings)
+    prefill = fed[:2]  # the target's prefill, then the draft's
+    monkeypatch.undo()
+    want = fresh.generate(second_prompt, 12, seed=1, **settings)
+    assert got.token_ids == want.token_ids
+    shared = len(PREFIX) + len(first.token_ids) - 1  # the last token of turn 1 was never fed
+    new = len(second_prompt) - 1 - shared  # a fresh prefill feeds len(second_prompt) - 1 = 20
+    # the draft's cache lags the target's by the tokens of the last round it did not feed
+    assert prefill[0] == new and new <= prefill[1] <= new + 3, prefill

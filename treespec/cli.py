@@ -467,11 +467,15 @@ def cmd_bench(args) -> None:
 
 def cmd_chat(args) -> None:
     """A multi-turn chat on stdin/stdout: each turn re-renders the whole conversation with the
-    chat template and streams the reply (the earlier turns are prefilled again each turn)."""
+    chat template and streams the reply; the runners keep the cached turns the new prompt
+    shares (`Runner.prefix_reuse`), so a turn prefills only what is new."""
     tree, sampling = _configs(args)
     dec = _load(args)
     if dec.tokenizer is None or not getattr(dec.tokenizer, "chat_template", None):
         raise CliError("this model has no chat template; use treespec generate")
+    for runner in (dec.target_runner, dec.draft_runner):
+        if runner is not None:
+            runner.prefix_reuse = True
     from .output import TextStream
 
     messages = [{"role": "system", "content": args.system}] if args.system else []

@@ -379,12 +379,13 @@ class Engine:
             return
         t0 = time.perf_counter()
         try:
+            kept = []
             for r in admitted:
                 r.started = t0
                 r.status, r.context = "live", list(r.request.prompt)
-                self.targets[r.lane].reset()
+                kept.append(self.targets[r.lane].keep_prefix(r.context[:-1]))  # 0 unless prefix_reuse
             # the target holds all but the last prompt token (the root of the first tree)
-            prefill_many([(self.targets[r.lane], r.context[:-1]) for r in admitted])
+            prefill_many([(self.targets[r.lane], r.context[k:-1]) for r, k in zip(admitted, kept)])
         except Exception:  # noqa: BLE001 - one request's prefill failed (e.g. its cache cannot grow)
             admitted = self._prefill_alone(admitted)
         except BaseException:

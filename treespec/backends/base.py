@@ -51,6 +51,9 @@ class Runner(ABC):
     # are those of the same sequence decoded alone, whatever runs beside it (a lane of a
     # deterministic engine; costs the batching speed-up)
     batch_invariant: bool = False
+    # True: keep_prefix() keeps the cached slots a new sequence shares with the last one (a
+    # chat's earlier turns), instead of starting from an empty cache
+    prefix_reuse: bool = False
 
     def __init__(self) -> None:
         self.forwards = 0  # model calls so far (prefills included), for statistics
@@ -80,6 +83,25 @@ class Runner(ABC):
         return self.n_committed + self.n_pending
 
     # ---- the API the decoder and the drafters use ------------------------------------------
+    def keep_prefix(self, tokens: Sequence[int]) -> int:
+        """Start a new sequence that begins with `tokens`: returns how many of them the cache
+        already holds (and keeps), 0 after a reset. Only with `prefix_reuse`: then the longest
+        common prefix of the committed tokens and `tokens` stays, the rest is dropped; the
+        caller prefills `tokens[kept:]`. Reused slots hold keys and values computed in earlier
+        forwards, equal to a fresh prefill's up to rounding."""
+        if not self.prefix_reuse:
+            self.reset()
+            return 0
+        self.discard_pending()
+        kept = 0
+        for a, b in zip(self.committed, tokens):
+            if a != int(b):
+                break
+            kept += 1
+        del self.committed[kept:]
+        self._truncate(kept)
+        return kept
+
     def prefill(self, tokens: Sequence[int]) -> None:
         """Feed and commit `tokens` after the committed prefix (no pending nodes allowed)."""
         prefill_many([(self, tokens)])

@@ -57,8 +57,8 @@ class ModelDrafter(Drafter):
     def start(self, prompt: Sequence[int], sampling: SamplingConfig, rng: Rng) -> None:
         self.sampling, self.rng = sampling, rng
         self.prompt_len = len(prompt)
-        self.runner.reset()
-        self.runner.prefill(list(prompt[:-1]))
+        kept = self.runner.keep_prefix(prompt[:-1])  # 0 (a reset) unless the runner reuses prefixes
+        self.runner.prefill(list(prompt[kept:-1]))
 
     def propose(self, context: Sequence[int], depth: int) -> DraftTree:
         return propose_many([self.propose_steps(context, depth)])[0]
