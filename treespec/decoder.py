@@ -294,6 +294,12 @@ class SpeculativeDecoder:
                 "deterministic=True needs speculate_max_live=None: switching speculation by load "
                 "would make outputs depend on the load"
             )
+        runners = [r for r in (self.target_runner, self.draft_runner) if r is not None]
+        if deterministic and not all(r.lanes_match_solo for r in runners):
+            raise ValueError(
+                "deterministic=True needs lanes that compute as generate() does, and a compiled native "
+                "runner compiles its one-lane forward only: load the models without compile=True"
+            )
         targets = self.target_runner.lanes(max_live)
         drafts = [None] * max_live if self.draft_runner is None else self.draft_runner.lanes(max_live)
         for lane in targets + drafts:

@@ -83,6 +83,12 @@ class Runner(ABC):
         return self.n_committed + self.n_pending
 
     # ---- the API the decoder and the drafters use ------------------------------------------
+    @property
+    def lanes_match_solo(self) -> bool:
+        """Whether a lane of `lanes(n)` forwarding alone computes exactly what this runner
+        computes for the same sequence (what a deterministic engine needs)."""
+        return True
+
     def keep_prefix(self, tokens: Sequence[int]) -> int:
         """Start a new sequence that begins with `tokens`: returns how many of them the cache
         already holds (and keeps), 0 after a reset. Only with `prefix_reuse`: then the longest

@@ -310,6 +310,10 @@ class NativeRunner(Runner):
     def capacity(self) -> int:
         return self.pool.capacity
 
+    @property
+    def lanes_match_solo(self) -> bool:
+        return self.compiled is None  # the compiled graphs serve one-lane pools only
+
     def lanes(self, n: int) -> list[NativeRunner]:
         """`n` runners sharing this one's weights over a new pool of `n` rows: their forwards
         in `extend_many` / `prefill_many` run as one packed forward."""

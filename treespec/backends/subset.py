@@ -121,6 +121,10 @@ class SubsetVocabRunner(Runner):
     def _truncate(self, n_slots: int) -> None:
         self.inner._truncate(n_slots)
 
+    @property
+    def lanes_match_solo(self) -> bool:
+        return self.inner.lanes_match_solo
+
     def lanes(self, n: int) -> list[Runner]:
         return [SubsetVocabRunner(lane, self.map) for lane in self.inner.lanes(n)]
 
