@@ -235,6 +235,18 @@ def test_a_cache_larger_than_memory_is_refused_before_allocating(dec, solo, monk
     assert [outputs[i].token_ids for i in ids] == solo
 
 
+def test_kv_rows_are_allocated_with_use(dec, solo):
+    """An engine of 64 lanes serving 4 requests allocates 4 rows of its pool, not 64, and its
+    outputs are the solo ones."""
+    engine = dec.engine(max_live=64)
+    pool = engine.targets[0].pool
+    assert pool.rows == 64 and pool.allocated == 1
+    ids = add_all(engine)
+    outputs = engine.run()
+    assert [outputs[i].token_ids for i in ids] == solo
+    assert pool.allocated == len(PROMPTS)
+
+
 def test_edges_are_clear_errors(dec):
     from treespec.rng import TorchRng
 

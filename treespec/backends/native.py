@@ -19,7 +19,8 @@ runners over one pool of R rows, one per request of a batch, and their forwards 
 packed forward (`_forward_many`): the new tokens of every lane go through the projections and
 the MLP as one [T, hidden] matrix, only attention pads them to [R, n_max] against each lane's
 own cache row. The capacity doubles (capped near max_positions) when a forward would overflow
-it, so a 128k-token model does not allocate 128k slots up front.
+it, so a 128k-token model does not allocate 128k slots up front, and the rows allocated double
+when a lane beyond them first runs, so an engine's idle lanes cost nothing.
 
 A layer is: RMSNorm, the fused q/k/v projection, RoPE once over all of its output (v heads
 untouched), attention (`attention.LaneAttention` / `PackedAttention`: k and v into the cache
@@ -127,52 +128,67 @@ def available_memory(device: torch.device) -> int | None:
 
 
 class KVPool:
-    """The static KV cache of `rows` lanes of one model, and the RoPE tables of its positions."""
+    """The static KV cache of `rows` lanes of one model, and the RoPE tables of its positions.
+    Slots per lane (`capacity`) and lanes allocated (`allocated`) both grow with use: an
+    engine of 64 lanes serving 3 requests holds about 3 rows, not 64."""
 
     def __init__(
         self, shape: LlamaShape, rows: int, inv_freq: torch.Tensor, dtype: torch.dtype, device: torch.device
     ):
         self.shape, self.rows, self.inv_freq, self.dtype, self.device = shape, rows, inv_freq, dtype, device
         self.kv = torch.zeros(0, device=device, dtype=dtype)
-        self.capacity = 0
-        self.grow(min(INITIAL_CAPACITY, shape.max_positions or INITIAL_CAPACITY))
+        self.capacity = self.allocated = 0
+        capacity = min(INITIAL_CAPACITY, shape.max_positions or INITIAL_CAPACITY)
+        self._check_memory(rows, capacity)  # a pool that could never hold its lanes: refused now
+        self.grow(capacity, 1)
 
-    def grow(self, capacity: int) -> None:
-        """Reallocate for `capacity` slots per lane (keeping what the cache holds) and the RoPE
-        tables for positions [0, capacity): positions never exceed the slot count. A cache that
-        would not fit in the memory available now is refused before anything is allocated."""
-        s, old = self.shape, self.kv
-        need = s.layers * 2 * self.rows * s.kv_heads * capacity * s.head_dim * self.dtype.itemsize
+    def _check_memory(self, rows: int, capacity: int) -> None:
+        s = self.shape
+        need = s.layers * 2 * rows * s.kv_heads * capacity * s.head_dim * self.dtype.itemsize
         free = available_memory(self.device)
         if free is not None and need > free:
             raise MemoryError(
-                f"a KV cache of {self.rows} lane(s) x {capacity} slots needs {need / 2**30:.2f} GiB and "
+                f"a KV cache of {rows} lane(s) x {capacity} slots needs {need / 2**30:.2f} GiB and "
                 f"{free / 2**30:.2f} GiB of {self.device.type} memory is available; serve fewer requests "
                 f"at once (max_live / max_kv_tokens) or shorter ones"
             )
+
+    def grow(self, capacity: int, rows: int) -> None:
+        """Reallocate for `rows` lanes of `capacity` slots (keeping what the cache holds) and the
+        RoPE tables for positions [0, capacity): positions never exceed the slot count. A cache
+        that would not fit in the memory available now is refused before anything is allocated."""
+        s, old = self.shape, self.kv
+        self._check_memory(rows, capacity)
         self.kv = torch.zeros(
-            s.layers, 2, self.rows, s.kv_heads, capacity, s.head_dim, device=self.device, dtype=self.dtype
+            s.layers, 2, rows, s.kv_heads, capacity, s.head_dim, device=self.device, dtype=self.dtype
         )
         if old.numel():
-            self.kv[..., : old.shape[-2], :] = old
-        # as HF's rotary embedding: float32 angles, cos/sin, then the compute dtype
-        pos = torch.arange(capacity, device=self.device)
-        freqs = pos.float()[:, None] * self.inv_freq[None]  # [cap, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [cap, D]
-        self.cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)  # [cap, D]
-        half = s.head_dim // 2
-        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # [cap, D], see rotate()
-        self.capacity = capacity
+            self.kv[:, :, : old.shape[2], :, : old.shape[-2]] = old
+        self.allocated = rows
+        if capacity != self.capacity:
+            # as HF's rotary embedding: float32 angles, cos/sin, then the compute dtype
+            pos = torch.arange(capacity, device=self.device)
+            freqs = pos.float()[:, None] * self.inv_freq[None]  # [cap, D/2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [cap, D]
+            self.cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)  # [cap, D]
+            half = s.head_dim // 2
+            self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # [cap, D], see rotate()
+            self.capacity = capacity
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`rope_rows` of this pool's tables: indexed once per forward, shared by every layer."""
         return rope_rows(self.cos, self.sin_signed, positions, self.shape)
 
-    def fit(self, slots: int) -> None:
-        """Make room for `slots` slots per lane."""
-        if slots > self.capacity:
-            cap = self.shape.max_positions or 2 * self.capacity
-            self.grow(max(slots, min(2 * self.capacity, cap)))
+    def fit(self, slots: int, rows: int = 1) -> None:
+        """Make room for `slots` slots per lane in lanes [0, rows) (each doubling when it grows)."""
+        capacity, allocated = self.capacity, self.allocated
+        if slots > capacity:
+            cap = self.shape.max_positions or 2 * capacity
+            capacity = max(slots, min(2 * capacity, cap))
+        if rows > allocated:
+            allocated = min(self.rows, max(rows, 2 * allocated))
+        if (capacity, allocated) != (self.capacity, self.allocated):
+            self.grow(capacity, allocated)
 
 
 # ---- the runner ------------------------------------------------------------------------------
@@ -374,7 +390,7 @@ class NativeRunner(Runner):
             if logits is not None:
                 self.filled = starts[0] + ns[0]
                 return [logits]
-        pool.fit(max(S + n for S, n in zip(starts, ns)))
+        pool.fit(max(S + n for S, n in zip(starts, ns)), max(lane.row for lane in lanes) + 1)
         tokens = feeds[0].tokens if one else torch.cat([f.tokens for f in feeds])  # [T]
         positions = feeds[0].positions if one else torch.cat([f.positions for f in feeds])  # [T]
         if one:
