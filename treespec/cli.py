@@ -29,10 +29,13 @@ class CliError(Exception):
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    from .zoo import DEFAULT_PAIR, PAIRS
+    from .zoo import PAIRS, default_pair_name
 
-    g = p.add_argument_group(f"models (default: the {DEFAULT_PAIR} pair)")
-    g.add_argument("--pair", choices=PAIRS, default=None, help=f"a named pair (default {DEFAULT_PAIR})")
+    default = default_pair_name()
+    g = p.add_argument_group(f"models (default: the {default} pair)")
+    g.add_argument(
+        "--pair", choices=PAIRS, default=None, help=f"a named pair (default {default}; TREESPEC_PAIR sets it)"
+    )
     g.add_argument("--target", help="target model: HF id, local directory or GGUF file")
     g.add_argument(
         "--draft",

