@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -131,3 +133,20 @@ def test_stop_strings_spanning_rounds_stop_where_hf_generate_stops(dec64, hf_tar
         assert out.text == dec.tokenizer.decode(want, skip_special_tokens=True) and stop in out.text
         assert out.finish_reason == "stop" and out.stop == stop
         assert stop not in dec.tokenizer.decode(out.token_ids[:-1])  # the last token completes it
+
+
+def test_named_pairs_and_the_default(monkeypatch):
+    """TREESPEC_PAIR names the default pair; an unknown name is a one-line error; the held-out
+    chat instructions (the real pair's benchmark prompts) are one-turn chats never trained on."""
+    from treespec.distill.prompts import CHAT_TRAIN
+    from treespec.zoo import default_pair, heldout_chats
+
+    monkeypatch.setenv("TREESPEC_PAIR", "pycode")
+    assert default_pair() == PYCODE
+    monkeypatch.setenv("TREESPEC_PAIR", "nope")
+    with pytest.raises(ValueError, match="unknown pair 'nope'; the pairs are smollm2, pycode"):
+        default_pair()
+    chats = heldout_chats()
+    assert len(chats) == 64 and all(len(c) == 1 and c[0]["role"] == "user" for c in chats)
+    trained = {json.loads(line)["prompt"] for line in CHAT_TRAIN.read_text().splitlines() if line.strip()}
+    assert not trained & {c[0]["content"] for c in chats}
