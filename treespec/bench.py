@@ -47,6 +47,9 @@ class MethodResult:
     acceptance_rate: float | None = None  # treespec only: accepted draft tokens / drafted tokens, pooled
     mean_accepted_length: float | None = None  # treespec only: accepted draft tokens per target step
     draft_forwards: int | None = None  # treespec only: draft model forwards, summed over runs
+    # treespec only, timed inside generate(): c as a round pays it, (draft seconds per draft
+    # forward, sampling included) / (verify seconds per target step, the walk included)
+    c_in_loop: float | None = None
     runs: list[float] = field(default_factory=list)  # tokens/s of every run
 
 
@@ -270,11 +273,14 @@ def run_bench(
     for name in names:
         r = MethodResult(name, statistics.median(runs[name]), runs=runs[name])
         if not name.startswith("hf"):
-            r.tokens_per_step = totals[name].tokens_per_step
-            r.acceptance_by_depth = totals[name].acceptance_by_depth
-            r.acceptance_rate = totals[name].acceptance_rate
-            r.mean_accepted_length = totals[name].mean_accepted_length
-            r.draft_forwards = totals[name].draft_forwards
+            t = totals[name]
+            r.tokens_per_step = t.tokens_per_step
+            r.acceptance_by_depth = t.acceptance_by_depth
+            r.acceptance_rate = t.acceptance_rate
+            r.mean_accepted_length = t.mean_accepted_length
+            r.draft_forwards = t.draft_forwards
+            if t.draft_forwards and t.target_steps and t.verify_seconds:
+                r.c_in_loop = (t.draft_seconds / t.draft_forwards) / (t.verify_seconds / t.target_steps)
         results.append(r)
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     n_tree = 1 + tree.width * tree.depth
@@ -289,15 +295,16 @@ def result_table(result: BenchResult) -> str:
     each backend's forward costs."""
     base = next((r.tokens_per_second for r in result.methods if r.method == "hf"), None)
     header = f"{'method':<30}{'tokens/s':>10}{'speedup':>9}{'tokens/step':>13}{'accept':>8}{'acc.len':>9}"
-    lines = [header + "  acceptance by depth"]
+    lines = [header + f"{'c loop':>8}  acceptance by depth"]
     for r in result.methods:
         speed = f"{r.tokens_per_second / base:.2f}x" if base else "-"
         tps = f"{r.tokens_per_step:.2f}" if r.tokens_per_step is not None else "-"
         rate = f"{r.acceptance_rate:.2f}" if r.acceptance_rate else "-"
         length = f"{r.mean_accepted_length:.2f}" if r.acceptance_rate else "-"
         acc = " ".join(f"{a:.2f}" for a in r.acceptance_by_depth or [])
+        c = f"{r.c_in_loop:.3f}" if r.c_in_loop is not None else "-"
         lines.append(
-            f"{r.method:<30}{r.tokens_per_second:>10.1f}{speed:>9}{tps:>13}{rate:>8}{length:>9}  {acc}"
+            f"{r.method:<30}{r.tokens_per_second:>10.1f}{speed:>9}{tps:>13}{rate:>8}{length:>9}{c:>8}  {acc}"
         )
     for backend, cost in result.cost.items():
         lines.append(f"cost [{backend}]: " + ", ".join(f"{k}={v:.4g}" for k, v in cost.items()))
