@@ -37,7 +37,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from treespec.zoo import load_prompts
+from treespec.zoo import heldout_chats, load_prompts
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
@@ -74,7 +74,8 @@ async def one(client: httpx.AsyncClient, body: dict, timeout: float) -> dict:
     chunks: list[float] = []
     usage = None
     finish = None
-    async with client.stream("POST", "/v1/completions", json=body, timeout=timeout) as r:
+    endpoint = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    async with client.stream("POST", endpoint, json=body, timeout=timeout) as r:
         if r.status_code != 200:
             return {"error": f"{r.status_code}: {(await r.aread()).decode()[:200]}"}
         async for line in r.aiter_lines():
@@ -86,7 +87,7 @@ async def one(client: httpx.AsyncClient, body: dict, timeout: float) -> dict:
             if data.get("usage"):
                 usage = data["usage"]
             for c in data.get("choices", []):
-                if c.get("text"):
+                if c.get("text") or (c.get("delta") or {}).get("content"):
                     chunks.append(time.perf_counter())
                 finish = c.get("finish_reason") or finish
     t1 = time.perf_counter()
@@ -109,8 +110,9 @@ async def run_load(base, prompts, n, concurrency, tree, max_tokens, deadline, ti
         async with sem:
             if time.time() > deadline:
                 return
+            prompt = prompts[i % len(prompts)]
             body = {
-                "prompt": prompts[i % len(prompts)],
+                **({"messages": prompt} if isinstance(prompt, list) else {"prompt": prompt}),
                 "max_tokens": max_tokens,
                 "temperature": 0,
                 "ignore_eos": True,
@@ -182,6 +184,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
         cmd += ["--pair", args.pair]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    cmd += args.server_arg
     proc = subprocess.Popen(cmd)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
@@ -210,6 +213,10 @@ def main() -> None:
     ap.add_argument("--pair", default="pycode")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--chat", action="store_true", help="chat completions of the held-out chat instructions")
+    ap.add_argument(
+        "--server-arg", action="append", default=[], help="passed on to treespec serve (e.g. --deterministic)"
+    )
     ap.add_argument("--out", type=Path, default=Path("experiments/results/serve_load.json"))
     args = ap.parse_args()
     if min(args.concurrency) < 1 or args.requests < 1 or args.max_tokens < 1:
@@ -224,7 +231,7 @@ def main() -> None:
     else:
         proc, base = start_server(args)
     try:
-        prompts = load_prompts()
+        prompts = heldout_chats() if args.chat else load_prompts()
         deadline = time.time() + args.time_limit
         # warm-up: both modes once (lanes allocated, first-call costs paid)
         for mode in ("off", "on"):
