@@ -153,12 +153,15 @@ def run_bench(
     batch_size: int = 1,
     compile: bool = False,
     draft_vocab: VocabMap | None = None,
+    runners: dict[str, tuple[Runner, Runner | None]] | None = None,
 ) -> BenchResult:
     """Benchmark HF causal LMs `target` and `draft` (HF generate runs them directly; treespec
     wraps them once per backend). `prompts`: text or chats (need `tokenizer`) or token ids.
     `compile`: treespec's native runners use their inductor forward (HF's models are as
     loaded). `draft_vocab`: the draft has a subset vocabulary (`backends.subset`): treespec
     wraps it, and HF assisted generation runs its full-vocabulary equivalent (the same q).
+    `runners`: treespec's (target, draft) runners per backend, built once and shared by several
+    runs (compiled runners compile once); default: made here from `target` and `draft`.
 
     `batch_size` > 1 times batches instead of single prompts: the prompts, cycled, form
     batches of `batch_size` requests (ceil(len(prompts) / batch_size) of them); HF runs each as
@@ -183,12 +186,8 @@ def run_bench(
         runner = make_runner(draft, backend, compile)
         return runner if draft_vocab is None else SubsetVocabRunner(runner, draft_vocab)
 
-    decoders = {
-        b: SpeculativeDecoder(
-            make_runner(target, b, compile), draft_runner(b), tokenizer, drafter=drafter, backend=b
-        )
-        for b in backends
-    }
+    runners = runners or {b: (make_runner(target, b, compile), draft_runner(b)) for b in backends}
+    decoders = {b: SpeculativeDecoder(*runners[b], tokenizer, drafter=drafter, backend=b) for b in backends}
     n_batches = -(-len(prompts) // batch_size)
     batches = [
         [prompts[(j * batch_size + k) % len(prompts)] for k in range(batch_size)] for j in range(n_batches)

