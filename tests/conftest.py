@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -10,6 +12,10 @@ VOCAB = 96
 
 # Tiny models: threads only add synchronisation cost (8x slower on 2 busy cores).
 torch.set_num_threads(1)
+
+# Tests that load "the default pair" (CLI runs without --pair, from_pretrained() with no
+# models) use the small pycode pair; test_bundled.py checks the real default on its own.
+os.environ.setdefault("TREESPEC_PAIR", "pycode")
 
 
 def tiny_llama(

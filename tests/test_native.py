@@ -34,6 +34,8 @@ from treespec.backends.native import (
 )
 from treespec.tree import TokenTree
 
+from .conftest import tiny_llama
+
 VOCAB = 96
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -310,6 +312,24 @@ def test_from_pretrained_sharded(tmp_path):
         r.prefill([7, 8, 9])
     tree = random_tree(random.Random(5), 5)
     assert torch.equal(a.score(tree), b.score(tree))
+
+
+@pytest.mark.parametrize("stored_as", ["model.embed_tokens.weight", "lm_head.weight"])
+def test_tied_checkpoint_saved_either_way_loads(tmp_path, stored_as):
+    """A tied model whose one matrix is stored under either name (llama.cpp converters and some
+    exporters keep only lm_head.weight) loads, with HF's logits."""
+    from safetensors.torch import save_file
+
+    model = tiny_llama(2, llama32=True)  # tied embeddings
+    model.save_pretrained(tmp_path)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k not in ("lm_head.weight",)}
+    state[stored_as] = state.pop("model.embed_tokens.weight")
+    save_file(state, str(tmp_path / "model.safetensors"))
+    runner = NativeRunner.from_pretrained(tmp_path, dtype=torch.float64)
+    tokens = [3, 17, 42, 8]
+    with torch.no_grad():
+        want = model(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(runner.extend(tokens, [-1, 0, 1, 2]), want, atol=1e-9, rtol=0)
 
 
 def test_bundled_pair_loads():

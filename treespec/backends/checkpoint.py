@@ -161,6 +161,8 @@ def read_checkpoint(path) -> tuple[LlamaShape, dict[str, torch.Tensor], frozense
             weights.update(load_file(str(f), device="cpu"))
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for corrupt files
             raise ValueError(f"cannot read weights from {f}: {e}") from e
+    if shape.tied and "model.embed_tokens.weight" not in weights and "lm_head.weight" in weights:
+        weights["model.embed_tokens.weight"] = weights["lm_head.weight"]  # tied, saved as the head
     eos = None
     if (root / "generation_config.json").is_file():
         eos = read_json(root / "generation_config.json").get("eos_token_id")
