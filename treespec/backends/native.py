@@ -59,6 +59,7 @@ from .linear import Projection
 
 INITIAL_CAPACITY = 256  # cache slots allocated before the first growth
 COMPILE_MAX_TOKENS = 64  # feeds of up to this many tokens run through the compiled graphs (compile=True)
+COMPILE_STATIC_MAX = 8  # feeds of 1..this many tokens get a graph of their own size (tuned products)
 
 
 @dataclass
@@ -482,14 +483,16 @@ class _ForwardGraph(torch.nn.Module):
 class CompiledForward:
     """A lane's forwards that need logits, of 1 to COMPILE_MAX_TOKENS tokens, as inductor graphs.
 
-    Two graphs, each compiled on first use (minutes on a small CPU): one for a single token (the
-    decode step), one for 2..COMPILE_MAX_TOKENS tokens (trees, drafting levels); both take the
-    attended span and the cache capacity as dynamic sizes, so neither recompiles as the
-    sequence or the cache grows. Inductor freezes the weights into the graphs, packs them for its
-    own GEMM kernels (max-autotune's C++ templates, which beat oneDNN's calls on one row) and
-    fuses the norms, RoPE, SiLU gate and residual adds into a few C++ kernels; the wrapper that
-    calls them replaces ~30 eager ops per layer. Attention is SDPA over the lane's cache row under
-    an explicit mask (`attention.graph_lane_attention`). The math is the eager forward's; fused
+    Graphs compiled on first use (about a minute each on a small CPU): one per feed size from 1
+    to COMPILE_STATIC_MAX tokens (the decode step, a chain's verification, small trees), each
+    with products tuned for its row count, and one for larger feeds up to COMPILE_MAX_TOKENS
+    (the row count dynamic); all take the attended span and the cache capacity as dynamic
+    sizes, so none recompiles as the sequence or the cache grows. Inductor freezes the weights
+    into the graphs, packs them for its own GEMM kernels (max-autotune's C++ templates, which
+    beat oneDNN's calls on few rows) and fuses the norms, RoPE, SiLU gate and residual adds
+    into a few C++ kernels; the wrapper that calls them replaces ~30 eager ops per layer.
+    Attention is SDPA over the lane's cache row under an explicit mask
+    (`attention.graph_lane_attention`). The math is the eager forward's; fused
     kernels keep float32 intermediates where eager rounds bf16 after each op, so bf16 logits
     differ in the last bits, as any two kernels for one op may (float32 agrees with HF to 1e-4,
     tests/test_native.py). What the graphs do not serve runs eagerly: prefills (no logits),
@@ -500,19 +503,26 @@ class CompiledForward:
 
     # inductor settings, patched in around every call (a call may compile): freezing is read
     # outside what torch.compile(options=...) patches, and setting it process-wide would change
-    # every other torch.compile of the process. One token: max-autotune picks, per product,
-    # inductor's C++ GEMM template or oneDNN's packed product (the template wins on one row);
-    # 2..64 tokens: oneDNN's packed products, no autotuning (the template, tuned for one size of
-    # a dynamic row count, loses badly at others; docs/performance.md).
+    # every other torch.compile of the process. A static row count: max-autotune picks, per
+    # product, inductor's C++ GEMM template or oneDNN's packed product (the template wins on
+    # few rows); a dynamic one: oneDNN's packed products, no autotuning (a template tuned for
+    # one size of a dynamic row count loses badly at others; docs/performance.md).
     CONFIG = {
-        1: {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"},
-        2: {"freezing": True, "max_autotune": False},
+        "static": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"},
+        "dynamic": {"freezing": True, "max_autotune": False},
     }
+    # dynamo: a size seen twice must not turn dynamic by itself (each static size keeps its
+    # graph), and there is room for every static size plus the dynamic graph
+    DYNAMO = {"automatic_dynamic_shapes": False, "recompile_limit": COMPILE_STATIC_MAX + 4}
 
     def __init__(self, runner: NativeRunner, config: dict | None = None):
-        """`config`: inductor settings for both graphs instead of `CONFIG` (tests use cheap ones)."""
+        """`config`: inductor settings for every graph instead of `CONFIG` (tests use cheap ones)."""
         self.graph = torch.compile(_ForwardGraph(runner).eval(), fullgraph=True)
-        self.config = {1: dict(config), 2: dict(config)} if config is not None else copy.deepcopy(self.CONFIG)
+        if config is not None:
+            self.config = {"static": dict(config), "dynamic": dict(config)}
+        else:
+            self.config = copy.deepcopy(self.CONFIG)
+        self.dynamo = {k: v for k, v in self.DYNAMO.items() if hasattr(torch._dynamo.config, k)}
         self.failed = False
 
     def __call__(self, runner: NativeRunner, feed: Feed, S: int) -> torch.Tensor | None:
@@ -532,14 +542,18 @@ class CompiledForward:
         else:
             mask = causal_visible(n, S, runner.device)
         slots = torch.arange(S, span, device=runner.device)
-        if n > 1:
+        static = n <= COMPILE_STATIC_MAX
+        if not static:
             for t in (feed.tokens, feed.positions, slots, mask):
-                torch._dynamo.mark_dynamic(t, 0, min=2, max=COMPILE_MAX_TOKENS)
+                torch._dynamo.mark_dynamic(t, 0, min=COMPILE_STATIC_MAX + 1, max=COMPILE_MAX_TOKENS)
         torch._dynamo.mark_dynamic(mask, 1)
         for t, dim in ((pool.kv, 4), (pool.cos, 0), (pool.sin_signed, 0)):
             torch._dynamo.mark_dynamic(t, dim)
         try:
-            with torch._inductor.config.patch(self.config[min(n, 2)]):
+            with (
+                torch._inductor.config.patch(self.config["static" if static else "dynamic"]),
+                torch._dynamo.config.patch(self.dynamo),
+            ):
                 return self.graph(
                     feed.tokens, feed.positions, slots, mask, pool.cos, pool.sin_signed, pool.kv
                 )
