@@ -310,7 +310,9 @@ def test_ctrl_c_while_loading_is_exit_130_not_a_traceback():
     import time
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "treespec.cli", "generate", "x", "--max-new-tokens", "64"],
+        # HF's modules, no EOS, 480 tokens: still running after 1.5 s however fast the machine
+        [sys.executable, "-m", "treespec.cli", "generate", "x", "--max-new-tokens", "480", "--ignore-eos"]
+        + ["--backend", "hf", "--dtype", "float32"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
