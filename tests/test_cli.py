@@ -316,6 +316,9 @@ def test_ctrl_c_while_loading_is_exit_130_not_a_traceback():
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # as a terminal's Ctrl-C finds it: a job started in the background (`cmd &` in a script)
+        # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     time.sleep(1.5)  # inside main(): torch and the models are loading, or generation runs
     proc.send_signal(signal.SIGINT)
