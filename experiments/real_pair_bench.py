@@ -24,7 +24,7 @@ import torch
 
 from treespec import SamplingConfig, TreeConfig
 from treespec.backends import hf, make_runner
-from treespec.backends.subset import SubsetVocabRunner, VocabMap
+from treespec.backends.subset import VocabMap, wrap
 from treespec.bench import machine_info, result_table, run_bench
 from treespec.loading import checkpoint
 from treespec.loading.gguf import smollm2_gguf
@@ -59,7 +59,7 @@ def main() -> None:
     runners = {
         "native": (
             make_runner(target, "native", args.compile),
-            draft_runner if vocab is None else SubsetVocabRunner(draft_runner, vocab),
+            wrap(draft_runner, vocab),
         )
     }
     prompts = heldout_chats(args.n_prompts)

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .backends import Runner, cpu_bf16_flags, cpu_model, make_runner
-from .backends.subset import SubsetVocabRunner, VocabMap, full_vocabulary_model
+from .backends.subset import VocabMap, full_vocabulary_model, wrap
 from .config import SamplingConfig, TreeConfig, check_positive_int
 from .decoder import SpeculativeDecoder
 from .request import encode_prompt
@@ -184,7 +184,7 @@ def run_bench(
 
     def draft_runner(backend: str) -> Runner:
         runner = make_runner(draft, backend, compile)
-        return runner if draft_vocab is None else SubsetVocabRunner(runner, draft_vocab)
+        return wrap(runner, draft_vocab)
 
     runners = runners or {b: (make_runner(target, b, compile), draft_runner(b)) for b in backends}
     decoders = {b: SpeculativeDecoder(*runners[b], tokenizer, drafter=drafter, backend=b) for b in backends}

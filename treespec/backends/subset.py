@@ -69,6 +69,11 @@ class VocabMap:
         return cls(data["ids"], data["target_vocab_size"])
 
 
+def wrap(runner: Runner, vocab_map: VocabMap | None) -> Runner:
+    """`runner` as the target's ids see it: wrapped when its model has a subset vocabulary."""
+    return runner if vocab_map is None else SubsetVocabRunner(runner, vocab_map)
+
+
 class SubsetVocabRunner(Runner):
     """A draft runner over a subset vocabulary, seen by treespec as a runner over the target's
     V ids: input ids are mapped to draft rows, logits [n, K + 1] are scattered to [n, V] with

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..backends.subset import SubsetVocabRunner, VocabMap
+from ..backends.subset import VocabMap, wrap
 
 
 def draft_config(target_config, recipe, vocab_rows: int):
@@ -153,7 +153,7 @@ def draft_runner(model, vocab_map: VocabMap | None, backend: str = "auto"):
     from ..backends import make_runner
 
     runner = make_runner(model, backend)
-    return runner if vocab_map is None else SubsetVocabRunner(runner, vocab_map)
+    return wrap(runner, vocab_map)
 
 
 def load_draft_runner(path, dtype: torch.dtype = torch.float32, device="cpu", backend: str = "auto"):

@@ -92,8 +92,8 @@ def load_runner(
     with a warning, where it cannot compile; the HF backend has none).
     A draft with a subset vocabulary (`vocab_map.json` beside its weights) is wrapped so that
     it reads and proposes the target's token ids (`backends.subset`)."""
-    from ..backends import hf
-    from ..backends.subset import SubsetVocabRunner, VocabMap
+    from ..backends import hf, subset
+    from ..backends.subset import VocabMap
 
     check_backend(backend)
     local = checkpoint(path)
@@ -109,7 +109,7 @@ def load_runner(
     if runner is None:
         runner = make_runner(hf.load_model(local, dtype, device), backend)
     vocab_map = VocabMap.load(local) if isinstance(local, Path) else None
-    return runner if vocab_map is None else SubsetVocabRunner(runner, vocab_map)
+    return subset.wrap(runner, vocab_map)
 
 
 def load_tokenizer(path):
