@@ -105,6 +105,8 @@ class SpeculativeDecoder:
         drafter: str | Drafter = "model",
         draft_dtype: torch.dtype | str | None = None,
         compile: bool = False,
+        quantize: str | None = None,
+        draft_quantize: str | None = None,
     ) -> SpeculativeDecoder:
         """Load target, draft and the target's tokenizer: local directories, GGUF files or HF ids.
 
@@ -114,6 +116,9 @@ class SpeculativeDecoder:
         `draft_dtype` overrides the draft's (default: `dtype`). `device` defaults to the CPU.
         The native backend reads the weights straight from safetensors; `compile=True` runs its
         forwards as inductor graphs (minutes of compilation on first use; docs/performance.md).
+        `quantize` / `draft_quantize` ("int8"; native backend): weight-only int8 for the target /
+        the draft. A quantized draft is still lossless; a quantized target is another model, and
+        the output is distributed exactly as that int8 model's (as llama.cpp's is its GGUF's).
         """
         from . import loading
         from .backends import check_backend
@@ -140,8 +145,8 @@ class SpeculativeDecoder:
             loading.resolve_dtype(dtype if draft_dtype is None else draft_dtype, device, "draft"),
         )
         runners = [
-            None if p is None else loading.load_runner(p, t, device, backend, compile)
-            for p, t in zip((target, draft), dtypes)
+            None if p is None else loading.load_runner(p, t, device, backend, compile, q)
+            for p, t, q in zip((target, draft), dtypes, (quantize, draft_quantize))
         ]
         draft_tokenizer = None if draft is None else loading.load_tokenizer(draft)
         tokenizer = loading.load_tokenizer(target)

@@ -85,3 +85,40 @@ def _pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | Non
 
 def _packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
+
+
+QUANTIZATIONS = ("int8",)  # weight-only formats a `QuantizedProjection` stores
+
+
+class QuantizedProjection:
+    """y = x @ (Q * s)^T + b with Q [out, in] int8 and s [out] one scale per output row
+    (symmetric, s = max|W_row| / 127; gpt-fast's weight-only int8): half the bytes of bf16
+    per product, through torch's `_weight_int8pack_mm` kernel (AVX-512 on CPU; inductor lowers
+    it in compiled graphs). A different matrix from W, so a different model: lossless for a
+    draft (any q is), the quantized model's own distribution for a target."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, quantize: str = "int8"):
+        if quantize not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {quantize!r}; choose from {', '.join(QUANTIZATIONS)}")
+        if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"int8 weights compute in float32, bfloat16 or float16, not {weight.dtype}")
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias
+        w = weight.float()
+        scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # [out]
+        self.weight_int8 = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8)  # [out, in]
+        self.scales = scales.to(weight.dtype)  # [out], the kernel takes them in x's dtype
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized W [out, in] (Q * s, in the compute dtype): the matrix this multiplies by."""
+        return self.weight_int8.to(self.scales.dtype) * self.scales[:, None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        y = int8_product(x, self.weight_int8, self.scales)
+        return y if self.bias is None else y + self.bias
+
+
+def int8_product(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [T, in] @ (weight_int8 [out, in] * scales [out, 1])^T -> [T, out], in x's dtype."""
+    return torch.ops.aten._weight_int8pack_mm(x, weight_int8, scales)

@@ -55,7 +55,7 @@ from .attention import (
 )
 from .base import Feed, Runner, causal_visible, forward_grouped
 from .checkpoint import LlamaShape, read_checkpoint
-from .linear import Projection
+from .linear import QUANTIZATIONS, Projection, QuantizedProjection, int8_product
 
 INITIAL_CAPACITY = 256  # cache slots allocated before the first growth
 COMPILE_MAX_TOKENS = 64  # feeds of up to this many tokens run through the compiled graphs (compile=True)
@@ -68,11 +68,11 @@ class Layer:
     projection stored as this device multiplies by it fastest (`linear.Projection`)."""
 
     attn_norm: torch.Tensor  # [hidden]
-    qkv: Projection  # hidden -> (Hq + 2 Hkv) D: q, k, v side by side (+ bias: qwen2, attention_bias)
-    o: Projection  # Hq D -> hidden (+ bias: llama attention_bias)
+    qkv: Projection | QuantizedProjection  # hidden -> (Hq + 2 Hkv) D: q, k, v side by side (+ bias)
+    o: Projection | QuantizedProjection  # Hq D -> hidden (+ bias: llama attention_bias)
     mlp_norm: torch.Tensor  # [hidden]
-    gate_up: Projection  # hidden -> 2 I: gate and up side by side
-    down: Projection  # I -> hidden
+    gate_up: Projection | QuantizedProjection  # hidden -> 2 I: gate and up side by side
+    down: Projection | QuantizedProjection  # I -> hidden
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -205,6 +205,7 @@ class NativeRunner(Runner):
         device: torch.device | str = "cpu",
         pack_weights: bool = True,
         compile: bool = False,
+        quantize: str | None = None,
     ):
         """`weights`: the HF state dict names (model.layers.{i}.self_attn.q_proj.weight, ...).
         `pack_weights`: let each projection take oneDNN's packed layout where it can
@@ -213,7 +214,19 @@ class NativeRunner(Runner):
         tree verification, drafting) through inductor graphs (`CompiledForward`): minutes of
         compilation on first use, then a faster forward. CPU and float32 / bfloat16 only;
         elsewhere it is ignored with a warning. The graphs hold their own packed copies of the
-        weights, so the eager path (prefills, batched lanes) then multiplies unpacked."""
+        weights, so the eager path (prefills, batched lanes) then multiplies unpacked.
+        `quantize="int8"`: every projection and the output layer multiply by int8 weights with
+        a scale per row (`linear.QuantizedProjection`; the embedding lookup stays in `dtype`):
+        a different model, the quantized one, which is lossless for a draft and the int8
+        model's own distribution for a target. Faster for one-token forwards on a CPU, slower
+        for many rows (docs/performance.md)."""
+        if quantize is not None and quantize not in QUANTIZATIONS:
+            raise ValueError(
+                f"unknown quantize {quantize!r}; choose None or one of {', '.join(QUANTIZATIONS)}"
+            )
+        if quantize is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"quantize={quantize!r} computes in float32, bfloat16 or float16, not {dtype}")
+        self.quantize = quantize
         self.shape = s = shape
         self.vocab_size, self.max_positions = s.vocab, s.max_positions
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -232,7 +245,9 @@ class NativeRunner(Runner):
         def cat(*names: str) -> torch.Tensor:  # [sum of outs, in]
             return torch.cat([get(n) for n in names])
 
-        def proj(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Projection:
+        def proj(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Projection | QuantizedProjection:
+            if quantize is not None:
+                return QuantizedProjection(weight, bias, quantize)
             return Projection(weight, bias, pack=pack_weights)
 
         # tied embeddings: the lm_head multiplies by the embedding matrix; where it is packed
@@ -285,6 +300,7 @@ class NativeRunner(Runner):
         device=None,
         pack_weights: bool = True,
         compile: bool = False,
+        quantize: str | None = None,
     ) -> NativeRunner:
         """The weights of an HF `LlamaForCausalLM` / `Qwen2ForCausalLM` / `MistralForCausalLM`,
         copied into the runner's layout (norms and biases shared where dtype and device agree;
@@ -301,6 +317,7 @@ class NativeRunner(Runner):
             device or param.device,
             pack_weights,
             compile,
+            quantize,
         )
 
     @classmethod
@@ -311,11 +328,12 @@ class NativeRunner(Runner):
         device="cpu",
         pack_weights: bool = True,
         compile: bool = False,
+        quantize: str | None = None,
     ) -> NativeRunner:
         """A local directory with config.json and model.safetensors (or a sharded
         model.safetensors.index.json); no transformers import (`checkpoint.read_checkpoint`)."""
         shape, weights, eos_ids = read_checkpoint(path)
-        return cls(shape, weights, eos_ids, dtype, device, pack_weights, compile)
+        return cls(shape, weights, eos_ids, dtype, device, pack_weights, compile, quantize)
 
     # ---- the KV cache ---------------------------------------------------------------------
     @property
@@ -456,13 +474,29 @@ class _ForwardGraph(torch.nn.Module):
         self.shape = runner.shape
         self.register_buffer("embed", runner.embed)
         self.register_buffer("norm", runner.norm)
-        self.register_buffer("lm_head", runner.lm_head.weight)
+        self._register("lm_head", runner.lm_head)
         for i, layer in enumerate(runner.layers):
             for name in ("attn_norm", "mlp_norm"):
                 self.register_buffer(f"{name}_{i}", getattr(layer, name))
             for name in ("qkv", "o", "gate_up", "down"):
-                self.register_buffer(f"{name}_{i}", getattr(layer, name).weight)
+                self._register(f"{name}_{i}", getattr(layer, name))
                 self.register_buffer(f"{name}_bias_{i}", getattr(layer, name).bias)
+
+    def _register(self, name: str, projection: Projection | QuantizedProjection) -> None:
+        """The projection's weight as buffer `name` (int8, with its scales as `name`_scales)."""
+        if isinstance(projection, QuantizedProjection):
+            self.register_buffer(name, projection.weight_int8)
+            self.register_buffer(f"{name}_scales", projection.scales)
+        else:
+            self.register_buffer(name, projection.weight)
+            self.register_buffer(f"{name}_scales", None)
+
+    def _linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        weight, scales = getattr(self, name), getattr(self, f"{name}_scales")
+        if scales is None:
+            return F.linear(x, weight, bias)
+        y = int8_product(x, weight, scales)
+        return y if bias is None else y + bias
 
     def forward(self, tokens, positions, slots, mask, cos_table, sin_table, kv):
         s = self.shape
@@ -472,12 +506,12 @@ class _ForwardGraph(torch.nn.Module):
         x = F.embedding(tokens, self.embed)  # [T, hidden]
         for i in range(s.layers):
             h = rms_norm(x, w(f"attn_norm_{i}"), eps)
-            qkv = rotate(F.linear(h, w(f"qkv_{i}"), w(f"qkv_bias_{i}")).view(T, F_qkv, D), cos, sin)
+            qkv = rotate(self._linear(h, f"qkv_{i}", w(f"qkv_bias_{i}")).view(T, F_qkv, D), cos, sin)
             o = graph_lane_attention(kv, i, qkv, slots, mask, s.heads)  # [T, Hq*D]
-            x = F.linear(o, w(f"o_{i}"), w(f"o_bias_{i}")) + x
-            gate, up = F.linear(rms_norm(x, w(f"mlp_norm_{i}"), eps), w(f"gate_up_{i}")).chunk(2, dim=-1)
-            x = F.linear(F.silu(gate) * up, w(f"down_{i}")) + x
-        return F.linear(rms_norm(x, self.norm, eps), self.lm_head)  # [T, V]
+            x = self._linear(o, f"o_{i}", w(f"o_bias_{i}")) + x
+            gate, up = self._linear(rms_norm(x, w(f"mlp_norm_{i}"), eps), f"gate_up_{i}").chunk(2, dim=-1)
+            x = self._linear(F.silu(gate) * up, f"down_{i}") + x
+        return self._linear(rms_norm(x, self.norm, eps), "lm_head")  # [T, V]
 
 
 class CompiledForward:

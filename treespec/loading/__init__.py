@@ -84,12 +84,19 @@ def checkpoint(path) -> str | Path:
 
 
 def load_runner(
-    path, dtype: torch.dtype, device: torch.device, backend: str = "auto", compile: bool = False
+    path,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: str = "auto",
+    compile: bool = False,
+    quantize: str | None = None,
 ) -> Runner:
     """A runner for the checkpoint at `path` (`checkpoint`): native straight from safetensors
     when the backend allows it and the directory holds a supported checkpoint, else through HF.
     `compile`: the native runner's inductor forward (`NativeRunner(compile=True)`; ignored,
-    with a warning, where it cannot compile; the HF backend has none).
+    with a warning, where it cannot compile; the HF backend has none). `quantize`: the native
+    runner's weight-only quantization (`NativeRunner(quantize=...)`); a ValueError where the
+    checkpoint runs on the HF backend.
     A draft with a subset vocabulary (`vocab_map.json` beside its weights) is wrapped so that
     it reads and proposes the target's token ids (`backends.subset`)."""
     from ..backends import hf, subset
@@ -103,9 +110,16 @@ def load_runner(
         from ..backends.native import NativeRunner
 
         if use_native(backend, unsupported_reason(read_json(local / "config.json")), repr(str(path))):
-            runner = NativeRunner.from_pretrained(local, dtype=dtype, device=device, compile=compile)
+            runner = NativeRunner.from_pretrained(
+                local, dtype=dtype, device=device, compile=compile, quantize=quantize
+            )
         else:
             backend = "hf"  # the fallback notice has been printed
+    if runner is None and quantize is not None:
+        raise ValueError(
+            f"quantize={quantize!r} needs the native backend, and {str(path)!r} runs on Hugging Face's; "
+            "load it without quantize"
+        )
     if runner is None:
         runner = make_runner(hf.load_model(local, dtype, device), backend)
     vocab_map = VocabMap.load(local) if isinstance(local, Path) else None

@@ -1,0 +1,116 @@
+"""Weight-only int8 (`NativeRunner(quantize="int8")`, `linear.QuantizedProjection`): the
+quantized runner computes exactly the model whose weights are its dequantized ones (Q * s),
+eagerly and compiled, close to the original within int8's error; a quantized draft keeps
+greedy decoding equal to the float target's, and a quantized target's speculative output is
+the int8 model's own greedy output."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from treespec import SpeculativeDecoder, TreeConfig
+from treespec.backends.hf import HFRunner
+from treespec.backends.linear import QuantizedProjection
+from treespec.backends.native import NativeRunner
+
+from .conftest import perturbed, tiny_llama
+from .llamas import GREEDY, PROMPTS
+from .test_native import CHEAP, build, compiled_runner, max_diff, random_tree
+
+
+def dequantized(model):
+    """An untied HF copy of `model` whose projections and output layer are the int8 runner's
+    matrices Q * s (the embedding lookup keeps the original rows, as the runner does)."""
+    config = copy.deepcopy(model.config)
+    config.tie_word_embeddings = False
+    ref = model.__class__(config).to(model.dtype).eval()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state.setdefault("lm_head.weight", state["model.embed_tokens.weight"].clone())
+    for name, w in state.items():
+        if name.endswith("proj.weight") or name == "lm_head.weight":
+            state[name] = QuantizedProjection(w).weight
+    ref.load_state_dict(state)
+    return ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_projection_multiplies_by_its_dequantized_matrix(dtype):
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(96, 64, generator=g).to(dtype), torch.randn(5, 64, generator=g).to(dtype)
+    q = QuantizedProjection(w, bias=torch.ones(96, dtype=dtype))
+    assert q.weight_int8.dtype == torch.int8 and q.weight_int8.abs().max() == 127
+    want = x.float() @ q.weight.float().t() + 1
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (q(x).float() - want).abs().max() <= tol * want.abs().max()
+    # and the dequantized matrix is W within half a quantization step per row (plus, in bf16,
+    # the rounding of Q * s to bf16)
+    step = w.float().abs().amax(dim=1, keepdim=True) / 127
+    rounding = 0 if dtype == torch.float32 else w.float().abs() * 2**-7
+    assert ((q.weight.float() - w.float()).abs() <= step * (0.5 + 1e-3) + rounding).all()
+
+
+@pytest.mark.parametrize("variant", ["gqa_tied", "mha_untied", "attention_bias"])
+def test_int8_runner_equals_the_dequantized_model(variant):
+    model = build(variant)
+    hf, nat = HFRunner(dequantized(model)), NativeRunner.from_hf(model, quantize="int8")
+    original = HFRunner(model)
+    rng = random.Random(0)
+    prompt = [rng.randrange(model.config.vocab_size) for _ in range(9)]
+    for r in (hf, nat, original):
+        r.prefill(prompt)
+    for size in (1, 3, 12):
+        tree = random_tree(rng, size)
+        got, want, orig = nat.score(tree), hf.score(tree), original.score(tree)
+        assert max_diff(want, got) < 1e-4
+        assert 0 < max_diff(orig, got) < 0.05 * orig.abs().max().item()  # int8 is another, close, model
+        for r in (hf, nat, original):
+            r.commit([0])
+
+
+def test_compiled_int8_runner_equals_the_eager_one():
+    model = build("gqa_tied")
+    eager, nat = NativeRunner.from_hf(model, quantize="int8"), compiled_runner(model, CHEAP, quantize="int8")
+    rng = random.Random(3)
+    prompt = [rng.randrange(model.config.vocab_size) for _ in range(7)]
+    for r in (eager, nat):
+        r.prefill(prompt)
+    for size in (1, 5, 1, 12):
+        tree = random_tree(rng, size)
+        assert max_diff(eager.score(tree), nat.score(tree)) < 1e-4
+        for r in (eager, nat):
+            r.commit([0])
+    assert not nat.compiled.failed
+
+
+def test_greedy_with_quantized_models_is_lossless():
+    target = tiny_llama(0).float()
+    draft = perturbed(target, noise=0.3, seed=1)
+    int8 = {"quantize": "int8"}
+    int8_draft = SpeculativeDecoder(NativeRunner.from_hf(target), NativeRunner.from_hf(draft, **int8))
+    int8_both = SpeculativeDecoder(NativeRunner.from_hf(target, **int8), NativeRunner.from_hf(draft, **int8))
+    accepted = 0
+    for prompt in PROMPTS[:4]:
+        want = int8_draft.generate(prompt, 24, sampling=GREEDY, ignore_eos=True).token_ids  # tree=None: plain
+        want8 = int8_both.generate(prompt, 24, sampling=GREEDY, ignore_eos=True).token_ids
+        for tree in (TreeConfig(1, 3), TreeConfig(2, 3)):
+            out = int8_draft.generate(prompt, 24, tree=tree, sampling=GREEDY, ignore_eos=True)
+            assert out.token_ids == want  # a quantized draft: the float target's output
+            out8 = int8_both.generate(prompt, 24, tree=tree, sampling=GREEDY, ignore_eos=True)
+            assert out8.token_ids == want8  # a quantized target: the int8 model's own output
+            accepted += out.sources.count("accepted") + out8.sources.count("accepted")
+    assert accepted > 0
+
+
+def test_bad_quantize_settings_are_clear_errors(tmp_path):
+    model = build("gqa_tied")
+    with pytest.raises(ValueError, match="unknown quantize 'int4'; choose None or one of int8"):
+        NativeRunner.from_hf(model, quantize="int4")
+    with pytest.raises(ValueError, match="not torch.float64"):
+        NativeRunner.from_hf(model.double(), quantize="int8")
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="needs the native backend"):
+        SpeculativeDecoder.from_pretrained(tmp_path, backend="hf", quantize="int8")
