@@ -4,6 +4,8 @@ Methods (all on the same target/draft, same prompts, same max_new_tokens):
 
     hf              target.generate()                         plain HF decoding
     hf-assisted     target.generate(assistant_model=draft)    HF's linear speculative decoding
+    llama.cpp       llama-completion on the target's GGUF     with `llama_cpp` (`treespec.llamacpp`)
+    llama.cpp-spec  llama-speculative-simple, the draft's GGUF  ... and a draft GGUF
     autoregressive  treespec, tree=None                       the in-library baseline
     linear          treespec, TreeConfig(width=1, depth)
     tree            treespec, TreeConfig(width, depth, strategy)
@@ -30,6 +32,7 @@ from .backends import Runner, cpu_bf16_flags, cpu_model, make_runner
 from .backends.subset import VocabMap, full_vocabulary_model, wrap
 from .config import SamplingConfig, TreeConfig, check_positive_int
 from .decoder import SpeculativeDecoder
+from .llamacpp import LlamaCppBench
 from .request import encode_prompt
 from .stats import GenerationStats
 from .tree import TokenTree
@@ -154,6 +157,7 @@ def run_bench(
     compile: bool = False,
     draft_vocab: VocabMap | None = None,
     runners: dict[str, tuple[Runner, Runner | None]] | None = None,
+    llama_cpp: LlamaCppBench | None = None,
 ) -> BenchResult:
     """Benchmark HF causal LMs `target` and `draft` (HF generate runs them directly; treespec
     wraps them once per backend). `prompts`: text or chats (need `tokenizer`) or token ids.
@@ -162,15 +166,20 @@ def run_bench(
     wraps it, and HF assisted generation runs its full-vocabulary equivalent (the same q).
     `runners`: treespec's (target, draft) runners per backend, built once and shared by several
     runs (compiled runners compile once); default: made here from `target` and `draft`.
+    `llama_cpp`: llama.cpp's binaries and GGUF files; its plain (and, with a draft GGUF,
+    speculative, drafting up to the tree's depth) decoding run interleaved with the others on
+    the same prompts, as text (the decoded token ids, special tokens kept). The config records
+    how many of its runs tokenized a prompt to another length than treespec's ids.
 
     `batch_size` > 1 times batches instead of single prompts: the prompts, cycled, form
     batches of `batch_size` requests (ceil(len(prompts) / batch_size) of them); HF runs each as
     one left-padded `generate()`, treespec as one `generate_batch()`; tokens/s counts every
     request's tokens over the batch's wall time. HF assisted generation cannot batch and is
-    not run then."""
+    not run then, nor is llama.cpp."""
     check_positive_int("batch_size", batch_size)
     if batch_size > 1:
         methods = [m for m in methods if m != "hf-assisted"]
+        llama_cpp = None
     assistant = draft
     if draft_vocab is not None and "hf-assisted" in methods:
         assistant = full_vocabulary_model(draft, draft_vocab)
@@ -219,9 +228,12 @@ def run_bench(
                     continue  # e.g. block on a tree: not applicable, not run
                 name = m if len(verifications) == 1 or m == "autoregressive" else f"{m}/{v}"
                 rules[f"{name}[{b}]"] = (m, None if v == "auto" else v)
-    names = [m for m in methods if m.startswith("hf")] + list(rules)
+    external = llama_cpp.methods if llama_cpp is not None else []
+    names = [m for m in methods if m.startswith("hf")] + external + list(rules)
     runs: dict[str, list[float]] = {m: [] for m in names}
     totals = {m: GenerationStats() for m in names}  # treespec methods: pooled over runs
+    drafted = {m: [0, 0] for m in external}  # llama.cpp: drafted, accepted
+    prompt_mismatches = 0  # llama.cpp runs whose prompt tokenized to another length
     for rep in range(repeats):
         for i, (ids, attention) in enumerate(encoded):
             for name in names:
@@ -236,6 +248,17 @@ def run_bench(
                         out = target.generate(ids, attention_mask=attention, **hf_kwargs, **extra)
                     _sync(target.device)
                     runs[name].append(out[:, ids.shape[1] :].numel() / (time.perf_counter() - t0))
+                    continue
+                if name in external:
+                    row = ids[0][attention[0].bool()].tolist()
+                    text = tokenizer.decode(row, skip_special_tokens=False)
+                    temperature = 0.0 if sampling.greedy else sampling.temperature
+                    run = llama_cpp.run(name, text, max_new_tokens, temperature, seed, tree.depth)
+                    runs[name].append(run.tokens_per_second)
+                    prompt_mismatches += run.prompt_tokens != len(row)
+                    if run.drafted is not None:
+                        drafted[name][0] += run.drafted
+                        drafted[name][1] += run.accepted
                     continue
                 backend = name[:-1].split("[")[1]
                 method, rule = rules[name]
@@ -271,7 +294,9 @@ def run_bench(
     results = []
     for name in names:
         r = MethodResult(name, statistics.median(runs[name]), runs=runs[name])
-        if not name.startswith("hf"):
+        if name in external:
+            r.acceptance_rate = drafted[name][1] / drafted[name][0] if drafted[name][0] else None
+        elif not name.startswith("hf"):
             t = totals[name]
             r.tokens_per_step = t.tokens_per_step
             r.acceptance_by_depth = t.acceptance_by_depth
@@ -286,7 +311,15 @@ def run_bench(
     cost = {
         b: measure_costs(d.target_runner, d.draft_runner, n_tree, weight_bytes) for b, d in decoders.items()
     }
-    return BenchResult(config={**(config or {}), "batch_size": batch_size}, cost=cost, methods=results)
+    config = {**(config or {}), "batch_size": batch_size}
+    if llama_cpp is not None:
+        config["llama_cpp"] = {
+            "binary": str(llama_cpp.llama.decode_binary),
+            "gguf": str(llama_cpp.gguf),
+            "draft_gguf": str(llama_cpp.draft_gguf) if llama_cpp.draft_gguf else None,
+            "prompt_length_mismatches": prompt_mismatches,
+        }
+    return BenchResult(config=config, cost=cost, methods=results)
 
 
 def result_table(result: BenchResult) -> str:

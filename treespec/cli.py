@@ -61,6 +61,19 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="run the native forwards as torch.compile (inductor) graphs: faster on deep models, "
         "minutes of compilation at start (docs/performance.md)",
     )
+    g.add_argument(
+        "--quantize",
+        choices=("int8",),
+        default=None,
+        help="the target's weights as int8 (native backend): the int8 model's own output, faster "
+        "one-token forwards (docs/performance.md)",
+    )
+    g.add_argument(
+        "--draft-quantize",
+        choices=("int8",),
+        default=None,
+        help="the draft's weights as int8 (native backend; lossless: any draft is)",
+    )
 
 
 def _add_decode_args(p: argparse.ArgumentParser, max_new_tokens: int, width: int = TreeConfig.width) -> None:
@@ -199,6 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests per batch: HF generate() on a left-padded batch, treespec generate_batch() "
         "(hf-assisted cannot batch and is skipped); default 1",
     )
+    bench.add_argument(
+        "--llama-cpp",
+        type=Path,
+        metavar="DIR",
+        help="also time llama.cpp on the target's GGUF file: its binaries in DIR (or DIR/bin, "
+        "DIR/build/bin); without it, llama-completion on PATH is used if there is one. "
+        "experiments/build_llama_cpp.sh builds them",
+    )
     _add_decode_args(bench, max_new_tokens=64, width=2)
     _add_model_args(bench)
     return parser
@@ -262,6 +283,8 @@ def _load(args):
         draft_dtype=args.draft_dtype,
         drafter=args.drafter,
         compile=args.compile,
+        quantize=args.quantize,
+        draft_quantize=args.draft_quantize,
     )
 
 
@@ -407,6 +430,7 @@ def cmd_bench(args) -> None:
     from .bench import machine_info
     from .loading import checkpoint, resolve_device, resolve_dtype
 
+    llama = _find_llama_cpp(args, paths[0])  # before loading: a wrong --llama-cpp fails at once
     paths = tuple(checkpoint(p) for p in paths)  # a GGUF file: its converted directory
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device, "target")
@@ -417,6 +441,24 @@ def cmd_bench(args) -> None:
         chat = getattr(tokenizer, "chat_template", None)
         prompts = heldout_chats(args.n_prompts) if chat else load_prompts(None, args.n_prompts)
     backends = ("native", "hf") if args.backend == "auto" else (args.backend,)
+    draft_vocab = VocabMap.load(paths[1]) if isinstance(paths[1], Path) else None
+    runners = None
+    if args.quantize or args.draft_quantize:  # treespec's rows run the quantized weights; HF's stay as loaded
+        if args.backend == "hf":
+            raise CliError("--quantize / --draft-quantize need the native backend; drop --backend hf")
+        from .backends.native import NativeRunner
+        from .backends.subset import wrap
+
+        backends = ("native",)
+        runners = {
+            "native": (
+                NativeRunner.from_hf(target, compile=args.compile, quantize=args.quantize),
+                wrap(
+                    NativeRunner.from_hf(draft, compile=args.compile, quantize=args.draft_quantize),
+                    draft_vocab,
+                ),
+            )
+        }
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
     # a progress line redrawn in place: terminal control codes, so only on a terminal
     progress = (
@@ -436,6 +478,8 @@ def cmd_bench(args) -> None:
         f"{machine['threads']} threads; target {config['dtype']}, draft {config['draft_dtype']}",
         file=sys.stderr,
     )
+    workdir = tempfile.TemporaryDirectory(prefix="treespec-bench-")
+    llama_cpp = _llama_cpp_bench(llama, draft, tokenizer, paths[1], Path(workdir.name)) if llama else None
     result = run_bench(
         target,
         draft,
@@ -453,8 +497,11 @@ def cmd_bench(args) -> None:
         verifications=[v.strip() for v in args.verification.split(",") if v.strip()] or ["auto"],
         batch_size=args.batch_size,
         compile=args.compile,
-        draft_vocab=VocabMap.load(paths[1]) if isinstance(paths[1], Path) else None,
+        draft_vocab=draft_vocab,
+        runners=runners,
+        llama_cpp=llama_cpp,
     )
+    workdir.cleanup()
     if progress is not None:
         print("\r\033[K", end="", file=sys.stderr)
     print(result_table(result))
@@ -466,6 +513,53 @@ def cmd_bench(args) -> None:
             f"--json {args.json}: cannot write the results ({why}); the table above has them"
         ) from None
     print(f"wrote {args.json}")
+
+
+def _find_llama_cpp(args, target):
+    """(binaries, target GGUF) for the bench's llama.cpp rows, or None: --llama-cpp DIR must
+    hold them and the target must be a GGUF file; found on PATH, they run where the target is one."""
+    from .llamacpp import LlamaCpp
+    from .loading import gguf
+
+    try:
+        llama = LlamaCpp.find(args.llama_cpp)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    if llama is None:
+        return None
+    try:
+        return llama, gguf.gguf_file(target)
+    except ValueError as e:
+        if args.llama_cpp is not None:
+            raise CliError(f"--llama-cpp runs the target's GGUF file, and {e}") from None
+        print(f"llama.cpp found on PATH, not run: the target is not a GGUF file ({e})", file=sys.stderr)
+        return None
+
+
+def _llama_cpp_bench(found, draft, tokenizer, draft_path, workdir: Path):
+    """llama.cpp's bench rows: plain decoding always, its speculative decoding where the draft
+    converts to GGUF (a failed conversion says why and leaves the plain row)."""
+    from .backends.subset import VocabMap
+    from .llamacpp import LlamaCppBench, draft_to_gguf
+
+    llama, target_gguf = found
+    bench = LlamaCppBench(llama, target_gguf)
+    if llama.convert_script is None or llama.speculative_binary is None:
+        print(
+            "llama.cpp's speculative decoding not run: needs llama-speculative-simple and the source "
+            "tree's convert_hf_to_gguf.py beside the binaries",
+            file=sys.stderr,
+        )
+        return bench
+    vocab = VocabMap.load(draft_path) if isinstance(draft_path, Path) else None
+    try:
+        bench.draft_gguf = draft_to_gguf(draft, tokenizer, workdir, llama.convert_script, vocab)
+    except (RuntimeError, OSError) as e:
+        print(
+            f"llama.cpp's speculative decoding not run: the draft did not convert to GGUF ({e})",
+            file=sys.stderr,
+        )
+    return bench
 
 
 def cmd_chat(args) -> None:
