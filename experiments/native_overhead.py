@@ -12,7 +12,8 @@ Measures, in one process, interleaved (every round runs every variant once; medi
 Variants: "old" = the eager forward as it was before (kept here only, for this A/B: one lane,
 as `forward_seconds` and plain decoding feed it); "new" = the library's eager forward;
 "compiled" = `NativeRunner(compile=True)` (its compile time is measured separately, before the
-rounds: the first call of each of its two graphs).
+rounds: the first call of each of its two graphs); "int8" / "compiled-int8" = the same with
+`quantize="int8"` (weight-only int8: another model, the int8 one).
 
 --clock thread times with the thread's CPU clock (only with --threads 1): on a machine whose
 cores other processes share, wall-clock times of a two-thread forward mostly measure the
@@ -272,7 +273,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--clock", default="wall", choices=["wall", "thread"], help="thread: CPU time, 1 thread")
     ap.add_argument("--sizes", default="1,2,4,8,16,32,64", help="tree sizes n for t(n)")
-    ap.add_argument("--variants", default="old,new,compiled", help="comma-separated: old, new, compiled")
+    ap.add_argument(
+        "--variants",
+        default="old,new,compiled",
+        help="comma-separated: old, new, compiled, int8, compiled-int8",
+    )
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians over them)")
     ap.add_argument("--repeats", type=int, default=20, help="forwards per t(n) measurement")
     ap.add_argument("--decode-tokens", type=int, default=128, help="plain decoding length (0: skip)")
@@ -301,16 +306,23 @@ def main() -> None:
         runners["new"] = NativeRunner.from_pretrained(args.model, dtype=dtype)
         runners["old"] = OldRunner.of(runners["new"])
         result["rss_mb"]["eager"] = rss_mb()
-    if "compiled" in variants:
-        runners["compiled"] = compiled = NativeRunner.from_pretrained(args.model, dtype=dtype, compile=True)
-        result["compile_seconds"] = {}
+    if "int8" in variants:
+        runners["int8"] = NativeRunner.from_pretrained(args.model, dtype=dtype, quantize="int8")
+    result["compile_seconds"] = {}
+    for v in ("compiled", "compiled-int8"):
+        if v not in variants:
+            continue
+        quantize = "int8" if v.endswith("int8") else None
+        runners[v] = compiled = NativeRunner.from_pretrained(
+            args.model, dtype=dtype, compile=True, quantize=quantize
+        )
         for n in (1, 2):  # the first call of each graph compiles it
             t0 = time.perf_counter()
             forward_ms(compiled, n, time.perf_counter, repeats=1)
-            result["compile_seconds"][f"graph n={'1' if n == 1 else '2..64'}"] = time.perf_counter() - t0
+            result["compile_seconds"][f"{v} graph n={n}"] = time.perf_counter() - t0
         if compiled.compiled.failed:
             raise SystemExit("the compiled forward failed; see the warning above")
-        result["rss_mb"]["with compiled"] = rss_mb()
+        result["rss_mb"][f"with {v}"] = rss_mb()
         print("compile seconds", result["compile_seconds"], file=sys.stderr)
     runners = {v: runners[v] for v in variants}
 

@@ -10,6 +10,12 @@ interleaved per prompt. Writes experiments/results/real_pair_<tag>.json.
 
     python experiments/real_pair_bench.py --compile --tag epyc_compiled
     python experiments/real_pair_bench.py --tag epyc_eager --trees 2x3
+    python experiments/real_pair_bench.py --compile --llama-cpp \
+        ~/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp
+
+`--llama-cpp DIR` adds llama.cpp's plain and speculative decoding of the same GGUF file (with the
+draft converted to GGUF) to the first shape's runs (experiments/build_llama_cpp.sh builds it);
+`--quantize int8` / `--draft-quantize int8` run treespec's target / draft with int8 weights.
 """
 
 from __future__ import annotations
@@ -17,15 +23,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from treespec import SamplingConfig, TreeConfig
-from treespec.backends import hf, make_runner
+from treespec.backends import hf
+from treespec.backends.native import NativeRunner
 from treespec.backends.subset import VocabMap, wrap
 from treespec.bench import machine_info, result_table, run_bench
+from treespec.llamacpp import LlamaCpp, LlamaCppBench, draft_to_gguf
 from treespec.loading import checkpoint
 from treespec.loading.gguf import smollm2_gguf
 from treespec.zoo import heldout_chats, pair
@@ -44,6 +53,9 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--draft-dtype", default="float32")
     ap.add_argument("--tag", default="epyc")
+    ap.add_argument("--llama-cpp", type=Path, default=None, metavar="DIR", help="llama.cpp's build dir")
+    ap.add_argument("--quantize", choices=("int8",), default=None, help="treespec's target weights")
+    ap.add_argument("--draft-quantize", choices=("int8",), default=None, help="treespec's draft weights")
     args = ap.parse_args()
 
     target_path = smollm2_gguf()
@@ -55,13 +67,19 @@ def main() -> None:
     tokenizer = hf.load_tokenizer(target_dir)
     vocab = VocabMap.load(Path(draft_dir))
     t0 = time.perf_counter()
-    draft_runner = make_runner(draft, "native", args.compile)
     runners = {
         "native": (
-            make_runner(target, "native", args.compile),
-            wrap(draft_runner, vocab),
+            NativeRunner.from_hf(target, compile=args.compile, quantize=args.quantize),
+            wrap(NativeRunner.from_hf(draft, compile=args.compile, quantize=args.draft_quantize), vocab),
         )
     }
+    workdir = tempfile.TemporaryDirectory(prefix="treespec-real-pair-")
+    llama_cpp = None
+    if args.llama_cpp is not None:
+        found = LlamaCpp.find(args.llama_cpp)
+        llama_cpp = LlamaCppBench(found, target_path)
+        work = Path(workdir.name)
+        llama_cpp.draft_gguf = draft_to_gguf(draft, tokenizer, work, found.convert_script, vocab)
     prompts = heldout_chats(args.n_prompts)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.trees]
     out = {
@@ -72,6 +90,8 @@ def main() -> None:
         "dtype": "bfloat16",
         "draft_dtype": args.draft_dtype,
         "compile": args.compile,
+        "quantize": args.quantize,
+        "draft_quantize": args.draft_quantize,
         "machine": machine_info("cpu"),
         "runs": [],
     }
@@ -91,6 +111,7 @@ def main() -> None:
                 backends=("native",),
                 draft_vocab=vocab,
                 runners=runners,
+                llama_cpp=None if i else llama_cpp,
                 config={"temperature": temperature, "width": width, "depth": depth},
                 progress=lambda msg: print(f"\r\033[K{msg}", end="", file=sys.stderr),
             )

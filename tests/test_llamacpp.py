@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from treespec import SamplingConfig, TreeConfig
-from treespec.bench import run_bench
+from treespec.bench import result_table, run_bench
 from treespec.cli import main
 from treespec.llamacpp import LlamaCpp, LlamaCppBench, parse_decode, parse_speculative
 
@@ -159,6 +159,8 @@ def test_llama_cpp_rows_in_run_bench(tmp_path, target64, draft64):
     )
     assert rows["llama.cpp-spec"].acceptance_rate == pytest.approx(35 / 282)
     assert result.config["llama_cpp"]["prompt_length_mismatches"] == 0
+    table = result_table(result)  # llama.cpp's rows: an acceptance rate, no step counts
+    assert "llama.cpp-spec" in table and f"{35 / 282:.2f}" in table
     made = calls(root)
     assert len(made) == 8  # 2 repeats x 2 prompts x 2 methods, interleaved
     for args in made:

@@ -332,7 +332,7 @@ def result_table(result: BenchResult) -> str:
         speed = f"{r.tokens_per_second / base:.2f}x" if base else "-"
         tps = f"{r.tokens_per_step:.2f}" if r.tokens_per_step is not None else "-"
         rate = f"{r.acceptance_rate:.2f}" if r.acceptance_rate else "-"
-        length = f"{r.mean_accepted_length:.2f}" if r.acceptance_rate else "-"
+        length = f"{r.mean_accepted_length:.2f}" if r.acceptance_rate and r.mean_accepted_length else "-"
         acc = " ".join(f"{a:.2f}" for a in r.acceptance_by_depth or [])
         c = f"{r.c_in_loop:.3f}" if r.c_in_loop is not None else "-"
         lines.append(

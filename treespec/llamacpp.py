@@ -150,9 +150,10 @@ class LlamaCpp:
         temperature: float = 0.0,
         seed: int = 0,
     ) -> LlamaCppRun:
-        """llama.cpp's speculative decoding: the draft proposes up to `draft_max` tokens
-        greedily (stopping early below its default --spec-draft-p-min), the target checks them
-        in one batch."""
+        """llama.cpp's speculative decoding (`--spec-type draft-simple`): the draft proposes
+        `draft_max` tokens greedily (llama.cpp's defaults otherwise: no minimum probability),
+        the target checks the chain in one batch and keeps the prefix its own samples agree
+        with."""
         if self.speculative_binary is None:
             raise ValueError(
                 f"{SPECULATIVE_BINARY} is not beside {self.decode_binary}; build that target too"
