@@ -2,6 +2,7 @@
 """Measure a draft's positional acceptance vector and derive Sequoia-optimal tree shapes.
 
     python experiments/calibrate_sequoia.py --temperature 1.0 --out experiments/results/sequoia_T1.json
+    python experiments/calibrate_sequoia.py --target PATH.gguf --draft DIR --chat ...   # a chat pair
 
 1. The target samples continuations of held-out prompts (the states verification will meet).
 2. At every position, p (target) and q (draft) under the sampling config. Positional
@@ -28,7 +29,8 @@ from treespec import DraftTree, Draw, ProposalGroup, SamplingConfig, Speculative
 from treespec.bench import chain_logits, forward_seconds
 from treespec.sampling import probs
 from treespec.sequoia import optimal_shape
-from treespec.zoo import load_prompts
+from treespec.request import encode_prompt
+from treespec.zoo import heldout_chats, load_prompts
 
 
 def positional_acceptance(p: torch.Tensor, q: torch.Tensor, k: int, trials: int, rng: TorchRng) -> list[float]:
@@ -52,6 +54,7 @@ def main() -> None:
     ap.add_argument("--draft")
     ap.add_argument("--prompts", type=Path, default=None, help="JSON prompts (default: bundled held-out)")
     ap.add_argument("--n-prompts", type=int, default=16)
+    ap.add_argument("--chat", action="store_true", help="the held-out chat instructions (a chat model)")
     ap.add_argument("--positions", type=int, default=32, help="sampled continuation tokens per prompt")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -67,12 +70,12 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     dec = SpeculativeDecoder.from_pretrained(target=args.target, draft=args.draft)
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p)
-    prompts = load_prompts(args.prompts, args.n_prompts)
+    prompts = heldout_chats(args.n_prompts) if args.chat else load_prompts(args.prompts, args.n_prompts)
     rng = TorchRng(args.seed)
 
     per_position: list[list[float]] = []
     for i, prompt in enumerate(prompts):
-        ids = dec.tokenizer(prompt)["input_ids"]
+        ids = list(encode_prompt(prompt, dec.tokenizer))  # text, or a chat through its template
         cont = dec.generate(ids, args.positions, tree=None, sampling=sampling, seed=args.seed + i, ignore_eos=True).token_ids
         with torch.inference_mode():
             pl = chain_logits(dec.target_runner, ids, cont)  # [positions, V]

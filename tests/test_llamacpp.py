@@ -115,7 +115,7 @@ def test_find_without_a_directory_uses_path(tmp_path, monkeypatch):
 def test_find_refuses_a_directory_without_binaries(tmp_path):
     with pytest.raises(ValueError, match="not a directory"):
         LlamaCpp.find(tmp_path / "missing")
-    with pytest.raises(ValueError, match="no llama-completion in it.*build_llama_cpp.sh"):
+    with pytest.raises(ValueError, match="no llama-completion in .*build_llama_cpp.sh"):
         LlamaCpp.find(tmp_path)
 
 

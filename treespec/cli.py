@@ -524,7 +524,7 @@ def _find_llama_cpp(args, target):
     try:
         llama = LlamaCpp.find(args.llama_cpp)
     except ValueError as e:
-        raise CliError(str(e)) from None
+        raise CliError(f"--llama-cpp: {e}") from None
     if llama is None:
         return None
     try:

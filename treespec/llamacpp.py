@@ -108,15 +108,13 @@ class LlamaCpp:
             return cls(decode, Path(spec).resolve() if spec else None, _find_convert(decode.parent))
         root = Path(directory).expanduser()
         if not root.is_dir():
-            raise ValueError(
-                f"--llama-cpp {directory}: not a directory; give llama.cpp's build or source directory"
-            )
+            raise ValueError(f"{directory} is not a directory; give llama.cpp's build or source directory")
         for bin_dir in (root, root / "bin", root / "build" / "bin"):
             if (bin_dir / DECODE_BINARY).is_file():
                 spec = bin_dir / SPECULATIVE_BINARY
                 return cls(bin_dir / DECODE_BINARY, spec if spec.is_file() else None, _find_convert(bin_dir))
         raise ValueError(
-            f"--llama-cpp {directory}: no {DECODE_BINARY} in it, its bin/ or build/bin/; build it with "
+            f"no {DECODE_BINARY} in {directory}, its bin/ or build/bin/; build it with "
             "experiments/build_llama_cpp.sh (cmake --build build --target llama-completion)"
         )
 
