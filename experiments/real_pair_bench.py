@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--trees", nargs="+", default=["2x3", "2x4"], help="WxD shapes; chains 1xD come along")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the target's")
     ap.add_argument("--draft-dtype", default="float32")
     ap.add_argument("--tag", default="epyc")
     ap.add_argument("--llama-cpp", type=Path, default=None, metavar="DIR", help="llama.cpp's build dir")
@@ -61,7 +62,7 @@ def main() -> None:
     target_path = smollm2_gguf()
     draft_path = args.draft or pair("smollm2")[1]
     target_dir, draft_dir = checkpoint(target_path), checkpoint(draft_path)
-    dtype, draft_dtype = torch.bfloat16, getattr(torch, args.draft_dtype)
+    dtype, draft_dtype = getattr(torch, args.dtype), getattr(torch, args.draft_dtype)
     target = hf.load_model(target_dir, dtype, None)
     draft = hf.load_model(draft_dir, draft_dtype, None)
     tokenizer = hf.load_tokenizer(target_dir)
@@ -83,11 +84,11 @@ def main() -> None:
     prompts = heldout_chats(args.n_prompts)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.trees]
     out = {
-        "what": "SmolLM2-135M-Instruct (bf16) + distilled draft, held-out chat instructions",
+        "what": f"SmolLM2-135M-Instruct ({args.dtype}) + distilled draft, held-out chat instructions",
         "command": " ".join(sys.argv),
         "target": str(target_path),
         "draft": str(draft_path),
-        "dtype": "bfloat16",
+        "dtype": args.dtype,
         "draft_dtype": args.draft_dtype,
         "compile": args.compile,
         "quantize": args.quantize,
