@@ -8,8 +8,8 @@
 # Needs cmake, a C++ compiler and (optionally) ninja; about 20 minutes on 2 cores. GGML_NATIVE
 # tunes for this CPU (AVX-512, AVX512-BF16 where present). The source tree's
 # convert_hf_to_gguf.py (which converts treespec's draft for llama.cpp's speculative decoding)
-# imports numpy, torch, transformers and sentencepiece-free tokenizers: treespec's own
-# environment has them.
+# imports numpy, torch and transformers, which treespec's environment has, and sentencepiece,
+# which this script installs.
 set -euo pipefail
 VERSION=0.3.36
 WORK=${1:-$HOME/llamacpp}
@@ -22,4 +22,5 @@ cd "llama_cpp_python-$VERSION/vendor/llama.cpp"
 GEN=$(command -v ninja >/dev/null && echo "-G Ninja" || true)
 cmake -B build $GEN -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release
 cmake --build build -j "$(nproc)" --target llama-completion llama-speculative-simple llama-bench
+pip install sentencepiece
 echo "built: $PWD/build/bin (pass --llama-cpp $PWD)"
