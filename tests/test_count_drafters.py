@@ -129,3 +129,23 @@ def test_count_drafters_chi_square(kind, width):
     assert accepted > n // 10
     assert chi2_pvalue(counts, exact_joint(target, sampling), n) > 1e-3
     assert chi2_pvalue(counts, exact_joint(target, SamplingConfig(temperature=1.6)), n) < 1e-3
+
+
+def test_counts_file_gives_the_drafters_of_its_counts(tmp_path):
+    """A counts file in the bundled format (unigram + CSR bigram) makes the same drafters as
+    the dense arrays it holds (experiments/alpha_table.py writes such files for other pairs)."""
+    rows, cols = np.nonzero(BIGRAM)
+    path = tmp_path / "counts.npz"
+    np.savez(
+        path,
+        unigram=UNIGRAM,
+        bigram_indptr=np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=V))]),
+        bigram_indices=cols.astype(np.int32),
+        bigram_counts=BIGRAM[rows, cols].astype(np.int32),
+    )
+    for prev in range(V):
+        want = BigramDrafter(BIGRAM, unigram=UNIGRAM, smoothing=0.5).logits(prev)
+        assert torch.allclose(BigramDrafter(counts_file=path, smoothing=0.5).logits(prev), want)
+    assert torch.allclose(UnigramDrafter(counts_file=path).logits(0), UnigramDrafter(UNIGRAM).logits(0))
+    with pytest.raises(ValueError, match="cannot read token counts"):
+        UnigramDrafter(counts_file=tmp_path / "missing.npz")

@@ -113,12 +113,17 @@ class UnigramDrafter(CountDrafter):
     """Draws every token from the corpus unigram distribution, whatever the context."""
 
     def __init__(
-        self, counts: np.ndarray | torch.Tensor | None = None, width: int = 1, smoothing: float = 1.0
+        self,
+        counts: np.ndarray | torch.Tensor | None = None,
+        width: int = 1,
+        smoothing: float = 1.0,
+        counts_file: str | Path | None = None,
     ):
+        """`counts`: [V] counts, or None for those of `counts_file` (default: the bundled ones)."""
         super().__init__(width)
         if smoothing <= 0:
             raise ValueError(f"smoothing must be > 0 (it keeps every token possible), got {smoothing!r}")
-        c = load_counts()["unigram"] if counts is None else counts
+        c = load_counts(counts_file)["unigram"] if counts is None else counts
         c = torch.as_tensor(np.asarray(c, dtype=np.float64))
         if c.ndim != 1 or (c < 0).any():
             raise ValueError("unigram counts must be a [V] vector of non-negative numbers")
@@ -132,8 +137,9 @@ class UnigramDrafter(CountDrafter):
 class BigramDrafter(CountDrafter):
     """Draws each token from the corpus bigram distribution given the previous token.
 
-    `bigram`: a dense [V, V] count matrix, or None for the bundled sparse counts;
-    `unigram`: the [V] counts of the prior (default: the bigram row sums, or the bundled ones).
+    `bigram`: a dense [V, V] count matrix, or None for the sparse counts of `counts_file`
+    (default: the bundled ones); `unigram`: the [V] counts of the prior (default: the bigram
+    row sums, or the file's).
     """
 
     def __init__(
@@ -142,12 +148,13 @@ class BigramDrafter(CountDrafter):
         unigram: np.ndarray | torch.Tensor | None = None,
         width: int = 1,
         smoothing: float = 1.0,
+        counts_file: str | Path | None = None,
     ):
         super().__init__(width)
         if smoothing <= 0:
             raise ValueError(f"smoothing must be > 0 (it keeps every token possible), got {smoothing!r}")
         if bigram is None:
-            f = load_counts()
+            f = load_counts(counts_file)
             self.vocab_size = V = int(f["unigram"].size)
             uni = f["unigram"] if unigram is None else unigram
             indptr, idx, cnt = f["bigram_indptr"], f["bigram_indices"], f["bigram_counts"]
