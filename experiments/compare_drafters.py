@@ -29,7 +29,8 @@ import torch
 
 from treespec import GenerationStats, SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.sequoia import TreeShape
-from treespec.zoo import load_prompts
+from treespec.request import encode_prompt
+from treespec.zoo import heldout_chats, load_prompts
 
 
 def configs(args) -> dict[str, tuple[str, TreeConfig | None]]:
@@ -61,6 +62,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--prompts", type=Path, default=None, help="JSON prompts (default: bundled held-out)")
     ap.add_argument("--n-prompts", type=int, default=8)
+    ap.add_argument("--chat", action="store_true", help="the held-out chat instructions (a chat model)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--width", type=int, default=4)
     ap.add_argument("--depth", type=int, default=4)
@@ -72,7 +74,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("experiments/results/compare_drafters.json"))
     args = ap.parse_args()
 
-    prompts = load_prompts(args.prompts, args.n_prompts)
+    prompts = heldout_chats(args.n_prompts) if args.chat else load_prompts(args.prompts, args.n_prompts)
     sampling = SamplingConfig(temperature=args.temperature)
     base = SpeculativeDecoder.from_pretrained(target=args.target, draft=args.draft, dtype=args.dtype)
     cfgs = configs(args)
@@ -90,7 +92,7 @@ def main() -> None:
     tps = {row: [] for row in runs}  # tokens/s of every run
     totals = {row: GenerationStats() for row in runs}  # pooled over prompts
     for i, prompt in enumerate(prompts):
-        ids = base.tokenizer(prompt)["input_ids"]
+        ids = list(encode_prompt(prompt, base.tokenizer))  # text, or a chat through its template
         for row, (name, rule) in runs.items():
             tree = cfgs[name][1]
             with torch.inference_mode():

@@ -53,6 +53,12 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the target's")
     ap.add_argument("--draft-dtype", default="float32")
+    ap.add_argument(
+        "--drafter",
+        default="model",
+        choices=("model", "ngram", "lookup", "merged"),
+        help="what proposes treespec's chains and trees (HF assisted always runs the draft model)",
+    )
     ap.add_argument("--tag", default="epyc")
     ap.add_argument("--llama-cpp", type=Path, default=None, metavar="DIR", help="llama.cpp's build dir")
     ap.add_argument("--quantize", choices=("int8",), default=None, help="treespec's target weights")
@@ -90,6 +96,7 @@ def main() -> None:
         "draft": str(draft_path),
         "dtype": args.dtype,
         "draft_dtype": args.draft_dtype,
+        "drafter": args.drafter,
         "compile": args.compile,
         "quantize": args.quantize,
         "draft_quantize": args.draft_quantize,
@@ -113,6 +120,7 @@ def main() -> None:
                 draft_vocab=vocab,
                 runners=runners,
                 llama_cpp=None if i else llama_cpp,
+                drafter=args.drafter,
                 config={"temperature": temperature, "width": width, "depth": depth},
                 progress=lambda msg: print(f"\r\033[K{msg}", end="", file=sys.stderr),
             )
