@@ -31,9 +31,8 @@ import torch
 
 from treespec import SamplingConfig, TreeConfig
 from treespec.backends import hf
-from treespec.backends.native import NativeRunner
-from treespec.backends.subset import VocabMap, wrap
-from treespec.bench import machine_info, result_table, run_bench
+from treespec.backends.subset import VocabMap
+from treespec.bench import machine_info, native_runners, result_table, run_bench
 from treespec.llamacpp import LlamaCpp, LlamaCppBench, draft_to_gguf
 from treespec.loading import checkpoint
 from treespec.loading.gguf import smollm2_gguf
@@ -74,12 +73,7 @@ def main() -> None:
     tokenizer = hf.load_tokenizer(target_dir)
     vocab = VocabMap.load(Path(draft_dir))
     t0 = time.perf_counter()
-    runners = {
-        "native": (
-            NativeRunner.from_hf(target, compile=args.compile, quantize=args.quantize),
-            wrap(NativeRunner.from_hf(draft, compile=args.compile, quantize=args.draft_quantize), vocab),
-        )
-    }
+    runners = native_runners(target, draft, args.compile, args.quantize, args.draft_quantize, vocab)
     workdir = tempfile.TemporaryDirectory(prefix="treespec-real-pair-")
     llama_cpp = None
     if args.llama_cpp is not None:

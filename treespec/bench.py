@@ -138,6 +138,27 @@ def measure_costs(target: Runner, draft: Runner | None, n_nodes: int, weight_byt
     return cost
 
 
+def native_runners(
+    target,
+    draft,
+    compile: bool = False,
+    quantize: str | None = None,
+    draft_quantize: str | None = None,
+    draft_vocab: VocabMap | None = None,
+) -> dict[str, tuple[Runner, Runner]]:
+    """`run_bench(runners=...)` for the native backend alone, with the options only it has:
+    inductor graphs and weight-only quantization of the target and/or the draft (a subset draft
+    wrapped by `draft_vocab`)."""
+    from .backends.native import NativeRunner
+
+    return {
+        "native": (
+            NativeRunner.from_hf(target, compile=compile, quantize=quantize),
+            wrap(NativeRunner.from_hf(draft, compile=compile, quantize=draft_quantize), draft_vocab),
+        )
+    }
+
+
 def run_bench(
     target,
     draft,

@@ -409,7 +409,7 @@ def cmd_generate(args) -> None:
 
 def cmd_bench(args) -> None:
     from .backends.subset import VocabMap
-    from .bench import result_table, run_bench
+    from .bench import native_runners, result_table, run_bench
     from .zoo import heldout_chats, load_prompts
 
     tree, sampling = _configs(args)
@@ -430,6 +430,9 @@ def cmd_bench(args) -> None:
     from .bench import machine_info
     from .loading import checkpoint, resolve_device, resolve_dtype
 
+    quantized = bool(args.quantize or args.draft_quantize)
+    if quantized and args.backend == "hf":
+        raise CliError("--quantize / --draft-quantize need the native backend; drop --backend hf")
     llama = _find_llama_cpp(args, paths[0])  # before loading: a wrong --llama-cpp fails at once
     paths = tuple(checkpoint(p) for p in paths)  # a GGUF file: its converted directory
     device = resolve_device(args.device)
@@ -443,22 +446,9 @@ def cmd_bench(args) -> None:
     backends = ("native", "hf") if args.backend == "auto" else (args.backend,)
     draft_vocab = VocabMap.load(paths[1]) if isinstance(paths[1], Path) else None
     runners = None
-    if args.quantize or args.draft_quantize:  # treespec's rows run the quantized weights; HF's stay as loaded
-        if args.backend == "hf":
-            raise CliError("--quantize / --draft-quantize need the native backend; drop --backend hf")
-        from .backends.native import NativeRunner
-        from .backends.subset import wrap
-
+    if quantized:  # treespec's rows run the quantized weights; HF's stay as loaded
         backends = ("native",)
-        runners = {
-            "native": (
-                NativeRunner.from_hf(target, compile=args.compile, quantize=args.quantize),
-                wrap(
-                    NativeRunner.from_hf(draft, compile=args.compile, quantize=args.draft_quantize),
-                    draft_vocab,
-                ),
-            )
-        }
+        runners = native_runners(target, draft, args.compile, args.quantize, args.draft_quantize, draft_vocab)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
     # a progress line redrawn in place: terminal control codes, so only on a terminal
     progress = (
@@ -479,7 +469,7 @@ def cmd_bench(args) -> None:
         file=sys.stderr,
     )
     workdir = tempfile.TemporaryDirectory(prefix="treespec-bench-")
-    llama_cpp = _llama_cpp_bench(llama, draft, tokenizer, paths[1], Path(workdir.name)) if llama else None
+    llama_cpp = _llama_cpp_bench(llama, draft, tokenizer, draft_vocab, Path(workdir.name)) if llama else None
     result = run_bench(
         target,
         draft,
@@ -536,10 +526,10 @@ def _find_llama_cpp(args, target):
         return None
 
 
-def _llama_cpp_bench(found, draft, tokenizer, draft_path, workdir: Path):
+def _llama_cpp_bench(found, draft, tokenizer, draft_vocab, workdir: Path):
     """llama.cpp's bench rows: plain decoding always, its speculative decoding where the draft
-    converts to GGUF (a failed conversion says why and leaves the plain row)."""
-    from .backends.subset import VocabMap
+    (a subset draft through `draft_vocab`) converts to GGUF (a failed conversion says why and
+    leaves the plain row)."""
     from .llamacpp import LlamaCppBench, draft_to_gguf
 
     llama, target_gguf = found
@@ -551,9 +541,8 @@ def _llama_cpp_bench(found, draft, tokenizer, draft_path, workdir: Path):
             file=sys.stderr,
         )
         return bench
-    vocab = VocabMap.load(draft_path) if isinstance(draft_path, Path) else None
     try:
-        bench.draft_gguf = draft_to_gguf(draft, tokenizer, workdir, llama.convert_script, vocab)
+        bench.draft_gguf = draft_to_gguf(draft, tokenizer, workdir, llama.convert_script, draft_vocab)
     except (RuntimeError, OSError) as e:
         print(
             f"llama.cpp's speculative decoding not run: the draft did not convert to GGUF ({e})",

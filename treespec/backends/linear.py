@@ -88,6 +88,15 @@ def _packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
 
 
 QUANTIZATIONS = ("int8",)  # weight-only formats a `QuantizedProjection` stores
+QUANTIZABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what int8 products compute in
+
+
+def check_quantize(quantize: str, dtype: torch.dtype) -> None:
+    """A ValueError unless `quantize` is a known format and `dtype` one its products compute in."""
+    if quantize not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantize {quantize!r}; choose None or one of {', '.join(QUANTIZATIONS)}")
+    if dtype not in QUANTIZABLE_DTYPES:
+        raise ValueError(f"quantize={quantize!r} computes in float32, bfloat16 or float16, not {dtype}")
 
 
 class QuantizedProjection:
@@ -98,10 +107,7 @@ class QuantizedProjection:
     draft (any q is), the quantized model's own distribution for a target."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, quantize: str = "int8"):
-        if quantize not in QUANTIZATIONS:
-            raise ValueError(f"unknown quantization {quantize!r}; choose from {', '.join(QUANTIZATIONS)}")
-        if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"int8 weights compute in float32, bfloat16 or float16, not {weight.dtype}")
+        check_quantize(quantize, weight.dtype)
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         w = weight.float()

@@ -55,7 +55,7 @@ from .attention import (
 )
 from .base import Feed, Runner, causal_visible, forward_grouped
 from .checkpoint import LlamaShape, read_checkpoint
-from .linear import QUANTIZATIONS, Projection, QuantizedProjection, int8_product
+from .linear import Projection, QuantizedProjection, check_quantize, int8_product
 
 INITIAL_CAPACITY = 256  # cache slots allocated before the first growth
 COMPILE_MAX_TOKENS = 64  # feeds of up to this many tokens run through the compiled graphs (compile=True)
@@ -220,13 +220,8 @@ class NativeRunner(Runner):
         a different model, the quantized one, which is lossless for a draft and the int8
         model's own distribution for a target. Faster for one-token forwards on a CPU, slower
         for many rows (docs/performance.md)."""
-        if quantize is not None and quantize not in QUANTIZATIONS:
-            raise ValueError(
-                f"unknown quantize {quantize!r}; choose None or one of {', '.join(QUANTIZATIONS)}"
-            )
-        if quantize is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"quantize={quantize!r} computes in float32, bfloat16 or float16, not {dtype}")
-        self.quantize = quantize
+        if quantize is not None:
+            check_quantize(quantize, dtype)  # before any weight is converted
         self.shape = s = shape
         self.vocab_size, self.max_positions = s.vocab, s.max_positions
         self.eos_token_ids = frozenset(eos_token_ids)
