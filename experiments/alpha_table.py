@@ -22,38 +22,14 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from treespec import SamplingConfig, SpeculativeDecoder, theory
 from treespec.bench import chain_logits, machine_info
 from treespec.distill.prompts import bundled_prompts, render
-from treespec.drafters.counts import BigramDrafter, UnigramDrafter
+from treespec.drafters.counts import BigramDrafter, UnigramDrafter, write_counts
 from treespec.sampling import probs
 from treespec.zoo import pair
-
-
-def count_tokens(sequences: list[list[int]], vocab: int, path: Path) -> dict:
-    """Unigram and sparse bigram (CSR) counts of `sequences`, saved to `path`."""
-    unigram = np.zeros(vocab, dtype=np.int64)
-    keys = []
-    for seq in sequences:
-        s = np.asarray(seq, dtype=np.int64)
-        unigram += np.bincount(s, minlength=vocab)
-        keys.append(s[:-1] * vocab + s[1:])
-    pairs, counts = np.unique(np.concatenate(keys), return_counts=True)
-    rows, cols = pairs // vocab, pairs % vocab  # sorted by (row, col): CSR order
-    indptr = np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=vocab))])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(
-        path, unigram=unigram, bigram_indptr=indptr, bigram_indices=cols.astype(np.int32),
-        bigram_counts=counts.astype(np.int32),
-    )  # fmt: skip
-    return {
-        "tokens": int(unigram.sum()),
-        "distinct_tokens": int((unigram > 0).sum()),
-        "bigrams": int(pairs.size),
-    }
 
 
 def main() -> None:
@@ -78,7 +54,7 @@ def main() -> None:
         rendered, args.count_tokens, tree=None, sampling=SamplingConfig(temperature=1.0),
         seeds=list(range(len(rendered))), max_batch=32,
     )  # fmt: skip
-    corpus = count_tokens([ids + out.token_ids for ids, out in zip(rendered, outs)], V, args.counts)
+    corpus = write_counts([ids + out.token_ids for ids, out in zip(rendered, outs)], V, args.counts)
     print(f"counted {corpus} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     drafters = {
         "unigram": UnigramDrafter(counts_file=args.counts),

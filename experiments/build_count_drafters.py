@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from treespec.drafters.counts import write_counts
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "experiments"))
 
@@ -50,35 +52,13 @@ def main() -> None:
         ids.append(np.array([eos], dtype=np.int64))
         ids.append(np.asarray(enc.ids, dtype=np.int64))
     stream = np.concatenate(ids)
-    unigram = np.bincount(stream, minlength=V).astype(np.int64)
-    pairs, counts = np.unique(stream[:-1] * V + stream[1:], return_counts=True)
-    keep = counts >= args.min_bigram_count
-    pairs, counts = pairs[keep], counts[keep]
-    prev, nxt = pairs // V, pairs % V  # sorted by prev, then next: CSR order
-    indptr = np.zeros(V + 1, dtype=np.int64)
-    np.add.at(indptr, prev + 1, 1)
-    indptr = np.cumsum(indptr)
-    idx_dtype = np.int16 if V <= 2**15 else np.int32
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "corpus": f"stdlib {root}: {len(train)} training files (held-out split of train_pycode_pair.py excluded)",
         "python": sys.version.split()[0],
-        "tokens": int(stream.size),
-        "vocab_size": V,
-        "distinct_bigrams_kept": int(pairs.size),
-        "min_bigram_count": args.min_bigram_count,
         "corpus_sha1": hashlib.sha1(stream.astype(np.int32).tobytes()).hexdigest(),
         "command": "python experiments/build_count_drafters.py" + (f" --min-bigram-count {args.min_bigram_count}" if args.min_bigram_count != 2 else ""),
     }
-    np.savez_compressed(
-        args.out,
-        unigram=unigram,
-        bigram_indptr=indptr,
-        bigram_indices=nxt.astype(idx_dtype),
-        bigram_counts=counts.astype(np.int32),
-        min_bigram_count=np.array(args.min_bigram_count),
-        meta=np.array(json.dumps(meta)),
-    )
+    meta.update(write_counts([stream], V, args.out, args.min_bigram_count, meta))
     print(json.dumps(meta, indent=1))
     print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.2f} MB)")
 

@@ -31,6 +31,7 @@ from treespec.distill import (
     train,
 )
 from treespec.distill.pipeline import choose_subset
+from treespec.drafters.counts import BigramDrafter, load_counts
 
 from .conftest import VOCAB, tiny_llama
 from .mc import PROMPT, K, N, V, chi2_pvalue, exact_joint, models  # noqa: F401 (fixture)
@@ -201,6 +202,12 @@ def test_distill_learns_and_its_output_loads_in_treespec_and_hf(distilled, tiny_
         and summary["recipe"]["steps"] == TINY["steps"]
     )
     assert (distilled / "eval.png").stat().st_size > 1000
+    # the counts of the same text: unigram counts of every stored token, bigrams within sequences
+    counts = load_counts(distilled / "counts.npz")
+    stored = json.loads((distilled / "work" / "data" / "meta.json").read_text())["prompts"]
+    assert counts["unigram"].size == VOCAB and counts["bigram_indptr"][-1] == counts["bigram_indices"].size
+    assert counts["unigram"].sum() - counts["bigram_counts"].sum() == stored  # one bigram fewer per sequence
+    assert BigramDrafter(counts_file=distilled / "counts.npz").vocab_size == VOCAB
     # treespec: greedy speculative output == the target's own greedy decoding
     dec = SpeculativeDecoder.from_pretrained(target=target, draft=distilled, dtype="float32")
     plain = dec.generate("w5 w9 w17", 12, tree=None, sampling=SamplingConfig(temperature=0), ignore_eos=True)
@@ -425,7 +432,35 @@ def test_recipe_checks_every_field():
         dict(hidden_size=40, head_dim=32),
         dict(embeddings="svd"),
         dict(save_dtype="int8"),
+        dict(target_dtype="float64"),
+        dict(from_target=True, hidden_size=64),
+        dict(from_target=True, embeddings="random"),
         dict(steps=True),
     ):
         with pytest.raises(ValueError):
             Recipe(**bad)
+
+
+@pytest.mark.parametrize("llama32", [False, True])
+def test_from_target_draft_is_a_slice_of_the_target(llama32):
+    from treespec.distill.model import build_draft, target_layers
+
+    target = tiny_llama(3, hidden=32, layers=4, dtype=torch.float32, llama32=llama32)
+    ids = torch.tensor([[5, 17, 3, 40, 8, 21]])
+    # every layer kept: the draft is the target, logit for logit (tied or not, as the target)
+    whole = build_draft(target, Recipe(from_target=True, layers=4), None, seed=0)
+    assert torch.allclose(whole(ids).logits, target(ids).logits, atol=1e-5)
+    # two layers: the first and the last, at the target's width, heads and RoPE
+    assert target_layers(4, 2) == [0, 3] and target_layers(4, 1) == [0]
+    sliced = build_draft(target, Recipe(from_target=True, layers=2), None, seed=0)
+    assert sliced.config.hidden_size == 32 and sliced.config.num_key_value_heads == 2
+    for mine, theirs in zip(sliced.model.layers, (target.model.layers[0], target.model.layers[3])):
+        assert torch.equal(mine.mlp.down_proj.weight, theirs.mlp.down_proj.weight)
+        assert torch.equal(mine.self_attn.k_proj.weight, theirs.self_attn.k_proj.weight)
+    # a subset vocabulary keeps the target's embedding rows of its tokens
+    vocab_map = VocabMap([1, 5, 9], VOCAB)
+    small = build_draft(target, Recipe(from_target=True, layers=2, vocab_subset=3), vocab_map, seed=0)
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        assert torch.equal(getattr(small, get)().weight[:3], getattr(target, get)().weight[[1, 5, 9]])
+    with pytest.raises(ValueError, match="layers"):
+        build_draft(target, Recipe(from_target=True, layers=5), None, seed=0)

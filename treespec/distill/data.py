@@ -212,6 +212,10 @@ class Dataset:
             rows_t,
         )
 
+    def sequences(self) -> list[np.ndarray]:
+        """Every stored sequence (prompt + response), as int32 token ids."""
+        return [self.tokens[a:b] for a, b in zip(self.offsets[:-1], self.offsets[1:])]
+
     def response_rows(self) -> np.ndarray:
         return self.row_mask(train_on_prompt=False)
 

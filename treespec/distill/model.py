@@ -12,6 +12,12 @@ hidden state approximates the target's, projected, starts with the target's logi
 A draft as wide as the target copies W unchanged. `freeze_embeddings` keeps E fixed: the
 embedding then is the target's (projected), shared rather than learned.
 
+`from_target`: the draft is a slice of the target, at its width: its embedding, its first
+`layers - 1` decoder layers, its last layer and its final norm (`target_layers`), then
+trained like any draft. A pretrained slice starts far from noise (the target's own
+features and output geometry), which a draft trained on a few hundred thousand positions
+cannot learn from scratch; it costs the target's per-layer width, so c grows with `layers`.
+
 Output: a standard HF directory (config.json, model.safetensors, the target's tokenizer,
 generation_config.json with the target's EOS) that treespec and `transformers` load as is;
 a subset-vocabulary draft adds `vocab_map.json` (`treespec.backends.subset`), which every loader reads.
@@ -31,6 +37,8 @@ def draft_config(target_config, recipe, vocab_rows: int):
     from transformers import LlamaConfig
 
     t = target_config
+    if recipe.from_target:
+        return _target_slice_config(t, recipe.layers, vocab_rows)
     hidden = recipe.hidden_size or max(
         2 * recipe.head_dim, round(t.hidden_size / 4 / recipe.head_dim) * recipe.head_dim
     )
@@ -58,6 +66,28 @@ def draft_config(target_config, recipe, vocab_rows: int):
     )
 
 
+def target_layers(n_target: int, n: int) -> list[int]:
+    """The target layers a `from_target` draft of `n` layers copies: the first n - 1 and the last."""
+    if not 1 <= n <= n_target:
+        raise ValueError(f"from_target needs 1 <= layers <= the target's {n_target} layers, got {n}")
+    return [0] if n == 1 else list(range(n - 1)) + [n_target - 1]
+
+
+def _target_slice_config(t, layers: int, vocab_rows: int):
+    """The target's own config with `layers` decoder layers, `vocab_rows` tied rows and sdpa."""
+    import copy
+
+    if getattr(t, "model_type", None) != "llama":
+        raise ValueError(f"from_target needs a Llama-architecture target, got {t.model_type!r}")
+    target_layers(t.num_hidden_layers, layers)
+    config = copy.deepcopy(t)  # tied or not, as the target is
+    config.num_hidden_layers, config.vocab_size = layers, vocab_rows
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = config.layer_types[:layers]
+    config._attn_implementation = "sdpa"
+    return config
+
+
 def build_draft(target, recipe, vocab_map: VocabMap | None, seed: int):
     """A new fp32 draft for `target` (an HF causal LM), initialised per `recipe`."""
     from transformers import LlamaForCausalLM
@@ -71,6 +101,19 @@ def build_draft(target, recipe, vocab_map: VocabMap | None, seed: int):
             draft.get_input_embeddings().weight.copy_(
                 projected_embeddings(target, config.hidden_size, vocab_map)
             )
+    if recipe.from_target:
+        with torch.no_grad():
+            src = target.model
+            for mine, theirs in zip(
+                draft.model.layers, target_layers(len(src.layers), recipe.layers), strict=True
+            ):
+                for name, value in src.layers[theirs].state_dict().items():
+                    mine.state_dict()[name].copy_(value.float())
+            draft.model.norm.weight.copy_(src.norm.weight.float())
+            # output rows, then input rows (one matrix when tied, as the target's then is)
+            for get in ("get_output_embeddings", "get_input_embeddings"):
+                rows = getattr(target, get)().weight.detach().float().cpu()
+                getattr(draft, get)().weight.copy_(subset_rows(rows, vocab_map))
     if recipe.freeze_embeddings:
         draft.get_input_embeddings().weight.requires_grad_(False)
     return draft
@@ -88,8 +131,15 @@ def projected_embeddings(target, hidden: int, vocab_map: VocabMap | None) -> tor
         raise ValueError(
             f"embeddings='pca' needs hidden_size <= the target's {W.shape[1]}; use embeddings='random'"
         )
+    return subset_rows(W, vocab_map)
+
+
+def subset_rows(W: torch.Tensor, vocab_map: VocabMap | None) -> torch.Tensor:
+    """[rows, H]: the rows of `W` [V, H] a draft over `vocab_map` keeps, and for row K (every
+    other token) their mean."""
     if vocab_map is None:
         return W
+    hidden = W.shape[1]
     outside = torch.ones(len(W), dtype=torch.bool)
     outside[vocab_map.ids] = False
     rest = W[outside].mean(0, keepdim=True) if outside.any() else torch.zeros(1, hidden)

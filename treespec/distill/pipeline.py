@@ -6,7 +6,8 @@ Everything is checked before any work (one-line ValueErrors). State lives in `ou
 (run.json: what was asked; data/: shards; draft_<i>.pt: checkpoints; clock.json: time spent),
 so `resume=True` continues an interrupted run exactly where its last checkpoint left it. The
 draft is written to `out/` itself (boost-tuned drafts 2..N to `out/boost_<i>/`), with
-`distill.json` (recipe, data, losses, acceptance), `eval.jsonl` and `eval.png`.
+`distill.json` (recipe, data, losses, acceptance), `eval.jsonl`, `eval.png` and `counts.npz`
+(unigram / bigram counts of the training prompts and responses: `UnigramDrafter(counts_file=)`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from ..backends.subset import VocabMap
+from ..drafters.counts import write_counts
 from .data import Dataset, load_shard, make_data, make_shard, prompt_seed, save_shard
 from .evaluate import acceptance, merged_acceptance, plot, proxy, read_jsonl
 from .model import build_draft, draft_runner, load_draft, load_draft_runner, save_draft
@@ -33,7 +35,10 @@ from .train import Clock, Job, rejection_weights, train_draft
 MACHINE_FIELDS = ("progress", "threads", "checkpoint_minutes")
 # recipe fields that decide the data (training shards and the held-out shard)
 DATA_FIELDS = ("max_prompts", "prompt_tokens", "response_tokens", "temperature", "top_k", "gen_batch",
-               "proxy_prompts", "eval_prompts", "seed")  # fmt: skip
+               "proxy_prompts", "eval_prompts", "seed", "target_dtype")  # fmt: skip
+
+
+_DEFAULTS = Recipe().as_dict()
 
 
 def distill(
@@ -95,6 +100,7 @@ def _run_record(target, prompts, minutes, resume: bool, given: dict, work: Path)
             )
     if minutes is not None and minutes != stored["minutes"]:
         raise ValueError(f"resume with minutes={minutes}, but the run used minutes={stored['minutes']}")
+    stored["recipe"] = {**_DEFAULTS, **stored["recipe"]}  # a field added since that run: its default
     changed = sorted(k for k, v in given.items() if k not in MACHINE_FIELDS and v != stored["recipe"][k])
     if changed:
         used = ", ".join(f"{k}={stored['recipe'][k]!r}" for k in changed)
@@ -112,7 +118,7 @@ def _reusable_data(other: Path, run: dict) -> Path:
         raise ValueError(f"data_from: {other} holds no finished distill data")
     theirs = json.loads(record.read_text())
     differ = [k for k in ("target", "prompts") if theirs[k] != run[k]]
-    differ += [k for k in DATA_FIELDS if theirs["recipe"][k] != run["recipe"][k]]
+    differ += [k for k in DATA_FIELDS if theirs["recipe"].get(k, _DEFAULTS[k]) != run["recipe"][k]]
     if differ:
         raise ValueError(f"data_from: {other} made its data with other {', '.join(differ)}")
     return other / "work" / "data"
@@ -179,7 +185,8 @@ class _Run:
                 f"no tokenizer with the target {str(self.target_path)!r}; distill needs it to render prompts"
             )
         train, held = self._prompts()
-        self.target = hf.load_model(self.target_path, torch.float32, torch.device(rec.device))
+        dtype = getattr(torch, rec.target_dtype)
+        self.target = hf.load_model(self.target_path, dtype, torch.device(rec.device))
         cfg = self.target.config
         if rec.vocab_subset is not None and rec.vocab_subset >= cfg.vocab_size:
             raise ValueError(
@@ -216,6 +223,10 @@ class _Run:
                 self.target_runner, self.tokenizer, runners, self.eval_ids, rec.eval_tokens, cfg.vocab_size
             )
         self._write_summary(data, meta, coverage, summaries, merged)
+        write_counts(  # the unigram / bigram drafters of this target, from the same text
+            data.sequences(), cfg.vocab_size, self.out / "counts.npz",
+            meta={"corpus": f"{meta['prompts']} training prompts and the target's responses"},
+        )  # fmt: skip
         plot(self.eval_path, self.out / "eval.png")
         return self.out
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, fields
 
 LOSSES = ("kl", "tv", "jsd")
 EMBEDDINGS = ("pca", "random")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -26,8 +27,10 @@ class Recipe:
     train_on_prompt: bool = True  # also learn the target's distributions at prompt positions
     gen_batch: int = 16  # prompts per generate_batch call and per data shard
     data_fraction: float = 0.4  # share of --minutes spent making data
+    target_dtype: str = "float32"  # the target's dtype while it makes data and is evaluated
     # ---- draft model (LlamaForCausalLM)
     layers: int = 2  # decoder layers
+    from_target: bool = False  # copy the target's first layers-1 and last layer, at its width
     hidden_size: int | None = None  # None: the target's hidden size / 4 (a multiple of head_dim)
     head_dim: int = 32  # attention head size; heads = hidden_size / head_dim
     kv_heads: int | None = None  # key/value heads (None: half the query heads)
@@ -121,8 +124,16 @@ class Recipe:
             raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         if self.embeddings not in EMBEDDINGS:
             raise ValueError(f"embeddings must be one of {', '.join(EMBEDDINGS)}, got {self.embeddings!r}")
-        if self.save_dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"save_dtype must be float32, bfloat16 or float16, got {self.save_dtype!r}")
+        for name in ("save_dtype", "target_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {getattr(self, name)!r}")
+        if self.from_target:
+            shaped = [n for n in ("hidden_size", "kv_heads", "intermediate_size") if getattr(self, n)]
+            if shaped or self.embeddings != "pca":
+                raise ValueError(
+                    "from_target takes the target's shape and embedding: leave "
+                    f"{', '.join(shaped) or 'embeddings'} unset"
+                )
         if self.hidden_size is not None and self.hidden_size % self.head_dim:
             raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of head_dim {self.head_dim}")
 

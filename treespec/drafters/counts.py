@@ -14,8 +14,10 @@ Trees: `width` sequences of `depth` tokens drawn i.i.d. (as `TreeConfig(strategy
 merged into a prefix tree; the m sequences through a node are one i.i.d. proposal group of m
 draws. At temperature 0 q is one-hot on the argmax, so every sequence is the same chain.
 
-The bundled counts (`treespec/zoo/pycode/counts.npz`) come from the pycode pair's training
-corpus; `experiments/build_count_drafters.py` rebuilds them.
+The bundled counts: `treespec/zoo/pycode/counts.npz` from the pycode pair's training corpus
+(`experiments/build_count_drafters.py` rebuilds them), `treespec/zoo/smollm2/counts.npz` from
+SmolLM2's own responses (`treespec distill` writes the counts of its data next to the draft).
+`write_counts` makes a counts file from any token sequences.
 """
 
 from __future__ import annotations
@@ -44,6 +46,35 @@ def load_counts(path: str | Path | None = None) -> dict[str, np.ndarray]:
             return {k: f[k] for k in f.files}
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read token counts from {path}: {e}") from e
+
+
+def write_counts(
+    sequences, vocab: int, path: str | Path, min_bigram_count: int = 1, meta: dict | None = None
+) -> dict:
+    """Write the unigram counts [V] and the bigram counts (CSR: `bigram_indptr` [V + 1],
+    `bigram_indices`, `bigram_counts`, rows = previous token) of `sequences` (each a sequence
+    of token ids; no bigram spans two sequences) to `path`, in the format `load_counts` reads.
+    Bigrams seen fewer than `min_bigram_count` times are dropped. Returns the corpus' sizes."""
+    import json
+
+    seqs = [np.asarray(s, dtype=np.int64) for s in sequences]
+    stream = np.concatenate(seqs) if seqs else np.zeros(0, dtype=np.int64)
+    unigram = np.bincount(stream, minlength=vocab).astype(np.int64)
+    keys = np.concatenate([s[:-1] * vocab + s[1:] for s in seqs]) if seqs else stream
+    pairs, counts = np.unique(keys, return_counts=True)
+    keep = counts >= min_bigram_count
+    pairs, counts = pairs[keep], counts[keep]
+    rows = pairs // vocab  # sorted by (previous, next): CSR order
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=vocab))]).astype(np.int64)
+    sizes = {"tokens": int(stream.size), "vocab_size": vocab, "distinct_bigrams_kept": int(pairs.size),
+             "min_bigram_count": min_bigram_count}  # fmt: skip
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(
+        path, unigram=unigram, bigram_indptr=indptr,
+        bigram_indices=(pairs % vocab).astype(np.int16 if vocab <= 2**15 else np.int32),
+        bigram_counts=counts.astype(np.int32), meta=np.array(json.dumps({**sizes, **(meta or {})})),
+    )  # fmt: skip
+    return sizes
 
 
 class CountDrafter(Drafter):
