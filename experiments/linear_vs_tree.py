@@ -1,15 +1,19 @@
 #!/usr/bin/env python
-"""Linear vs tree speculation on the bundled pair: a grid, one JSONL row per cell, resumable.
+"""Linear vs tree speculation on a bundled pair: a grid, one JSONL row per cell, resumable.
 
     python experiments/linear_vs_tree.py --backend hf          # the committed linear_vs_tree.jsonl
     python experiments/linear_vs_tree.py --backend native --dtype bfloat16 --threads 2 \
         --drafters model --temperatures 0,1 --out experiments/results/defaults_sweep.jsonl
     python experiments/linear_vs_tree.py --widths 1,2 --depths 2 --n-prompts 1 --max-new-tokens 16 \
         --out /tmp/smoke.jsonl                                 # a smoke test
+    python experiments/linear_vs_tree.py --pair smollm2 --backend native --dtype bfloat16 --threads 2 \
+        --temperatures 0,1 --out experiments/results/linear_vs_tree_smollm2.jsonl   # the real pair
 
 Grid: drafter x strategy x width x depth x temperature (plus plain decoding per temperature
-as the baseline: strategy "none"), decoded on held-out prompts (`treespec.zoo.load_prompts`)
-with the same seeds in every cell. A cell already in `--out` (same key) is skipped, so an
+as the baseline: strategy "none"), decoded on held-out prompts with the same seeds in every
+cell: pycode's held-out code prompts (`treespec.zoo.load_prompts`), or for smollm2 the
+held-out chat instructions (`treespec.zoo.heldout_chats`) and the count drafters' counts of
+its distillation data (`zoo/smollm2/counts.npz`). A cell already in `--out` (same key) is skipped, so an
 interrupted run continues where it stopped.
 
 Rows:
@@ -19,7 +23,7 @@ Rows:
   {"kind": "cell", ...}   per cell: tokens/step, tokens/s, acceptance by depth, nodes per
                           round, c, t(n)/t(1) at the cell's mean tree size (interpolated)
 
-Only the public API is used: `SpeculativeDecoder.from_pretrained(*pair("pycode"), dtype=, backend=)`, costs
+Only the public API is used: `SpeculativeDecoder.from_pretrained(*pair(name), dtype=, backend=)`, costs
 through its runners (`treespec.bench.forward_seconds`), `generate()` stats. Every row records
 its backend, dtype and thread count.
 `experiments/plot_linear_vs_tree.py` turns the JSONL into plots.
@@ -38,7 +42,8 @@ from tqdm import tqdm
 
 from treespec import BigramDrafter, GenerationStats, SamplingConfig, SpeculativeDecoder, TreeConfig, UnigramDrafter
 from treespec.bench import forward_seconds
-from treespec.zoo import load_prompts, pair
+from treespec.request import chat_ids
+from treespec.zoo import ZOO, heldout_chats, load_prompts, pair
 
 COST_SIZES = (1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33, 49, 65, 97)
 
@@ -94,18 +99,29 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--backend", default="auto", choices=("auto", "native", "hf"))
     ap.add_argument("--dtype", default="float32", help="float32 (the committed run), bfloat16 or auto")
+    ap.add_argument("--pair", default="pycode", choices=("pycode", "smollm2"))
+    ap.add_argument("--draft", type=Path, default=None, help="another draft for the pair's target")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/linear_vs_tree.jsonl"))
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
-    model = SpeculativeDecoder.from_pretrained(*pair("pycode"), dtype=args.dtype, backend=args.backend)
+    target_path, draft_path = pair(args.pair)
+    model = SpeculativeDecoder.from_pretrained(
+        target_path, args.draft or draft_path, dtype=args.dtype, backend=args.backend
+    )
     target, tok = model.target_runner, model.tokenizer
-    prompts = [tok(p)["input_ids"] for p in load_prompts(n=args.n_prompts)]
+    if args.pair == "smollm2":
+        chats = heldout_chats(args.n_prompts)
+        prompts = [list(chat_ids(c, tok)) for c in chats]
+        counts = {"counts_file": ZOO / "smollm2" / "counts.npz"}
+    else:
+        prompts = [tok(p)["input_ids"] for p in load_prompts(n=args.n_prompts)]
+        counts = {}
     decoders = {"model": model}
     if "bigram" in args.drafters:
-        decoders["bigram"] = SpeculativeDecoder(target, None, tok, drafter=BigramDrafter(width=1))
+        decoders["bigram"] = SpeculativeDecoder(target, None, tok, drafter=BigramDrafter(width=1, **counts))
     if "unigram" in args.drafters:
-        decoders["unigram"] = SpeculativeDecoder(target, None, tok, drafter=UnigramDrafter(width=1))
+        decoders["unigram"] = SpeculativeDecoder(target, None, tok, drafter=UnigramDrafter(width=1, **counts))
 
     rows = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()] if args.out.exists() else []
     done = {cell_key(r) for r in rows if r.get("kind") == "cell"}
@@ -156,6 +172,7 @@ def main() -> None:
             backend=type(target).__name__,
             dtype=str(target.dtype),
             seed=args.seed,
+            pair=args.pair,
         )
         fh.write(json.dumps(row) + "\n")
         fh.flush()

@@ -2,6 +2,9 @@
 """Plots of `experiments/linear_vs_tree.py`'s JSONL (and nothing else) into experiments/results/.
 
     python experiments/plot_linear_vs_tree.py [--jsonl experiments/results/linear_vs_tree.jsonl]
+    python experiments/plot_linear_vs_tree.py --jsonl experiments/results/linear_vs_tree_smollm2.jsonl
+
+Files are named after the JSONL (linear_vs_tree_smollm2.jsonl -> linear_vs_tree_smollm2_*.png).
 
 Writes, one column per temperature:
   linear_vs_tree_tokens_per_step.png    tokens/step vs draft nodes per round, per strategy
@@ -86,7 +89,9 @@ def main() -> None:
     plain = {r["temperature"]: r for r in cells if r["strategy"] == "none"}
     n = cells[0]["n_prompts"] if cells else 0
     m = cells[0]["max_new_tokens"] if cells else 0
-    sub = f"bundled pair, {n} held-out prompts x {m} tokens, CPU ({cells[0]['threads'] if cells else '?'} thread)"
+    name = cells[0].get("pair", "pycode") if cells else "?"
+    sub = f"{name} pair, {n} held-out prompts x {m} tokens, CPU ({cells[0]['threads'] if cells else '?'} thread)"
+    stem = args.jsonl.stem
     args.outdir.mkdir(parents=True, exist_ok=True)
 
     for y_key, ylabel, fname in (("tokens_per_step", "tokens / target step", "tokens_per_step"),
@@ -102,7 +107,7 @@ def main() -> None:
         axes[0].set_ylabel(ylabel)
         axes[-1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
         fig.tight_layout()
-        fig.savefig(args.outdir / f"linear_vs_tree_{fname}.png", dpi=args.dpi)
+        fig.savefig(args.outdir / f"{stem}_{fname}.png", dpi=args.dpi)
         plt.close(fig)
 
     fig, axes = plt.subplots(2, len(temps), figsize=(4.6 * len(temps), 7), squeeze=False)
@@ -130,11 +135,11 @@ def main() -> None:
                if any(r["drafter"] == d and r["strategy"] == s for r in spec)]
     axes[0][-1].legend(handles=handles, fontsize=6, loc="lower right")
     fig.tight_layout()
-    fig.savefig(args.outdir / "linear_vs_tree_pareto.png", dpi=args.dpi)
+    fig.savefig(args.outdir / f"{stem}_pareto.png", dpi=args.dpi)
     plt.close(fig)
     if costs:
         print(f"c = {costs['c']:.3f}; t(n)/t(1): " + ", ".join(f"{n}:{r:.2f}" for n, r in zip(costs["n_tokens"], costs["t_ratio"])))
-    print(f"wrote {args.outdir}/linear_vs_tree_*.png")
+    print(f"wrote {args.outdir}/{stem}_*.png")
 
 
 if __name__ == "__main__":
