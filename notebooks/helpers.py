@@ -1,4 +1,4 @@
-"""Shared code of the notebooks: fast mode, the bundled pair, measurement loops, and the
+"""Shared code of the notebooks: fast mode, the two pairs (`load_pair`), measurement loops, and the
 drafters the notebooks compare (naive sampling, a deliberately lossy one), all on treespec's
 public API.
 
@@ -9,14 +9,17 @@ that every notebook runs in seconds; the committed outputs come from a full run
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from treespec import DraftTree, Drafter, Draw, GenerationStats, ProposalGroup, SamplingConfig, TokenTree
+from treespec import DraftTree, Drafter, Draw, GenerationStats, ProposalGroup, SamplingConfig, SpeculativeDecoder, TokenTree
 from treespec.sampling import probs
 
 warnings.filterwarnings("ignore", message="IProgress not found")
@@ -29,21 +32,87 @@ def pick(full, fast):
     return fast if FAST else full
 
 
-def load_pair():
-    """(target, draft, tokenizer) of the bundled pair, fp32, sdpa."""
+@dataclass
+class Pair:
+    """A (target p, draft q) pair as the notebooks measure it: HF models for the logits, a
+    decoder for decoding and timing, and the pair's own held-out prompts and count drafts."""
+
+    name: str
+    target: torch.nn.Module  # HF causal LM (p), fp32, sdpa
+    draft: torch.nn.Module  # HF causal LM over the target's vocabulary (q; -inf outside a subset draft's)
+    tokenizer: object  # the target's
+    decoder: SpeculativeDecoder  # native runners, fp32: every decoding and timing cell
+    draft_params: int  # parameters of the draft as shipped (its own vocabulary)
+    draft_vocab: int  # tokens the draft can propose (a subset of the target's for smollm2)
+
+    @property
+    def target_params(self) -> int:
+        """Parameters of the target (tied embeddings counted once)."""
+        return sum(p.numel() for p in self.target.parameters())
+
+    @property
+    def counts_file(self) -> Path:
+        """Token counts of the pair's own corpus (`UnigramDrafter` / `BigramDrafter`)."""
+        from treespec.zoo import ZOO
+
+        return ZOO / self.name / "counts.npz"
+
+    def count_drafters(self) -> dict[str, Drafter]:
+        """The unigram and bigram drafts of Leviathan's Table 3, from `counts_file`."""
+        from treespec import BigramDrafter, UnigramDrafter
+
+        return {"unigram": UnigramDrafter(counts_file=self.counts_file), "bigram": BigramDrafter(counts_file=self.counts_file)}
+
+    def counts_corpus(self) -> str:
+        """What `counts_file` counted (its metadata): corpus and number of tokens."""
+        import json
+
+        from treespec.drafters.counts import load_counts
+
+        meta = json.loads(str(load_counts(self.counts_file)["meta"]))
+        return f"{meta.get('corpus', 'unknown corpus')}; {meta.get('tokens', 0):,} tokens"
+
+    def prompts(self, n: int) -> list[list[int]]:
+        """n held-out prompts as token ids: chat instructions rendered with the chat template
+        (smollm2, a chat model), openings of Python files (pycode)."""
+        if self.name == "pycode":
+            return prompt_ids(self.tokenizer, n)
+        from treespec.zoo import heldout_chats
+
+        out = []
+        for chat in heldout_chats(n):
+            ids = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+            out.append(list(ids if isinstance(ids, list) else ids["input_ids"]))  # transformers 5: a BatchEncoding
+        return out
+
+
+@functools.cache
+def load_pair(name: str = "pycode") -> Pair:
+    """The named pair of `treespec.zoo` ("smollm2" or "pycode"), fp32, sdpa; loaded once per
+    process. A subset-vocabulary draft (smollm2's) is widened to the target's vocabulary for
+    the HF consumers (`backends.subset.full_vocabulary_model`: the same q, 0 outside the subset)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from treespec.backends.subset import VocabMap, full_vocabulary_model
+    from treespec.loading import checkpoint
     from treespec.zoo import pair
 
     hf_logging.disable_progress_bar()
-
-    target_path, draft_path = pair("pycode")
+    target_path, draft_path = pair(name)
+    target_dir = checkpoint(target_path)  # smollm2: the cached HF directory converted from the GGUF
     load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, attn_implementation="sdpa").eval()  # noqa: E731
-    return load(target_path), load(draft_path), AutoTokenizer.from_pretrained(target_path)
+    target, draft = load(target_dir), load(draft_path)
+    draft_params, draft_vocab = sum(p.numel() for p in draft.parameters()), draft.config.vocab_size
+    vocab_map = VocabMap.load(draft_path)
+    if vocab_map is not None:
+        draft, draft_vocab = full_vocabulary_model(draft, vocab_map), vocab_map.size
+    decoder = SpeculativeDecoder.from_pretrained(target=target_path, draft=draft_path, dtype="float32")
+    return Pair(name, target, draft, AutoTokenizer.from_pretrained(target_dir), decoder, draft_params, draft_vocab)
 
 
 def prompt_ids(tokenizer, n: int) -> list[list[int]]:
+    """The first n held-out pycode prompts (openings of Python files) as token ids."""
     from treespec.zoo import load_prompts
 
     return [tokenizer(p)["input_ids"] for p in load_prompts(n=n)]
@@ -58,17 +127,17 @@ def run(dec, prompts: Sequence[Sequence[int]], max_new_tokens: int, tree, sampli
 
 
 @torch.inference_mode()
-def continuation_logits(target, draft, dec, prompts, n_tokens: int, sampling: SamplingConfig, seed: int = 0):
+def continuation_logits(pair: Pair, prompts, n_tokens: int, sampling: SamplingConfig, seed: int = 0):
     """The target samples `n_tokens` after each prompt (plain decoding); returns, for every
     generated position, (target logits, draft logits, previous token) stacked over prompts:
-    the states verification meets."""
+    the states verification meets. Draft logits are over the target's vocabulary."""
     P, Q, prev = [], [], []
     for i, ids in enumerate(prompts):
-        cont = dec.generate(list(ids), n_tokens, tree=None, sampling=sampling, seed=seed + i, ignore_eos=True).token_ids
+        cont = pair.decoder.generate(list(ids), n_tokens, tree=None, sampling=sampling, seed=seed + i, ignore_eos=True).token_ids
         seq = torch.tensor([list(ids) + cont])
         start = len(ids) - 1
-        P.append(target(seq).logits[0, start:-1])
-        Q.append(draft(seq).logits[0, start:-1])
+        P.append(pair.target(seq).logits[0, start:-1])
+        Q.append(pair.draft(seq).logits[0, start:-1])
         prev += seq[0, start:-1].tolist()
     return torch.cat(P), torch.cat(Q), prev
 
@@ -99,7 +168,7 @@ class HFTreeDrafter(Drafter):
     @torch.inference_mode()
     def q_at(self, context, paths) -> torch.Tensor:
         x = torch.tensor([list(context) + p for p in paths])
-        return probs(self.model(x).logits[:, -1].double(), self.sampling)
+        return probs(self.model(x, logits_to_keep=1).logits[:, -1].double(), self.sampling)
 
     def propose(self, context, depth):
         tokens, parents, count, path_of = [int(context[-1])], [-1], [self.width], [[]]
@@ -257,6 +326,9 @@ def positional_acceptance(P: torch.Tensor, Q: torch.Tensor, sampling: SamplingCo
         return (hits / P.shape[0]).tolist()
     g = torch.Generator().manual_seed(seed)
     for p, q in zip(probs(P.double(), sampling), probs(Q.double(), sampling)):
+        outside = q == 0
+        if outside.any():  # tokens q never draws (a subset draft's): one column, exactly (q = 0 there, r keeps its mass)
+            p, q = torch.cat([p[~outside], p[outside].sum()[None]]), torch.cat([q[~outside], q.new_zeros(1)])
         k = min(K, int((q > 0).sum()))
         gumbel = -torch.log(-torch.log(torch.rand(trials, q.numel(), generator=g, dtype=torch.float64)))
         draws = (torch.log(q)[None] + gumbel).topk(k, dim=-1).indices  # [trials, k]: Gumbel-top-k
