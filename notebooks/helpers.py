@@ -77,13 +77,10 @@ class Pair:
         (smollm2, a chat model), openings of Python files (pycode)."""
         if self.name == "pycode":
             return prompt_ids(self.tokenizer, n)
+        from treespec.request import chat_ids
         from treespec.zoo import heldout_chats
 
-        out = []
-        for chat in heldout_chats(n):
-            ids = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
-            out.append(list(ids if isinstance(ids, list) else ids["input_ids"]))  # transformers 5: a BatchEncoding
-        return out
+        return [list(chat_ids(chat, self.tokenizer)) for chat in heldout_chats(n)]
 
 
 @functools.cache

@@ -204,9 +204,9 @@ def test_distill_learns_and_its_output_loads_in_treespec_and_hf(distilled, tiny_
     assert (distilled / "eval.png").stat().st_size > 1000
     # the counts of the same text: unigram counts of every stored token, bigrams within sequences
     counts = load_counts(distilled / "counts.npz")
-    stored = json.loads((distilled / "work" / "data" / "meta.json").read_text())["prompts"]
+    sequences = json.loads((distilled / "work" / "data" / "meta.json").read_text())["prompts"]
     assert counts["unigram"].size == VOCAB and counts["bigram_indptr"][-1] == counts["bigram_indices"].size
-    assert counts["unigram"].sum() - counts["bigram_counts"].sum() == stored  # one bigram fewer per sequence
+    assert counts["unigram"].sum() - counts["bigram_counts"].sum() == sequences  # one bigram fewer each
     assert BigramDrafter(counts_file=distilled / "counts.npz").vocab_size == VOCAB
     # treespec: greedy speculative output == the target's own greedy decoding
     dec = SpeculativeDecoder.from_pretrained(target=target, draft=distilled, dtype="float32")

@@ -74,13 +74,14 @@ def target_layers(n_target: int, n: int) -> list[int]:
 
 
 def _target_slice_config(t, layers: int, vocab_rows: int):
-    """The target's own config with `layers` decoder layers, `vocab_rows` tied rows and sdpa."""
+    """The target's own config (tied or not, as it is) with `layers` decoder layers, `vocab_rows`
+    embedding rows and sdpa."""
     import copy
 
     if getattr(t, "model_type", None) != "llama":
         raise ValueError(f"from_target needs a Llama-architecture target, got {t.model_type!r}")
     target_layers(t.num_hidden_layers, layers)
-    config = copy.deepcopy(t)  # tied or not, as the target is
+    config = copy.deepcopy(t)
     config.num_hidden_layers, config.vocab_size = layers, vocab_rows
     if getattr(config, "layer_types", None) is not None:
         config.layer_types = config.layer_types[:layers]
@@ -96,7 +97,7 @@ def build_draft(target, recipe, vocab_map: VocabMap | None, seed: int):
     config = draft_config(target.config, recipe, rows)
     torch.manual_seed(seed)
     draft = LlamaForCausalLM(config).float()
-    if recipe.embeddings == "pca":
+    if recipe.embeddings == "pca" and not recipe.from_target:  # a slice copies its rows below
         with torch.no_grad():
             draft.get_input_embeddings().weight.copy_(
                 projected_embeddings(target, config.hidden_size, vocab_map)
