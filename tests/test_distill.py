@@ -244,6 +244,47 @@ def test_data_from_reuses_another_runs_data(distilled, tiny_target, tmp_path, mo
     assert json.loads((out / "distill.json").read_text())["data"]["from"] == str(distilled)
 
 
+def test_data_from_several_runs_trains_on_their_samples_together(distilled, tiny_target, tmp_path, monkeypatch):
+    """Runs with other seeds sampled other responses to the same prompts: their shards together,
+    the first run's held-out shard, nothing generated; one seed twice or a changed prompt file
+    (other held-out prompts) is refused before anything is written."""
+    target, prompt_file = tiny_target
+    other = tmp_path / "seed1"
+    distill(target, other, prompts=prompt_file, **{**TINY, "seed": 1, "steps": 1})
+    with pytest.raises(ValueError, match="distinct seeds"):
+        distill(target, tmp_path / "twice", prompts=prompt_file, data_from=[distilled, distilled], **TINY)
+    assert not (tmp_path / "twice" / "work").exists()
+
+    from treespec.distill import data as data_module
+    from treespec.distill import pipeline
+
+    for module in (data_module, pipeline):  # nothing may be generated
+        monkeypatch.setattr(module, "make_shard", None)
+    out = distill(target, tmp_path / "both", prompts=prompt_file, data_from=[distilled, other], **TINY)
+    shards = [sorted((run / "work" / "data").glob("shard_*")) for run in (distilled, other)]
+    got = sorted((out / "work" / "data").glob("shard_*"))
+    assert [f.read_bytes() for f in got] == [f.read_bytes() for f in shards[0] + shards[1]]
+    held = out / "work" / "data" / "heldout.safetensors"
+    assert held.read_bytes() == (distilled / "work" / "data" / "heldout.safetensors").read_bytes()
+    summary = json.loads((out / "distill.json").read_text())
+    assert summary["data"]["from"] == [str(distilled), str(other)]
+    one = json.loads((distilled / "distill.json").read_text())["data"]
+    assert summary["data"]["stored_positions"] > one["stored_positions"]
+    assert summary["data"]["train_prompts"] == 2 * one["train_prompts"]
+
+    monkeypatch.undo()
+    changed = tmp_path / "changed.txt"  # one path, other contents: other held-out prompts
+    lines = prompt_file.read_text().splitlines()
+    changed.write_text("\n".join(lines) + "\n")
+    before = tmp_path / "before"
+    distill(target, before, prompts=changed, **{**TINY, "steps": 1})
+    changed.write_text("\n".join(reversed(lines)) + "\n")
+    after = tmp_path / "after"
+    distill(target, after, prompts=changed, **{**TINY, "steps": 1, "seed": 1})
+    with pytest.raises(ValueError, match="holds out other prompts"):
+        distill(target, tmp_path / "mixed", prompts=changed, data_from=[before, after], **TINY)
+
+
 def test_resume_after_interruptions_reproduces_the_uninterrupted_run(tiny_target, tmp_path, monkeypatch):
     target, prompt_file = tiny_target
     recipe = {**TINY, "steps": 12, "evals": 2, "checkpoint_minutes": 0}
@@ -464,3 +505,22 @@ def test_from_target_draft_is_a_slice_of_the_target(llama32):
         assert torch.equal(getattr(small, get)().weight[:3], getattr(target, get)().weight[[1, 5, 9]])
     with pytest.raises(ValueError, match="layers"):
         build_draft(target, Recipe(from_target=True, layers=5), None, seed=0)
+
+
+def test_cli_passes_data_from_runs(tmp_path, monkeypatch):
+    """`--data-from A B` reaches distill() as the list of runs (the flag once did nothing)."""
+    from treespec.distill import pipeline
+
+    seen = {}
+
+    def fake_distill(target, out, **kwargs):
+        seen.update(kwargs)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(pipeline, "distill", fake_distill)
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--target", "t", "--out", str(tmp_path), "--data-from", "runA", "runB"])
+    with pytest.raises(SystemExit):
+        cli.run(args)
+    assert seen["data_from"] == ["runA", "runB"]

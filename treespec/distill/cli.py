@@ -1,6 +1,7 @@
 """Command line of `treespec distill`: `add_arguments(parser)` and `run(args)`.
 
-    treespec distill --target T --out DIR [--prompts FILE] [--minutes M] [--resume] [recipe flags]
+    treespec distill --target T --out DIR [--prompts FILE] [--minutes M] [--resume]
+                     [--data-from RUN ...] [recipe flags]
 
 Every `Recipe` field is a flag (`--response-tokens 64`, `--no-train-on-prompt`, ...) whose help
 is the field's comment; a flag not given keeps the recipe default (or, with --resume, the
@@ -47,7 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--minutes", type=float, help="wall-clock budget for data + training")
     parser.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
     parser.add_argument(
-        "--data-from", help="reuse the data of a finished run (same target, prompts and data flags)"
+        "--data-from",
+        nargs="+",
+        metavar="DIR",
+        help="train on the data of finished runs instead of making it (same target, prompts and data "
+        "flags; several runs with distinct --seed: their samples together)",
     )
     helps = _field_help()
     group = parser.add_argument_group("recipe")
@@ -68,7 +73,13 @@ def run(args: argparse.Namespace) -> None:
 
     recipe = {f.name: getattr(args, f.name) for f in fields(Recipe) if getattr(args, f.name) is not None}
     out = distill(
-        args.target, args.out, prompts=args.prompts, minutes=args.minutes, resume=args.resume, **recipe
+        args.target,
+        args.out,
+        prompts=args.prompts,
+        minutes=args.minutes,
+        resume=args.resume,
+        data_from=args.data_from,
+        **recipe,
     )
     summary = json.loads((out / "distill.json").read_text())
     for d in summary["drafts"]:

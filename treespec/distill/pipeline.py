@@ -55,9 +55,10 @@ def distill(
     `prompts`: a .txt / .jsonl / .json prompt file (default: the bundled set suited to the
     target, see `prompts.py`). `minutes`: wall-clock budget for data + training (None: all
     prompts, `recipe.steps` or `recipe.epochs`); evaluations are not charged to it. `resume`:
-    continue the run in `out_dir`. `data_from`: the output directory of a finished run with the
-    same target, prompts and data fields (`DATA_FIELDS`) whose data this run reuses instead of
-    making its own (to compare recipes on equal data). `recipe`: `Recipe` fields. Returns
+    continue the run in `out_dir`. `data_from`: the output directory of a finished run, or a list
+    of them, whose data this run reuses instead of making its own: to compare recipes on equal
+    data, or to train on more data than one run made (runs with different seeds sample other
+    responses to the same prompts; see `_reusable_data` for what must match). `recipe`: `Recipe` fields. Returns
     `out_dir`, which `SpeculativeDecoder.from_pretrained(target=target, draft=out_dir)` loads."""
     if minutes is not None and (
         isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not minutes > 0
@@ -70,11 +71,14 @@ def distill(
     _check_writable(out, resume)
     work = out / "work"
     run = _run_record(target, prompts, minutes, resume, recipe, work)
-    source = None if data_from is None or resume else _reusable_data(Path(data_from), run)
+    sources = None
+    if data_from is not None and not resume:
+        runs = [data_from] if isinstance(data_from, (str, os.PathLike)) else list(data_from)
+        sources = _reusable_data([Path(d) for d in runs], run)
+        run["data_from"] = [str(d) for d in runs] if len(runs) > 1 else str(runs[0])
     work.mkdir(parents=True, exist_ok=True)
-    if source is not None:
-        shutil.copytree(source, work / "data")
-        run["data_from"] = str(data_from)
+    if sources is not None:
+        _copy_data(sources, work / "data")
     (work / "run.json").write_text(json.dumps(run, indent=1) + "\n")
     return _Run(target, out, Recipe.from_kwargs(run["recipe"]), run["minutes"], prompt_list, run).execute()
 
@@ -111,17 +115,61 @@ def _run_record(target, prompts, minutes, resume: bool, given: dict, work: Path)
     }
 
 
-def _reusable_data(other: Path, run: dict) -> Path:
-    """The data directory of the run in `other`, if it is complete and made as `run` would."""
-    meta, record = other / "work" / "data" / "meta.json", other / "work" / "run.json"
-    if not meta.is_file() or not json.loads(meta.read_text()).get("complete") or not record.is_file():
-        raise ValueError(f"data_from: {other} holds no finished distill data")
-    theirs = json.loads(record.read_text())
-    differ = [k for k in ("target", "prompts") if theirs[k] != run[k]]
-    differ += [k for k in DATA_FIELDS if theirs["recipe"].get(k, _DEFAULTS[k]) != run["recipe"][k]]
-    if differ:
-        raise ValueError(f"data_from: {other} made its data with other {', '.join(differ)}")
-    return other / "work" / "data"
+def _reusable_data(others: list[Path], run: dict) -> list[Path]:
+    """The data directories of the runs in `others`, if each is complete and made as `run`
+    would make it (their seeds, which decide the sampled responses, and gen_batch may differ),
+    no two share a seed (they would hold the same samples) and all hold out the same prompts."""
+    if not others:
+        raise ValueError("data_from: give at least one finished distill run")
+    seeds = []
+    for other in others:
+        meta, record = other / "work" / "data" / "meta.json", other / "work" / "run.json"
+        if not meta.is_file() or not json.loads(meta.read_text()).get("complete") or not record.is_file():
+            raise ValueError(f"data_from: {other} holds no finished distill data")
+        theirs = json.loads(record.read_text())
+        differ = [k for k in ("target", "prompts") if theirs[k] != run[k]]
+        differ += [
+            k
+            for k in DATA_FIELDS
+            if k not in ("seed", "gen_batch") and theirs["recipe"].get(k, _DEFAULTS[k]) != run["recipe"][k]
+        ]
+        if differ:
+            raise ValueError(f"data_from: {other} made its data with other {', '.join(differ)}")
+        seeds.append(theirs["recipe"]["seed"])
+    if len(set(seeds)) < len(seeds):
+        raise ValueError(
+            f"data_from: the runs used seeds {seeds}; two runs with one seed sampled the same "
+            f"responses: give runs with distinct seeds"
+        )
+    held = [_prompt_ids(load_shard(o / "work" / "data" / "heldout.safetensors")) for o in others]
+    for other, h in zip(others[1:], held[1:]):
+        if h != held[0]:
+            raise ValueError(
+                f"data_from: {other} holds out other prompts than {others[0]} (was the prompt file "
+                f"changed?): training on both would train on held-out prompts"
+            )
+    return [o / "work" / "data" for o in others]
+
+
+def _copy_data(sources: list[Path], data: Path) -> None:
+    """The shards of `sources` (data directories) renumbered into `data`, the first one's
+    held-out shard, and a complete meta.json summing theirs."""
+    data.mkdir(parents=True)
+    shutil.copy2(sources[0] / "heldout.safetensors", data / "heldout.safetensors")
+    total = {"shards": 0, "prompts": 0, "seconds": 0.0}
+    for source in sources:
+        meta = json.loads((source / "meta.json").read_text())
+        for i in range(meta["shards"]):
+            name = f"shard_{total['shards'] + i:05d}.safetensors"
+            shutil.copy2(source / f"shard_{i:05d}.safetensors", data / name)
+        total = {k: total[k] + meta[k] for k in total}
+    (data / "meta.json").write_text(json.dumps({**total, "seconds": round(total["seconds"], 3), "complete": True}) + "\n")
+
+
+def _prompt_ids(shard: dict[str, np.ndarray]) -> list[list[int]]:
+    """The prompt token ids of each sequence of a shard."""
+    offsets, lengths = shard["offsets"], shard["prompt_len"]
+    return [shard["tokens"][o : o + n].tolist() for o, n in zip(offsets[:-1], lengths)]
 
 
 def _check_writable(out: Path, resume: bool) -> None:
@@ -238,7 +286,7 @@ class _Run:
             train, held, name = bundled_prompts(self.tokenizer, rec.seed)
         else:
             check_renderable(self.prompt_list, self.tokenizer)
-            (train, held), name = split_heldout(self.prompt_list, n_held, rec.seed), self.record["prompts"]
+            (train, held), name = split_heldout(self.prompt_list, n_held), self.record["prompts"]
         self.prompt_source = name
         return train, held
 

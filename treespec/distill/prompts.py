@@ -37,6 +37,7 @@ CHAT_HELDOUT = PROMPTS_DIR / "chat_heldout.jsonl"
 HELDOUT_PER_MILLE = 20
 SKIP_DIRS = {"site-packages", "test", "tests", "idle_test"}
 MAX_FILE_BYTES = 400_000
+HELDOUT_SEED = 0  # the held-out draw from a prompt file, whatever the recipe's seed
 SNIPPET_LINES = 40  # a stdlib snippet: up to this many lines from a file head or a def/class
 _TEXT_KEYS = ("prompt", "text", "instruction")
 
@@ -92,14 +93,16 @@ def _up_to_last_user_turn(messages: list[dict]) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in messages[: last + 1]]
 
 
-def split_heldout(prompts: list[Prompt], n_heldout: int, seed: int) -> tuple[list[Prompt], list[Prompt]]:
-    """(train, held-out): `n_heldout` prompts drawn with `seed`, the rest in file order."""
+def split_heldout(prompts: list[Prompt], n_heldout: int) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, held-out): `n_heldout` prompts drawn at random, the rest in file order. The draw
+    does not follow the recipe's seed, so runs with other seeds evaluate on the same prompts and
+    their data can be trained on together (`distill(data_from=[...])`)."""
     if len(prompts) <= n_heldout:
         raise ValueError(
             f"the prompt file has {len(prompts)} prompts; it needs more than the {n_heldout} held out "
             f"for evaluation (lower eval_prompts / proxy_prompts or add prompts)"
         )
-    held = set(random.Random(seed).sample(range(len(prompts)), n_heldout))
+    held = set(random.Random(HELDOUT_SEED).sample(range(len(prompts)), n_heldout))
     return [p for i, p in enumerate(prompts) if i not in held], [prompts[i] for i in sorted(held)]
 
 
