@@ -247,10 +247,16 @@ def test_data_from_reuses_another_runs_data(distilled, tiny_target, tmp_path, mo
 def test_data_from_several_runs_trains_on_their_samples_together(distilled, tiny_target, tmp_path, monkeypatch):
     """Runs with other seeds sampled other responses to the same prompts: their shards together,
     the first run's held-out shard, nothing generated; one seed twice or a changed prompt file
-    (other held-out prompts) is refused before anything is written."""
+    (other held-out prompts) is refused before anything is written. A data-only run makes the
+    data and no draft."""
     target, prompt_file = tiny_target
     other = tmp_path / "seed1"
-    distill(target, other, prompts=prompt_file, **{**TINY, "seed": 1, "steps": 1})
+    distill(target, other, prompts=prompt_file, data_only=True, **{**TINY, "seed": 1})
+    assert not (other / "config.json").exists() and not (other / "work" / "draft_1.pt").exists()
+    with pytest.raises(ValueError, match="data_only"):
+        distill(target, other, prompts=prompt_file, resume=True, **{**TINY, "seed": 1})
+    with pytest.raises(ValueError, match="nothing to do"):
+        distill(target, tmp_path / "x", prompts=prompt_file, data_only=True, data_from=other, **TINY)
     with pytest.raises(ValueError, match="distinct seeds"):
         distill(target, tmp_path / "twice", prompts=prompt_file, data_from=[distilled, distilled], **TINY)
     assert not (tmp_path / "twice" / "work").exists()
@@ -277,10 +283,10 @@ def test_data_from_several_runs_trains_on_their_samples_together(distilled, tiny
     lines = prompt_file.read_text().splitlines()
     changed.write_text("\n".join(lines) + "\n")
     before = tmp_path / "before"
-    distill(target, before, prompts=changed, **{**TINY, "steps": 1})
+    distill(target, before, prompts=changed, data_only=True, **TINY)
     changed.write_text("\n".join(reversed(lines)) + "\n")
     after = tmp_path / "after"
-    distill(target, after, prompts=changed, **{**TINY, "steps": 1, "seed": 1})
+    distill(target, after, prompts=changed, data_only=True, **{**TINY, "seed": 1})
     with pytest.raises(ValueError, match="holds out other prompts"):
         distill(target, tmp_path / "mixed", prompts=changed, data_from=[before, after], **TINY)
 
@@ -507,8 +513,9 @@ def test_from_target_draft_is_a_slice_of_the_target(llama32):
         build_draft(target, Recipe(from_target=True, layers=5), None, seed=0)
 
 
-def test_cli_passes_data_from_runs(tmp_path, monkeypatch):
-    """`--data-from A B` reaches distill() as the list of runs (the flag once did nothing)."""
+def test_cli_passes_data_from_and_data_only(tmp_path, monkeypatch):
+    """`--data-from A B` reaches distill() as the list of runs (the flag once did nothing), and
+    `--data-only` as data_only."""
     from treespec.distill import pipeline
 
     seen = {}
@@ -523,4 +530,7 @@ def test_cli_passes_data_from_runs(tmp_path, monkeypatch):
     args = parser.parse_args(["--target", "t", "--out", str(tmp_path), "--data-from", "runA", "runB"])
     with pytest.raises(SystemExit):
         cli.run(args)
-    assert seen["data_from"] == ["runA", "runB"]
+    assert seen["data_from"] == ["runA", "runB"] and seen["data_only"] is False
+    with pytest.raises(SystemExit):
+        cli.run(parser.parse_args(["--target", "t", "--out", str(tmp_path), "--data-only"]))
+    assert seen["data_only"] is True and seen["data_from"] is None

@@ -1,7 +1,7 @@
 """Command line of `treespec distill`: `add_arguments(parser)` and `run(args)`.
 
     treespec distill --target T --out DIR [--prompts FILE] [--minutes M] [--resume]
-                     [--data-from RUN ...] [recipe flags]
+                     [--data-only | --data-from RUN ...] [recipe flags]
 
 Every `Recipe` field is a flag (`--response-tokens 64`, `--no-train-on-prompt`, ...) whose help
 is the field's comment; a flag not given keeps the recipe default (or, with --resume, the
@@ -48,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--minutes", type=float, help="wall-clock budget for data + training")
     parser.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
     parser.add_argument(
+        "--data-only",
+        action="store_true",
+        help="only make data (all of --minutes), for a later run's --data-from",
+    )
+    parser.add_argument(
         "--data-from",
         nargs="+",
         metavar="DIR",
@@ -79,9 +84,17 @@ def run(args: argparse.Namespace) -> None:
         minutes=args.minutes,
         resume=args.resume,
         data_from=args.data_from,
+        data_only=args.data_only,
         **recipe,
     )
     summary = json.loads((out / "distill.json").read_text())
+    if args.data_only:
+        data = summary["data"]
+        print(
+            f"wrote {out / 'work' / 'data'}: {data['train_prompts']} prompts, {data['response_positions']:,} "
+            f"response positions in {data['seconds']:.0f} s; train on it with --data-from {out}"
+        )
+        return
     for d in summary["drafts"]:
         final = d["eval_final"]
         print(

@@ -48,6 +48,7 @@ def distill(
     minutes: float | None = None,
     resume: bool = False,
     data_from=None,
+    data_only: bool = False,
     **recipe,
 ) -> Path:
     """Distill a draft for `target` (HF directory, GGUF file or hub id) into `out_dir`.
@@ -58,19 +59,22 @@ def distill(
     continue the run in `out_dir`. `data_from`: the output directory of a finished run, or a list
     of them, whose data this run reuses instead of making its own: to compare recipes on equal
     data, or to train on more data than one run made (runs with different seeds sample other
-    responses to the same prompts; see `_reusable_data` for what must match). `recipe`: `Recipe` fields. Returns
+    responses to the same prompts; see `_reusable_data` for what must match). `data_only`: stop
+    after the data phase, which then has the whole budget (its output is for `data_from`). `recipe`: `Recipe` fields. Returns
     `out_dir`, which `SpeculativeDecoder.from_pretrained(target=target, draft=out_dir)` loads."""
     if minutes is not None and (
         isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not minutes > 0
     ):
         raise ValueError(f"minutes must be a number > 0 (or None: no time budget), got {minutes!r}")
     Recipe.from_kwargs(recipe)
+    if data_only and data_from is not None:
+        raise ValueError("data_only with data_from leaves nothing to do: give one of them")
     check_target(target)
     prompt_list = load_prompt_file(prompts) if prompts is not None else None
     out = Path(out_dir)
     _check_writable(out, resume)
     work = out / "work"
-    run = _run_record(target, prompts, minutes, resume, recipe, work)
+    run = _run_record(target, prompts, minutes, resume, recipe, work, data_only)
     sources = None
     if data_from is not None and not resume:
         runs = [data_from] if isinstance(data_from, (str, os.PathLike)) else list(data_from)
@@ -83,12 +87,13 @@ def distill(
     return _Run(target, out, Recipe.from_kwargs(run["recipe"]), run["minutes"], prompt_list, run).execute()
 
 
-def _run_record(target, prompts, minutes, resume: bool, given: dict, work: Path) -> dict:
+def _run_record(target, prompts, minutes, resume: bool, given: dict, work: Path, data_only: bool) -> dict:
     """What this run is: the stored record on resume (checked against what was passed)."""
     record = {
         "target": str(target),
         "prompts": None if prompts is None else str(prompts),
         "minutes": minutes,
+        "data_only": data_only,
         "recipe": Recipe.from_kwargs(given).as_dict(),
     }
     if not resume:
@@ -104,6 +109,11 @@ def _run_record(target, prompts, minutes, resume: bool, given: dict, work: Path)
             )
     if minutes is not None and minutes != stored["minutes"]:
         raise ValueError(f"resume with minutes={minutes}, but the run used minutes={stored['minutes']}")
+    if data_only != stored.get("data_only", False):
+        raise ValueError(
+            f"resume with data_only={data_only}, but the run used data_only={stored.get('data_only', False)} "
+            f"(train on a data-only run's data with data_from instead)"
+        )
     stored["recipe"] = {**_DEFAULTS, **stored["recipe"]}  # a field added since that run: its default
     changed = sorted(k for k, v in given.items() if k not in MACHINE_FIELDS and v != stored["recipe"][k])
     if changed:
@@ -254,6 +264,9 @@ class _Run:
             train, self.tokenizer, min(rec.prompt_tokens, max_pos - rec.response_tokens), rec.max_prompts
         )
         data, meta = self._data(train_ids)
+        if self.record.get("data_only"):
+            self._write_summary(data, meta, None, [], None)
+            return self.out
         vocab_map, coverage = self._vocab_map(data)
         self._prune_eval_log()
         drafts, summaries, weights = [], [], None
@@ -302,7 +315,8 @@ class _Run:
         rec = self.recipe
         deadline = None
         if self.clock.budget is not None:
-            deadline = time.time() + rec.data_fraction * self.clock.budget - self.clock.elapsed()
+            share = 1.0 if self.record.get("data_only") else rec.data_fraction
+            deadline = time.time() + share * self.clock.budget - self.clock.elapsed()
         bar = self._bar(desc="data (prompts)", unit="prompt")
         done = [0]
 
