@@ -22,9 +22,8 @@ import torch
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig, theory
 from treespec.bench import chain_logits, forward_seconds, machine_info
-from treespec.request import chat_ids
 from treespec.sampling import probs
-from treespec.zoo import heldout_chats, pair
+from treespec.zoo import heldout_prompt_ids, pair
 
 
 def main() -> None:
@@ -46,7 +45,7 @@ def main() -> None:
         for d in args.drafts
     }
     first = next(iter(decs.values()))
-    prompts = [list(chat_ids(c, first.tokenizer)) for c in heldout_chats(args.n_prompts)]
+    prompts = heldout_prompt_ids("smollm2", first.tokenizer, args.n_prompts)
     t_target = forward_seconds(first.target_runner, 1, repeats=9)
     rows = {d: {"c": forward_seconds(dec.draft_runner, 1, repeats=9) / t_target} for d, dec in decs.items()}
     for t in (0.0, 1.0):

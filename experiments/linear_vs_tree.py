@@ -11,9 +11,9 @@
 
 Grid: drafter x strategy x width x depth x temperature (plus plain decoding per temperature
 as the baseline: strategy "none"), decoded on held-out prompts with the same seeds in every
-cell: pycode's held-out code prompts (`treespec.zoo.load_prompts`), or for smollm2 the
-held-out chat instructions (`treespec.zoo.heldout_chats`) and the count drafters' counts of
-its distillation data (`zoo/smollm2/counts.npz`). A cell already in `--out` (same key) is skipped, so an
+cell: the pair's held-out prompts (`treespec.zoo.heldout_prompt_ids`: code openings for
+pycode, chat instructions for smollm2) and its count drafters' counts (`treespec.zoo.counts_file`).
+A cell already in `--out` (same key) is skipped, so an
 interrupted run continues where it stopped.
 
 Rows:
@@ -42,8 +42,7 @@ from tqdm import tqdm
 
 from treespec import BigramDrafter, GenerationStats, SamplingConfig, SpeculativeDecoder, TreeConfig, UnigramDrafter
 from treespec.bench import forward_seconds
-from treespec.request import chat_ids
-from treespec.zoo import ZOO, heldout_chats, load_prompts, pair
+from treespec.zoo import counts_file, heldout_prompt_ids, pair
 
 COST_SIZES = (1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33, 49, 65, 97)
 
@@ -110,13 +109,8 @@ def main() -> None:
         target_path, args.draft or draft_path, dtype=args.dtype, backend=args.backend
     )
     target, tok = model.target_runner, model.tokenizer
-    if args.pair == "smollm2":
-        chats = heldout_chats(args.n_prompts)
-        prompts = [list(chat_ids(c, tok)) for c in chats]
-        counts = {"counts_file": ZOO / "smollm2" / "counts.npz"}
-    else:
-        prompts = [tok(p)["input_ids"] for p in load_prompts(n=args.n_prompts)]
-        counts = {}
+    prompts = heldout_prompt_ids(args.pair, tok, args.n_prompts)
+    counts = {"counts_file": counts_file(args.pair)}
     decoders = {"model": model}
     if "bigram" in args.drafters:
         decoders["bigram"] = SpeculativeDecoder(target, None, tok, drafter=BigramDrafter(width=1, **counts))

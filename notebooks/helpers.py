@@ -53,9 +53,9 @@ class Pair:
     @property
     def counts_file(self) -> Path:
         """Token counts of the pair's own corpus (`UnigramDrafter` / `BigramDrafter`)."""
-        from treespec.zoo import ZOO
+        from treespec.zoo import counts_file
 
-        return ZOO / self.name / "counts.npz"
+        return counts_file(self.name)
 
     def count_drafters(self) -> dict[str, Drafter]:
         """The unigram and bigram drafts of Leviathan's Table 3, from `counts_file`."""
@@ -75,12 +75,9 @@ class Pair:
     def prompts(self, n: int) -> list[list[int]]:
         """n held-out prompts as token ids: chat instructions rendered with the chat template
         (smollm2, a chat model), openings of Python files (pycode)."""
-        if self.name == "pycode":
-            return prompt_ids(self.tokenizer, n)
-        from treespec.request import chat_ids
-        from treespec.zoo import heldout_chats
+        from treespec.zoo import heldout_prompt_ids
 
-        return [list(chat_ids(chat, self.tokenizer)) for chat in heldout_chats(n)]
+        return heldout_prompt_ids(self.name, self.tokenizer, n)
 
 
 @functools.cache
@@ -106,13 +103,6 @@ def load_pair(name: str = "pycode") -> Pair:
         draft, draft_vocab = full_vocabulary_model(draft, vocab_map), vocab_map.size
     decoder = SpeculativeDecoder.from_pretrained(target=target_path, draft=draft_path, dtype="float32")
     return Pair(name, target, draft, AutoTokenizer.from_pretrained(target_dir), decoder, draft_params, draft_vocab)
-
-
-def prompt_ids(tokenizer, n: int) -> list[list[int]]:
-    """The first n held-out pycode prompts (openings of Python files) as token ids."""
-    from treespec.zoo import load_prompts
-
-    return [tokenizer(p)["input_ids"] for p in load_prompts(n=n)]
 
 
 def run(dec, prompts: Sequence[Sequence[int]], max_new_tokens: int, tree, sampling: SamplingConfig, seed: int = 0) -> GenerationStats:

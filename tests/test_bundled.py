@@ -168,3 +168,23 @@ def test_the_default_pair_is_smollm2_and_loads_offline(monkeypatch):
     out = dec.generate(chat, 12, tree=TreeConfig(1, 3), sampling=GREEDY)
     assert "Paris" in out.text and out.stats.acceptance_by_depth[0] > 0
     assert out.token_ids == dec.generate(chat, 12, tree=None, sampling=GREEDY).token_ids
+    from treespec.request import chat_ids
+    from treespec.zoo import counts_file, heldout_chats, heldout_prompt_ids
+
+    ids = heldout_prompt_ids("smollm2", dec.tokenizer, 3)
+    assert ids == [list(chat_ids(c, dec.tokenizer)) for c in heldout_chats(3)]
+    assert ids[0][-3:] == dec.tokenizer("<|im_start|>assistant\n")["input_ids"][-3:]
+    assert counts_file("smollm2").is_file() and counts_file("pycode").is_file()
+
+
+def test_a_pairs_heldout_prompt_ids():
+    """pycode's held-out prompts as its tokenizer encodes them; an unknown pair is refused."""
+    from transformers import AutoTokenizer
+
+    from treespec.zoo import counts_file, heldout_prompt_ids
+
+    tok = AutoTokenizer.from_pretrained(PYCODE[0])
+    assert heldout_prompt_ids("pycode", tok, 2) == [tok(p)["input_ids"] for p in load_prompts(n=2)]
+    for f in (heldout_prompt_ids, counts_file):
+        with pytest.raises(ValueError, match="unknown pair 'x'"):
+            f("x", *((tok,) if f is heldout_prompt_ids else ()))

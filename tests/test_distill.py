@@ -244,7 +244,9 @@ def test_data_from_reuses_another_runs_data(distilled, tiny_target, tmp_path, mo
     assert json.loads((out / "distill.json").read_text())["data"]["from"] == str(distilled)
 
 
-def test_data_from_several_runs_trains_on_their_samples_together(distilled, tiny_target, tmp_path, monkeypatch):
+def test_data_from_several_runs_trains_on_their_samples_together(
+    distilled, tiny_target, tmp_path, monkeypatch
+):
     """Runs with other seeds sampled other responses to the same prompts: their shards together,
     the first run's held-out shard, nothing generated; one seed twice or a changed prompt file
     (other held-out prompts) is refused before anything is written. A data-only run makes the

@@ -60,8 +60,9 @@ def distill(
     of them, whose data this run reuses instead of making its own: to compare recipes on equal
     data, or to train on more data than one run made (runs with different seeds sample other
     responses to the same prompts; see `_reusable_data` for what must match). `data_only`: stop
-    after the data phase, which then has the whole budget (its output is for `data_from`). `recipe`: `Recipe` fields. Returns
-    `out_dir`, which `SpeculativeDecoder.from_pretrained(target=target, draft=out_dir)` loads."""
+    after the data phase, which then has the whole budget (its output is for `data_from`).
+    `recipe`: `Recipe` fields. Returns `out_dir`, which
+    `SpeculativeDecoder.from_pretrained(target=target, draft=out_dir)` loads."""
     if minutes is not None and (
         isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not minutes > 0
     ):
@@ -173,7 +174,9 @@ def _copy_data(sources: list[Path], data: Path) -> None:
             name = f"shard_{total['shards'] + i:05d}.safetensors"
             shutil.copy2(source / f"shard_{i:05d}.safetensors", data / name)
         total = {k: total[k] + meta[k] for k in total}
-    (data / "meta.json").write_text(json.dumps({**total, "seconds": round(total["seconds"], 3), "complete": True}) + "\n")
+    (data / "meta.json").write_text(
+        json.dumps({**total, "seconds": round(total["seconds"], 3), "complete": True}) + "\n"
+    )
 
 
 def _prompt_ids(shard: dict[str, np.ndarray]) -> list[list[int]]:

@@ -88,3 +88,25 @@ def heldout_chats(n: int | None = None) -> list[list[dict]]:
     path = ZOO.parent / "distill" / "prompts" / "chat_heldout.jsonl"
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [[{"role": "user", "content": item["prompt"]}] for item in lines[:n]]
+
+
+def heldout_prompt_ids(name: str, tokenizer, n: int | None = None) -> list[list[int]]:
+    """The first n held-out prompts of a named pair as token ids, as its benchmarks and
+    notebooks feed them: for "smollm2" (a chat model) the held-out chat instructions rendered
+    with its chat template, for "pycode" openings of held-out Python files. Neither set was
+    used to train or distil the pair's draft."""
+    if name not in PAIRS:
+        raise ValueError(f"unknown pair {name!r}; the pairs are {', '.join(PAIRS)}")
+    if name == "pycode":
+        return [tokenizer(p)["input_ids"] for p in load_prompts(n=n)]
+    from ..request import chat_ids
+
+    return [list(chat_ids(chat, tokenizer)) for chat in heldout_chats(n)]
+
+
+def counts_file(name: str) -> Path:
+    """The token counts of a named pair's own corpus (`UnigramDrafter` / `BigramDrafter(counts_file=)`):
+    pycode's training files; smollm2's distillation prompts and the target's responses."""
+    if name not in PAIRS:
+        raise ValueError(f"unknown pair {name!r}; the pairs are {', '.join(PAIRS)}")
+    return ZOO / name / "counts.npz"
