@@ -30,6 +30,7 @@ _EXPORTS = {
     "UnigramDrafter": ".drafters",
     "Engine": ".engine",
     "GenerationOutput": ".output",
+    "TokenLogprobs": ".output",
     "DraftTree": ".proposal",
     "Draw": ".proposal",
     "ProposalGroup": ".proposal",
@@ -83,7 +84,7 @@ if TYPE_CHECKING:
         UnigramDrafter,
     )
     from .engine import Engine
-    from .output import GenerationOutput
+    from .output import GenerationOutput, TokenLogprobs
     from .proposal import DraftTree, Draw, ProposalGroup, Walk
     from .request import Request
     from .rng import Rng, TorchRng
@@ -110,6 +111,7 @@ __all__ = [
     "Runner",
     "SamplingConfig",
     "SpeculativeDecoder",
+    "TokenLogprobs",
     "TokenTree",
     "TorchRng",
     "TreeConfig",

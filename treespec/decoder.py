@@ -165,6 +165,7 @@ class SpeculativeDecoder:
         stop=None,
         verification: str | None = None,
         trace: bool = False,
+        logprobs: int | None = None,
     ) -> GenerationOutput:
         """Generate up to `max_new_tokens` tokens after `prompt`: text, a chat (a list of
         {"role", "content"} messages, rendered with the tokenizer's chat template) or token ids.
@@ -185,6 +186,10 @@ class SpeculativeDecoder:
         that does not apply raises ValueError naming those that do (docs/verification.md).
 
         `trace=True` records every round in `out.trace` (`treespec.trace.RoundTrace`).
+
+        `logprobs=k`: `out.logprobs` (`TokenLogprobs`) holds the target's log-probability of
+        every generated token and its k most likely tokens there (0: the token's alone), from
+        its raw logits: before temperature, top-k / top-p and penalties.
         """
         request = make_request(
             prompt,
@@ -199,6 +204,7 @@ class SpeculativeDecoder:
             rng=rng,
             verification=verification,
             trace=trace,
+            logprobs=logprobs,
         )
         with self._exclusive("generate()"):
             engine = self._engine([self.target_runner], [self.draft_runner])
@@ -221,6 +227,7 @@ class SpeculativeDecoder:
         max_batch: int = 16,
         trace: bool = False,
         speculate_max_live: int | str | None = None,
+        logprobs: int | None = None,
     ) -> list[GenerationOutput]:
         """`generate()` for many prompts at once; one output per prompt, in order.
 
@@ -233,7 +240,8 @@ class SpeculativeDecoder:
         for a free lane). Every request is checked before any runs: a bad one raises
         ValueError naming its index. A request that fails while running (its streaming
         callback, its logits) ends alone: its output has finish_reason "error" and `error`;
-        the others finish normally. `speculate_max_live`: see `engine()`.
+        the others finish normally. `speculate_max_live`: see `engine()`. `logprobs`: as
+        in `generate()`, for every request.
         """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise ValueError(
@@ -264,7 +272,9 @@ class SpeculativeDecoder:
             for i, prompt in enumerate(prompts):  # every request checked before any runs
                 try:
                     settings = {k: v[i] for k, v in per_request.items()}
-                    ids.append(engine.add(prompt, ignore_eos=ignore_eos, trace=trace, **settings))
+                    ids.append(
+                        engine.add(prompt, ignore_eos=ignore_eos, trace=trace, logprobs=logprobs, **settings)
+                    )
                 except ValueError as e:
                     raise ValueError(f"request {i}: {e}") from None
             outputs = engine.run()

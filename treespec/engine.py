@@ -30,7 +30,7 @@ from typing import Literal
 from .adaptive import DepthPolicy, GoodputSwitch
 from .backends.base import Runner, prefill_many, score_many
 from .drafters import Drafter, DrafterFactory, check_draft, propose_many
-from .output import GenerationOutput, OutputBuilder, StopMatcher
+from .output import GenerationOutput, OutputBuilder, StopMatcher, TokenLogprobs
 from .proposal import DraftTree
 from .request import Request, choose_rule, make_request
 from .rng import Rng, TorchRng
@@ -61,6 +61,7 @@ class RequestState:
     output: GenerationOutput | None = None  # once finished or cancelled
     unstreamed: int = 0  # emitted tokens not yet handed to the request's on_tokens
     draft_forwards_before: int = 0  # the draft lane's forward count when it was admitted
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per round, when request.logprobs
     started: float = 0.0  # perf_counter at admission
 
 
@@ -243,6 +244,7 @@ class Engine:
                     )
                 except Exception as e:  # noqa: BLE001 - e.g. its own NaN logits: it ends alone
                     self._fail(r, e)
+            rows_of = {r.id: rows for r, rows in zip(live, logits)}
             live = [r for r in live if r.id in walks]
             t2 = clock()
         except BaseException:
@@ -252,7 +254,9 @@ class Engine:
         emitted: dict[int, list[int]] = {}
         for k, r in enumerate(live):
             try:
-                emitted[r.id] = self._commit(r, drafts[r.id], walks[r.id], depths[r.id], t1 - t0, t2 - t1)
+                emitted[r.id] = self._commit(
+                    r, drafts[r.id], walks[r.id], depths[r.id], t1 - t0, t2 - t1, rows_of[r.id]
+                )
             except BaseException as e:
                 self._fail(r, e)
                 if not isinstance(e, Exception):  # an interrupt: the rest of the round is undone
@@ -263,8 +267,9 @@ class Engine:
             self.switch.record(len(live), any(depths.values()), tokens, self.switch.clock() - t_round)
         return emitted
 
-    def _commit(self, r: RequestState, draft: DraftTree, walk, depth: int, draft_s: float, verify_s: float):
-        """Apply a verified round to request `r`: the tokens it emitted."""
+    def _commit(self, r: RequestState, draft: DraftTree, walk, depth: int, draft_s, verify_s, rows):
+        """Apply a verified round to request `r` (`rows`: its target logits [nodes, V]): the
+        tokens it emitted."""
         self.targets[r.lane].commit(walk.path)
         step = None
         if depth:
@@ -274,6 +279,8 @@ class Engine:
             draft_s += time.perf_counter() - t
         r.stats.record_round(draft, walk, draft_seconds=draft_s, verify_seconds=verify_s)
         kept = r.builder.add(walk.emitted(draft), walk.kind)
+        if r.request.logprobs is not None and kept:  # token i came from the row of path[i]
+            r.logprobs.append(TokenLogprobs.of(rows[list(walk.path[: len(kept)])], kept, r.request.logprobs))
         if r.rounds is not None:
             r.rounds.append(
                 RoundTrace(
@@ -356,6 +363,8 @@ class Engine:
                 f"{self.max_kv_tokens}; raise max_kv_tokens or shorten the request"
             )
         # plain decoding verifies no draft: every rule is the same there
+        if request.logprobs is not None and request.logprobs > V:
+            raise ValueError(f"logprobs={request.logprobs} asks for more tokens than the vocabulary's {V}")
         rule = choose_rule("custom" if tree is None else self.drafter.siblings(tree), request.verification)
         stop = None
         if request.stop_strings or request.stop_token_ids:
@@ -453,9 +462,11 @@ class Engine:
         stats.total_seconds = time.perf_counter() - state.started if state.started else 0.0
         ids = builder.token_ids
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
+        k = state.request.logprobs
         state.output = GenerationOutput(
-            ids, builder.sources, stats, text, reason, builder.stop_match, state.rule, state.rounds
-        )
+            ids, builder.sources, stats, text, reason, builder.stop_match, state.rule, state.rounds,
+            logprobs=None if k is None else TokenLogprobs.cat(state.logprobs, k),
+        )  # fmt: skip
         if state.status == "live":
             del self.live[state.lane]  # the lane's cache is reset when the next request takes it
         state.status = "finished" if reason != "cancelled" else "cancelled"

@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+import torch
+
 from .stats import GenerationStats
 
 if TYPE_CHECKING:
@@ -108,6 +110,34 @@ class OutputBuilder:
 
 
 @dataclass
+class TokenLogprobs:
+    """The target's own distribution at each generated position (`Request.logprobs`): log
+    softmax of its raw logits, before temperature, top-k / top-p and penalties, at the position
+    that produced `token_ids[i]`, whether the token was accepted from a draft, a correction or
+    a bonus. Row i of every tensor belongs to token i."""
+
+    token: torch.Tensor  # [n] float32: log p of the generated token
+    top_ids: torch.Tensor  # [n, k] int64: the k most likely tokens, most likely first
+    top: torch.Tensor  # [n, k] float32: their log p
+
+    @staticmethod
+    def of(logits: torch.Tensor, tokens: Sequence[int], k: int) -> TokenLogprobs:
+        """From the target's logits rows [n, V] and the n tokens they produced."""
+        lp = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
+        top = lp.topk(k, dim=-1)
+        chosen = lp.gather(1, torch.tensor(list(tokens), device=lp.device).unsqueeze(1)).squeeze(1)
+        return TokenLogprobs(chosen.cpu(), top.indices.cpu(), top.values.cpu())
+
+    @staticmethod
+    def cat(parts: Sequence[TokenLogprobs], k: int) -> TokenLogprobs:
+        if not parts:
+            return TokenLogprobs(torch.zeros(0), torch.zeros(0, k, dtype=torch.long), torch.zeros(0, k))
+        return TokenLogprobs(
+            *(torch.cat([getattr(p, f) for p in parts]) for f in ("token", "top_ids", "top"))
+        )
+
+
+@dataclass
 class GenerationOutput:
     token_ids: list[int]  # generated tokens only (prompt excluded), EOS included if hit
     sources: list[TokenSource]  # how each generated token was produced
@@ -119,6 +149,7 @@ class GenerationOutput:
     trace: list[RoundTrace] | None = None  # generate(trace=True): one treespec.trace.RoundTrace per round
     error: str | None = None  # finish_reason "error": what went wrong (this request alone)
     exception: BaseException | None = field(default=None, repr=False, compare=False)  # ... as raised
+    logprobs: TokenLogprobs | None = None  # generate(logprobs=k): the target's distribution per token
 
 
 class TextStream:

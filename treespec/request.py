@@ -81,6 +81,7 @@ class Request:
     verification: str | None = None  # "token", "block", "traversal"; None = the best that applies
     ignore_eos: bool = False  # generate past EOS, up to max_new_tokens
     trace: bool = False  # record every round (GenerationOutput.trace)
+    logprobs: int | None = None  # the target's log p of each generated token and its top-k (None: none)
     on_tokens: OnTokens | None = None  # called with each round's new tokens and their sources
     rng: Rng | None = None  # replaces the seeded TorchRng (the enumeration tests drive every coin)
 
@@ -102,6 +103,11 @@ class Request:
             raise ValueError(
                 f"verification must be one of {', '.join(RULES)} or None (the best that applies), "
                 f"got {self.verification!r}"
+            )
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(
+                f"logprobs must be None or an integer >= 0 (how many of the most likely tokens to "
+                f"report per position), got {self.logprobs!r}"
             )
         for name in ("ignore_eos", "trace"):
             if not isinstance(getattr(self, name), bool):

@@ -1,9 +1,10 @@
 """Distillation data: the target's own responses and its top-k distributions, made once.
 
 For each batch of prompts (token ids), the target samples a response with treespec's batched
-plain decoding (`generate_batch(tree=None)`: on-policy data, as DistillSpec prescribes), then
-ONE teacher-forced forward over prompt + response keeps, at every position whose next token is
-in the sequence, the target's `top_k` probabilities (int32 ids, float16 probs). Each batch is
+plain decoding (`generate_batch(tree=None)`: on-policy data, as DistillSpec prescribes),
+reporting at each step the `top_k` probabilities of the distribution it sampled from (int32 ids,
+float16 probs); a teacher-forced forward over the prompts adds their rows when the draft learns
+them. Each batch is
 one safetensors shard, so an interrupted data phase resumes at the next shard and training
 never runs the target again.
 
@@ -13,6 +14,7 @@ Shard arrays (S sequences, T tokens, R = T - S stored positions, k = top_k):
     offsets     int64   [S + 1]  sequence s is tokens[offsets[s] : offsets[s + 1]]
     prompt_len  int32   [S]      its prompt's length
     topk_ids    int32   [R, k]   row offsets[s] - s + j: the target's top-k after tokens[.. j]
+                                 (-1: a prompt row not kept, probability 0)
     topk_probs  float16 [R, k]   their probabilities (the tail is 1 - their sum)
 """
 
@@ -61,7 +63,14 @@ def teacher_topk(model, seqs: list[list[int]], k: int) -> tuple[np.ndarray, np.n
 
 
 def make_shard(decoder, teacher, prompts: list[list[int]], seeds: list[int], recipe) -> dict[str, np.ndarray]:
-    """Sample the target's responses to `prompts` and keep its top-k along prompt + response."""
+    """Sample the target's responses to `prompts` and keep its top-k along prompt + response.
+
+    The response rows are the distributions the responses were sampled from, as generation
+    reports them (`logprobs=top_k`: the target's raw logits, before temperature), so the
+    target runs once per response token. The prompt rows take one teacher-forced forward over
+    the prompts when the draft learns them (`train_on_prompt`), else they stay empty (ids -1,
+    probability 0: no loss row reads them)."""
+    k = recipe.top_k
     outs = decoder.generate_batch(
         prompts,
         max_new_tokens=recipe.response_tokens,
@@ -69,15 +78,25 @@ def make_shard(decoder, teacher, prompts: list[list[int]], seeds: list[int], rec
         sampling=SamplingConfig(temperature=recipe.temperature),
         seeds=seeds,
         max_batch=len(prompts),
+        logprobs=k,
     )
     seqs = [list(p) + list(o.token_ids) for p, o in zip(prompts, outs)]
-    ids, probs = teacher_topk(teacher, seqs, recipe.top_k)
+    if recipe.train_on_prompt:
+        prompt_ids, prompt_probs = teacher_topk(teacher, prompts, k)
+    else:
+        n = sum(len(p) - 1 for p in prompts)
+        prompt_ids, prompt_probs = np.full((n, k), -1, dtype=np.int32), np.zeros((n, k), dtype=np.float16)
+    ids, probs, start = [], [], 0
+    for p, o in zip(prompts, outs):  # per sequence: its prompt rows, then its response rows
+        ids += [prompt_ids[start : start + len(p) - 1], o.logprobs.top_ids.numpy().astype(np.int32)]
+        probs += [prompt_probs[start : start + len(p) - 1], o.logprobs.top.exp().numpy().astype(np.float16)]
+        start += len(p) - 1
     return {
         "tokens": np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs]),
         "offsets": np.cumsum([0] + [len(s) for s in seqs]).astype(np.int64),
         "prompt_len": np.asarray([len(p) for p in prompts], dtype=np.int32),
-        "topk_ids": ids,
-        "topk_probs": probs,
+        "topk_ids": np.concatenate(ids),
+        "topk_probs": np.concatenate(probs),
     }
 
 

@@ -346,7 +346,8 @@ class _Run:
             return None, None
         V = self.target.config.vocab_size
         mass = np.zeros(V)
-        np.add.at(mass, data.topk_ids.ravel(), data.topk_probs.astype(np.float64).ravel())
+        kept = data.topk_ids >= 0  # prompt rows not kept are -1
+        np.add.at(mass, data.topk_ids[kept], data.topk_probs[kept].astype(np.float64))
         vocab_map = VocabMap(choose_subset(mass, k, list(self.tokenizer.all_special_ids)), V)
         response = data.token_mass(V)
         return vocab_map, round(float(response[vocab_map.ids.numpy()].sum() / response.sum()), 4)
