@@ -10,6 +10,7 @@ interleaved per prompt. Writes experiments/results/real_pair_<tag>.json.
 
     python experiments/real_pair_bench.py --compile --tag epyc_compiled
     python experiments/real_pair_bench.py --tag epyc_eager --trees 2x3
+    python experiments/real_pair_bench.py --tag epyc_both --dtype bfloat16 float32   # both, alternated
     python experiments/real_pair_bench.py --compile --llama-cpp \
         ~/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp
 
@@ -50,7 +51,13 @@ def main() -> None:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--trees", nargs="+", default=["2x3", "2x4"], help="WxD shapes; chains 1xD come along")
     ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the target's")
+    ap.add_argument(
+        "--dtype",
+        nargs="+",
+        default=["bfloat16"],
+        choices=("bfloat16", "float32"),
+        help="the target's; several: each loaded once, their runs alternated per temperature",
+    )
     ap.add_argument("--draft-dtype", default="float32")
     ap.add_argument(
         "--drafter",
@@ -67,13 +74,16 @@ def main() -> None:
     target_path = smollm2_gguf()
     draft_path = args.draft or pair("smollm2")[1]
     target_dir, draft_dir = checkpoint(target_path), checkpoint(draft_path)
-    dtype, draft_dtype = getattr(torch, args.dtype), getattr(torch, args.draft_dtype)
-    target = hf.load_model(target_dir, dtype, None)
-    draft = hf.load_model(draft_dir, draft_dtype, None)
+    draft = hf.load_model(draft_dir, getattr(torch, args.draft_dtype), None)
     tokenizer = hf.load_tokenizer(target_dir)
     vocab = VocabMap.load(Path(draft_dir))
     t0 = time.perf_counter()
-    runners = native_runners(target, draft, args.compile, args.quantize, args.draft_quantize, vocab)
+    targets, runners = {}, {}  # per target dtype: the HF model and treespec's native runners
+    for name in args.dtype:
+        targets[name] = hf.load_model(target_dir, getattr(torch, name), None)
+        runners[name] = native_runners(
+            targets[name], draft, args.compile, args.quantize, args.draft_quantize, vocab
+        )
     workdir = tempfile.TemporaryDirectory(prefix="treespec-real-pair-")
     llama_cpp = None
     if args.llama_cpp is not None:
@@ -84,7 +94,7 @@ def main() -> None:
     prompts = heldout_chats(args.n_prompts)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.trees]
     out = {
-        "what": f"SmolLM2-135M-Instruct ({args.dtype}) + distilled draft, held-out chat instructions",
+        "what": f"SmolLM2-135M-Instruct ({', '.join(args.dtype)}) + distilled draft, held-out chats",
         "command": " ".join(sys.argv),
         "target": str(target_path),
         "draft": str(draft_path),
@@ -97,11 +107,11 @@ def main() -> None:
         "machine": machine_info("cpu"),
         "runs": [],
     }
-    for temperature in args.temperatures:
+    for temperature, dtype in ((t, d) for t in args.temperatures for d in args.dtype):
         for i, (width, depth) in enumerate(shapes):
             methods = ["linear", "tree"] if i else ["hf", "hf-assisted", "autoregressive", "linear", "tree"]
             result = run_bench(
-                target,
+                targets[dtype],
                 draft,
                 tokenizer,
                 prompts,
@@ -112,13 +122,13 @@ def main() -> None:
                 methods=methods,
                 backends=("native",),
                 draft_vocab=vocab,
-                runners=runners,
-                llama_cpp=None if i else llama_cpp,
+                runners=runners[dtype],
+                llama_cpp=None if i or dtype != args.dtype[0] else llama_cpp,
                 drafter=args.drafter,
-                config={"temperature": temperature, "width": width, "depth": depth},
+                config={"temperature": temperature, "dtype": dtype, "width": width, "depth": depth},
                 progress=lambda msg: print(f"\r\033[K{msg}", end="", file=sys.stderr),
             )
-            print(f"\r\033[KT={temperature} tree {width}x{depth}\n{result_table(result)}", flush=True)
+            print(f"\r\033[KT={temperature} {dtype} tree {width}x{depth}\n{result_table(result)}", flush=True)
             out["runs"].append(result.to_json())
             out["seconds_so_far"] = time.perf_counter() - t0
             path = RESULTS / f"real_pair_{args.tag}.json"
