@@ -4,9 +4,8 @@ For each batch of prompts (token ids), the target samples a response with treesp
 plain decoding (`generate_batch(tree=None)`: on-policy data, as DistillSpec prescribes),
 reporting at each step the `top_k` probabilities of the distribution it sampled from (int32 ids,
 float16 probs); a teacher-forced forward over the prompts adds their rows when the draft learns
-them. Each batch is
-one safetensors shard, so an interrupted data phase resumes at the next shard and training
-never runs the target again.
+them. Each batch is one safetensors shard, so an interrupted data phase resumes at the next
+shard and training never runs the target again.
 
 Shard arrays (S sequences, T tokens, R = T - S stored positions, k = top_k):
 
