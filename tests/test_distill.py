@@ -546,21 +546,17 @@ def test_stored_rows_are_the_targets_distributions(tiny_target, train_on_prompt)
     that forward's when the draft learns prompts, else empty (-1, probability 0)."""
     from transformers import AutoModelForCausalLM
 
-    from treespec.distill.data import make_shard, teacher_topk
+    from treespec.distill.data import Dataset, make_shard, teacher_topk
 
     target = AutoModelForCausalLM.from_pretrained(tiny_target[0], dtype=torch.float32).eval()
     recipe = Recipe(**{**TINY, "train_on_prompt": train_on_prompt, "temperature": 0.7})
     prompts = [[0, 5, 9, 17], [0, 40, 41], [0, 3, 3, 3, 3, 8]]
     shard = make_shard(SpeculativeDecoder(target, None), target, prompts, [1, 2, 3], recipe)
-    offsets, seqs = shard["offsets"], []
-    for a, b in zip(offsets[:-1], offsets[1:]):
-        seqs.append(shard["tokens"][a:b].tolist())
-    ref_ids, ref_probs = teacher_topk(target, seqs, recipe.top_k)
-    prompt_rows = np.zeros(len(ref_ids), dtype=bool)
-    for s, p in enumerate(prompts):
-        start = offsets[s] - s
-        prompt_rows[start : start + len(p) - 1] = True
-    resp = ~prompt_rows
+    stored = Dataset([shard])
+    assert stored.prompts() == prompts
+    ref_ids, ref_probs = teacher_topk(target, [s.tolist() for s in stored.sequences()], recipe.top_k)
+    resp = stored.response_rows()
+    prompt_rows = ~resp
     assert (shard["topk_ids"][resp] == ref_ids[resp]).mean() > 0.99  # ties aside
     np.testing.assert_allclose(shard["topk_probs"][resp], ref_probs[resp], atol=2e-3)
     if train_on_prompt:

