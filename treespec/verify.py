@@ -148,7 +148,10 @@ def check_rule(draft: DraftTree, rule: str) -> None:
 
 
 def _verify_greedy(draft: DraftTree, logits: torch.Tensor, trace: list[ProposalTrace] | None = None) -> Walk:
-    best, bad = torch.stack([logits.argmax(-1), nonfinite_rows(logits)]).tolist()  # [2, N]: the one transfer
+    # one reduction gives each row's argmax (the first maximum, as argmax) and its max, which is
+    # finite iff the row is (`nonfinite_rows`); torch's bf16 argmax is ~4x slower than max
+    top, best = logits.max(-1)  # [N] each
+    best, bad = torch.stack([best, ~torch.isfinite(top)]).tolist()  # [2, N]: the one transfer
     node, path = 0, [0]
     while True:
         if bad[node]:

@@ -159,7 +159,12 @@ class ModelDrafter(Drafter):
         new: list[int] = []
         for u in frontier:
             m = width if u == 0 else nodes[u].count
-            draws = self.rng.categorical(nodes[u].q, m)
+            # at temperature 0 q is one-hot: every draw is its argmax (no coin, no cumsum over V)
+            draws = (
+                [int(nodes[u].q.argmax())] * m
+                if self.sampling.greedy
+                else self.rng.categorical(nodes[u].q, m)
+            )
             child_of: dict[int, int] = {}
             for x in draws:
                 if x in child_of:
