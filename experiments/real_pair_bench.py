@@ -124,6 +124,7 @@ def main() -> None:
                 draft_vocab=vocab,
                 runners=runners[dtype],
                 llama_cpp=None if i or dtype != args.dtype[0] else llama_cpp,
+                warmup=args.compile,  # every graph size compiles before the timed runs
                 drafter=args.drafter,
                 config={"temperature": temperature, "dtype": dtype, "width": width, "depth": depth},
                 progress=lambda msg: print(f"\r\033[K{msg}", end="", file=sys.stderr),

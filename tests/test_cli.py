@@ -265,6 +265,31 @@ def test_run_bench_takes_token_id_prompts_without_a_tokenizer(target64, draft64)
         run_bench(target64, draft64, None, ["text"], 5, TreeConfig(), SamplingConfig(), repeats=1)
 
 
+def test_run_bench_warmup_decodes_untimed_first(target64, draft64, monkeypatch):
+    """warmup=True: every treespec method decodes every prompt once before the timed runs
+    (compiled graphs compile there), and those decodes are neither timed nor pooled."""
+    from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
+    from treespec.bench import run_bench
+
+    calls = []
+    generate = SpeculativeDecoder.generate
+
+    def counted(self, prompt, *args, **kwargs):
+        calls.append(kwargs["seed"])
+        return generate(self, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", counted)
+    kw = dict(repeats=1, methods=("autoregressive", "tree"), backends=("native",))
+    prompts, tree, greedy = [[3, 4, 5, 6], [7, 8]], TreeConfig(2, 2), SamplingConfig(temperature=0)
+    cold = run_bench(target64, draft64, None, prompts, 5, tree, greedy, **kw)
+    assert len(calls) == 4  # 2 methods x 2 prompts, timed
+    warm = run_bench(target64, draft64, None, prompts, 5, tree, greedy, warmup=True, **kw)
+    assert len(calls) == 4 + 8 and sorted(set(calls[4:8])) == [10**6, 10**6 + 1]  # warm-up seeds first
+    for c, w in zip(cold.methods, warm.methods):
+        assert len(w.runs) == len(c.runs) == 2
+        assert w.tokens_per_step == c.tokens_per_step  # greedy: the same rounds, warm-up not pooled
+
+
 def test_pairs_and_model_free_target(capsys):
     from treespec.zoo import pair
 

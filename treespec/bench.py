@@ -179,6 +179,7 @@ def run_bench(
     draft_vocab: VocabMap | None = None,
     runners: dict[str, tuple[Runner, Runner | None]] | None = None,
     llama_cpp: LlamaCppBench | None = None,
+    warmup: bool = False,
 ) -> BenchResult:
     """Benchmark HF causal LMs `target` and `draft` (HF generate runs them directly; treespec
     wraps them once per backend). `prompts`: text or chats (need `tokenizer`) or token ids.
@@ -196,7 +197,11 @@ def run_bench(
     batches of `batch_size` requests (ceil(len(prompts) / batch_size) of them); HF runs each as
     one left-padded `generate()`, treespec as one `generate_batch()`; tokens/s counts every
     request's tokens over the batch's wall time. HF assisted generation cannot batch and is
-    not run then, nor is llama.cpp."""
+    not run then, nor is llama.cpp.
+
+    `warmup`: before timing, every treespec method decodes every prompt once, untimed, so that
+    compiled runners have compiled the graphs of every feed size the run will meet (a tree at
+    T=1 meets several; each compiles on first use, a minute apiece)."""
     check_positive_int("batch_size", batch_size)
     if batch_size > 1:
         methods = [m for m in methods if m != "hf-assisted"]
@@ -255,6 +260,45 @@ def run_bench(
     totals = {m: GenerationStats() for m in names}  # treespec methods: pooled over runs
     drafted = {m: [0, 0] for m in external}  # llama.cpp: drafted, accepted
     prompt_mismatches = 0  # llama.cpp runs whose prompt tokenized to another length
+
+    def decode(name: str, ids, attention, seed: int) -> tuple[list, float]:
+        """One treespec method on one batch: its outputs and wall seconds."""
+        backend = name[:-1].split("[")[1]
+        method, rule = rules[name]
+        requests = [row[mask.bool()].tolist() for row, mask in zip(ids, attention)]  # padding dropped
+        t0 = time.perf_counter()
+        if batch_size == 1:
+            outs = [
+                decoders[backend].generate(
+                    requests[0],
+                    max_new_tokens,
+                    tree=trees[method],
+                    sampling=sampling,
+                    seed=seed,
+                    ignore_eos=True,
+                    verification=rule,
+                )
+            ]
+        else:
+            outs = decoders[backend].generate_batch(
+                requests,
+                max_new_tokens,
+                tree=trees[method],
+                sampling=sampling,
+                verification=rule,
+                seeds=[seed + k for k in range(batch_size)],
+                ignore_eos=True,
+                max_batch=batch_size,
+            )
+        _sync(target.device)
+        return outs, time.perf_counter() - t0
+
+    if warmup:
+        for i, (ids, attention) in enumerate(encoded):
+            for name in rules:
+                if progress:
+                    progress(f"warm-up batch {i + 1}/{len(encoded)} {name}")
+                decode(name, ids, attention, seed=10**6 + i)  # seeds the timed runs do not use
     for rep in range(repeats):
         for i, (ids, attention) in enumerate(encoded):
             for name in names:
@@ -281,35 +325,8 @@ def run_bench(
                         drafted[name][0] += run.drafted
                         drafted[name][1] += run.accepted
                     continue
-                backend = name[:-1].split("[")[1]
-                method, rule = rules[name]
-                requests = [row[mask.bool()].tolist() for row, mask in zip(ids, attention)]  # padding dropped
-                t0 = time.perf_counter()
-                if batch_size == 1:
-                    outs = [
-                        decoders[backend].generate(
-                            requests[0],
-                            max_new_tokens,
-                            tree=trees[method],
-                            sampling=sampling,
-                            seed=seed,
-                            ignore_eos=True,
-                            verification=rule,
-                        )
-                    ]
-                else:
-                    outs = decoders[backend].generate_batch(
-                        requests,
-                        max_new_tokens,
-                        tree=trees[method],
-                        sampling=sampling,
-                        verification=rule,
-                        seeds=[seed + k for k in range(batch_size)],
-                        ignore_eos=True,
-                        max_batch=batch_size,
-                    )
-                _sync(target.device)
-                runs[name].append(sum(o.stats.tokens for o in outs) / (time.perf_counter() - t0))
+                outs, seconds = decode(name, ids, attention, seed)
+                runs[name].append(sum(o.stats.tokens for o in outs) / seconds)
                 for o in outs:
                     totals[name].add(o.stats)
     results = []

@@ -59,7 +59,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--compile",
         action="store_true",
         help="run the native forwards as torch.compile (inductor) graphs: faster on deep models, "
-        "minutes of compilation at start (docs/performance.md)",
+        "minutes of compilation at start; bench then decodes every prompt once, untimed, first "
+        "(docs/performance.md)",
     )
     g.add_argument(
         "--quantize",
@@ -490,6 +491,7 @@ def cmd_bench(args) -> None:
         draft_vocab=draft_vocab,
         runners=runners,
         llama_cpp=llama_cpp,
+        warmup=args.compile,  # compiled graphs compile outside the timed runs
     )
     workdir.cleanup()
     if progress is not None:
