@@ -697,6 +697,27 @@ def test_compiled_forward_falls_back_to_eager(monkeypatch):
     assert max_diff(eager.score(tree), nat.score(tree)) < 1e-5
 
 
+def test_compiled_runners_keep_their_own_graphs(monkeypatch):
+    """dynamo keeps graphs, and counts its recompile limit, per code object: each runner's
+    graphs live under a forward of its own, so two compiled runners (a target and its draft,
+    two dtypes) do not exhaust one shared limit. They did: with the SmolLM2 pair, trees at T=1
+    met new feed sizes after the limit and the target fell back to its eager forward."""
+    monkeypatch.setattr(CompiledForward, "DYNAMO", {**CompiledForward.DYNAMO, "recompile_limit": 2})
+    model = build("gqa_tied")
+    eager, runners = NativeRunner.from_hf(model), [compiled_runner(model, CHEAP) for _ in range(2)]
+    for r in [eager, *runners]:
+        r.prefill([3, 1, 4, 1, 5])
+    for n in (1, 2):  # two sizes per runner: four graphs in all, two under each limit
+        tree = TokenTree(list(range(2, 2 + n)), [-1] + [0] * (n - 1))
+        want = eager.score(tree)
+        eager.commit([])
+        for r in runners:
+            got = r.score(tree)
+            r.commit([])
+            assert max_diff(want, got) < 1e-4
+    assert not any(r.compiled.failed for r in runners)
+
+
 def test_compile_unsupported_is_ignored_with_a_warning():
     assert compile_unsupported_reason(torch.device("cpu"), torch.float32) is None
     assert compile_unsupported_reason(torch.device("cpu"), torch.bfloat16) is None

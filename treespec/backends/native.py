@@ -39,6 +39,7 @@ float64 models) and the weight applied in the input dtype; logits in the model d
 from __future__ import annotations
 
 import copy
+import types
 import warnings
 from dataclasses import dataclass
 
@@ -546,7 +547,12 @@ class CompiledForward:
 
     def __init__(self, runner: NativeRunner, config: dict | None = None):
         """`config`: inductor settings for every graph instead of `CONFIG` (tests use cheap ones)."""
-        self.graph = torch.compile(_ForwardGraph(runner).eval(), fullgraph=True)
+        # dynamo keeps compiled graphs, and counts its recompile limit, per code object: a
+        # forward of its own keeps this runner's graphs apart from every other runner's (a
+        # target and its draft, or two dtypes, would share one cache and exhaust the limit)
+        forward = _ForwardGraph.forward
+        own = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__)
+        self.graph = torch.compile(types.MethodType(own, _ForwardGraph(runner).eval()), fullgraph=True)
         if config is not None:
             self.config = {"static": dict(config), "dynamic": dict(config)}
         else:
