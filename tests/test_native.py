@@ -666,6 +666,7 @@ def test_compiled_forward_matches_hf(monkeypatch):
     assert nat.capacity >= 32 and not nat.compiled.failed
     graphs = unique_graphs() - before  # one per size seen, whatever the span and capacity
     assert 2 <= graphs <= native.COMPILE_STATIC_MAX + 1
+    assert graphs == len(nat.compiled.compiled)  # none recompiled: called unmarked, the grown cache too
     long = TokenTree([rng.randrange(VOCAB) for _ in range(70)], [-1] + list(range(69)))  # > 64: eager
     assert max_diff(hf.score(long), nat.score(long)) < 1e-4
     hfs, lanes = [HFRunner(model) for _ in range(2)], nat.lanes(2)  # a pool of two rows: eager

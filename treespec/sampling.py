@@ -117,7 +117,7 @@ def probs(logits: torch.Tensor, cfg: SamplingConfig, counts: TokenCounts | None 
         raise ValueError("this SamplingConfig has penalties: pass the rows' token counts (tree_token_counts)")
     x = penalize(logits if logits.dtype == torch.float64 else logits.float(), cfg, counts)
     if cfg.greedy:
-        return torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).to(x.dtype)
+        return torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)  # one-hot argmax
     x = x / cfg.temperature
     if cfg.top_k and cfg.top_k < x.shape[-1]:
         kth = torch.topk(x, cfg.top_k, dim=-1).indices
