@@ -3,6 +3,8 @@
 
     python experiments/round_anatomy.py --trees iid:1x6,sequoia:16x8 --temperature 1 \
         --sequoia experiments/results/sequoia_T1.json --out experiments/results/round_anatomy_T1_epyc.json
+    python experiments/round_anatomy.py --pair smollm2 --compile --quantize int8 --chat \
+        --trees plain,iid:1x1,iid:1x2,iid:2x1 --temperature 0 --max-new-tokens 128
 
 Each part is timed by wrapping the engine's calls to it (a wrapper adds about a microsecond
 per call): the target's and the draft's forwards (`NativeRunner._packed_forward`; prefills,
@@ -10,7 +12,8 @@ the forwards that need no logits, apart), drafting (`propose_many`, its draft fo
 left is the drafter's Python and small ops), verification (`verify`), and the rest of
 `Engine.step` (tree masks, commits, stats, emission). Milliseconds per round, medians over the
 repeats; the trees are interleaved per prompt so that a slow minute of a shared machine does
-not land on one of them. Native backend only (the forwards are the native runner's).
+not land on one of them. Native backend only (the forwards are the native runner's). `plain` is plain decoding (no
+draft), timed the same way: its round is one target forward.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from pick_default_tree import parse
 import treespec.engine as engine
 from treespec import SamplingConfig, SpeculativeDecoder
 from treespec.backends.native import NativeRunner
-from treespec.zoo import load_prompts, pair
+from treespec.bench import machine_info
+from treespec.zoo import PAIRS, heldout_prompt_ids, load_prompts, pair
 
 PARTS = ("target_forward", "target_prefill", "draft_forwards", "draft_prefill", "drafting_python", "verify", "rest")
 
@@ -85,17 +89,26 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--pair", default="pycode", choices=PAIRS)
+    ap.add_argument("--chat", action="store_true", help="the pair's held-out chat instructions (smollm2)")
+    ap.add_argument("--compile", action="store_true", help="inductor graphs for target and draft")
+    ap.add_argument("--quantize", choices=("int8",), default=None, help="the target's weights")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
     acceptance = json.loads(args.sequoia.read_text())["acceptance"] if args.sequoia else None
-    trees = {spec: parse(spec, acceptance) for spec in args.trees.split(",")}
-    dec = SpeculativeDecoder.from_pretrained(*pair("pycode"), dtype=args.dtype, backend="native")
-    prompts = [dec.tokenizer(p)["input_ids"] for p in load_prompts(n=args.n_prompts)]
+    trees = {spec: None if spec == "plain" else parse(spec, acceptance) for spec in args.trees.split(",")}
+    dec = SpeculativeDecoder.from_pretrained(
+        *pair(args.pair), dtype=args.dtype, backend="native", compile=args.compile, quantize=args.quantize
+    )
+    prompts = heldout_prompt_ids(args.pair, dec.tokenizer, args.n_prompts) if args.chat else [
+        dec.tokenizer(p)["input_ids"] for p in load_prompts(n=args.n_prompts)
+    ]
     sampling = SamplingConfig(temperature=args.temperature)
     timers = Timers(dec.target_runner)
     timers.install()
-    dec.generate(prompts[0], 16, tree=next(iter(trees.values())))  # warm-up
+    for tree in trees.values():  # warm-up (with --compile: every feed size a tree needs, compiled)
+        dec.generate(prompts[0], 32, tree=tree, sampling=sampling)
 
     runs = {name: [] for name in trees}  # one dict per (repeat, prompt)
     for rep in range(args.repeats):
@@ -125,6 +138,7 @@ def main() -> None:
     if args.out:
         runner = dec.target_runner
         config = dict(vars(args), out=str(args.out), sequoia=args.sequoia and str(args.sequoia), dtype=str(runner.dtype),
+                      machine=machine_info("cpu"),
                       draft_dtype=str(dec.draft_runner.dtype), threads=torch.get_num_threads(), torch=torch.__version__)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"config": config, "rows": rows}, indent=1) + "\n")
