@@ -66,6 +66,11 @@ def main() -> None:
         help="what proposes treespec's chains and trees (HF assisted always runs the draft model)",
     )
     ap.add_argument("--tag", default="epyc")
+    ap.add_argument(
+        "--goodput",
+        action="store_true",
+        help="also the first shape's chain with adaptive='goodput' (speculate or not per request, measured)",
+    )
     ap.add_argument("--llama-cpp", type=Path, default=None, metavar="DIR", help="llama.cpp's build dir")
     ap.add_argument("--quantize", choices=("int8",), default=None, help="treespec's target weights")
     ap.add_argument("--draft-quantize", choices=("int8",), default=None, help="treespec's draft weights")
@@ -110,6 +115,8 @@ def main() -> None:
     for temperature, dtype in ((t, d) for t in args.temperatures for d in args.dtype):
         for i, (width, depth) in enumerate(shapes):
             methods = ["linear", "tree"] if i else ["hf", "hf-assisted", "autoregressive", "linear", "tree"]
+            if args.goodput and not i:
+                methods.append("goodput")
             result = run_bench(
                 targets[dtype],
                 draft,

@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 import torch
 
-from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
+from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig, adaptive
 from treespec.adaptive import GoodputSwitch
 from treespec.backends.base import extend_many, prefill_many, score_many
 from treespec.backends.hf import HFRunner
@@ -418,6 +418,53 @@ def test_outcome_dependent_switching_stays_lossless_by_enumeration():
     a = (TOY_PROMPT, TreeConfig(2, 2), TOY_SAMPLINGS["T1"], 2)
     b = ((0, 2, 1), TreeConfig(2, 2), TOY_SAMPLINGS["T0.6-topk2"], 3)
     assert_two_toy_requests_lossless(a, b, switch=_OddTokensSwitch, speculate_max_live="auto")
+
+
+def test_per_request_goodput_switching_stays_lossless_by_enumeration(monkeypatch):
+    """TreeConfig(adaptive="goodput"): each request's own switch decides, round by round and
+    from that request's outcomes so far, whether it drafts; every draw and coin enumerated,
+    the joint is still the product of the target's joints."""
+    monkeypatch.setattr(adaptive, "GoodputSwitch", _OddTokensSwitch)
+    a = (TOY_PROMPT, TreeConfig(2, 2, adaptive="goodput"), TOY_SAMPLINGS["T1"], 2)
+    b = (
+        (0, 2, 1),
+        TreeConfig(2, 2, adaptive="goodput"),
+        TOY_SAMPLINGS["T0.6-topk2"],
+        3,
+    )
+    assert_two_toy_requests_lossless(a, b)
+
+
+def test_per_request_goodput_tries_both_kinds_then_keeps_the_faster(models, monkeypatch):
+    """adaptive="goodput": a request speculates for a run, decodes plainly for a run, then
+    keeps whichever gave it more tokens per (here: fake) second; two requests of one batch
+    decide apart (one fast when speculating, one slow); greedy outputs are generate()'s."""
+    trees = {1: TreeConfig(1, 3, adaptive="goodput"), 2: TreeConfig(1, 2, adaptive="goodput")}
+    seconds = {3: {False: 1.0, True: 1.0}, 2: {False: 1.0, True: 50.0}}  # by depth: a round's fake seconds
+    kinds = {3: [], 2: []}  # by depth: each round's decision, speculative or not
+    record, next_depth = adaptive.DepthPolicy.record, adaptive.DepthPolicy.next_depth
+
+    def fake_record(policy, speculative, tokens, _):
+        record(policy, speculative, tokens, seconds[policy.config.depth][speculative])
+
+    def logged(policy):
+        depth = next_depth(policy)
+        kinds[policy.config.depth].append(depth > 0)
+        return depth
+
+    monkeypatch.setattr(adaptive.DepthPolicy, "record", fake_record)
+    monkeypatch.setattr(adaptive.DepthPolicy, "next_depth", logged)
+    dec = SpeculativeDecoder(*models, backend="native")
+    eng = dec.engine(max_live=2)
+    ids = {i: eng.add(PROMPTS[i], 60, tree=trees[i], sampling=GREEDY, ignore_eos=True) for i in trees}
+    outs = eng.run()
+    for i, faster in ((1, True), (2, False)):
+        got = kinds[trees[i].depth]
+        assert got[:16] == [True] * 8 + [False] * 8  # warm-up: a speculative run, then a plain one
+        assert len(got) > 24 and got[16:24] == [faster] * 8, (i, got)
+        fixed = TreeConfig(1, trees[i].depth)
+        want = dec.generate(PROMPTS[i], 60, tree=fixed, sampling=GREEDY, ignore_eos=True)
+        assert outs[ids[i]].token_ids == want.token_ids
 
 
 def test_goodput_switch_runs_explores_follows_drift_and_buckets_live_counts():

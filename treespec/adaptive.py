@@ -1,14 +1,20 @@
 """Each round's draft depth, decided by the decode loop for every drafter (`TreeConfig.adaptive`),
-and whether a batched round drafts at all (`GoodputSwitch`, `speculate_max_live="auto"`).
+and whether a round drafts at all: per request (`"goodput"`) or per batch by load
+(`GoodputSwitch` of the engine, `speculate_max_live="auto"`).
 
-The loop owns one `DepthPolicy` per request: it asks `policy.depth` before drafting, passes
-it to `drafter.propose(context, depth)`, and after verification calls `policy.update(...)`
-with the round's draft and walk. Any drafter therefore adapts, model-based or not.
+The loop owns one `DepthPolicy` per request: it asks `policy.next_depth()` before drafting
+(0: a plain round), passes it to `drafter.propose(context, depth)`, after verification calls
+`policy.update(...)` with the round's draft and walk (speculative rounds), and reports every
+round's tokens and seconds to `policy.record(...)`. Any drafter therefore adapts, model-based
+or not.
 
     None       the depth stays `TreeConfig.depth`
     "hf"       Hugging Face's heuristic: depth + 2 after a fully accepted round, - 1 otherwise
     "entropy"  EGAG-style: the EMA (factor `ema_beta`) of the draft's normalised entropy along
                the accepted path maps linearly onto [depth_min, depth_max] (confident: deeper)
+    "goodput"  `depth` or 0, by which has given this request more tokens per second so far (a
+               `GoodputSwitch` of its own): speculation where the draft pays on this request's
+               text, sampling and hardware, plain decoding where it does not
 
 The entropy comes from `Drafter.path_entropy(draft, walk)`: the model drafter averages the
 normalised entropy (entropy / log V) of its distributions at the fed nodes of the accepted
@@ -16,7 +22,8 @@ path. A drafter without a model distribution (n-gram, prompt lookup, custom) ret
 and the policy falls back on the round's rejection rate, 1 - accepted / depth, as the
 uncertainty signal (0 when the whole depth was accepted, 1 when nothing was); an empty round
 (nothing proposed) counts as 1. Either way depth never depends on anything but committed
-outcomes, so the output law is unchanged (the enumeration tests cover both).
+outcomes (and "goodput" on past timings too), so the output law is unchanged (the enumeration
+tests cover every policy).
 """
 
 from __future__ import annotations
@@ -24,15 +31,26 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from .config import TreeConfig
+from .config import DEPTH_ADAPTIVE, TreeConfig
 from .proposal import DepthStep, DraftTree, Walk
 
 
 class DepthPolicy:
     def __init__(self, config: TreeConfig):
         self.config = config
-        self.depth = config.depth  # the depth of the next round (before the length cap)
+        self.depth = config.depth  # the depth of a speculative round (before the length cap)
         self.entropy_ema: float | None = None
+        # "goodput": this request's own speculate-or-not switch, fed its own rounds
+        self.switch = GoodputSwitch() if config.adaptive == "goodput" else None
+
+    def next_depth(self) -> int:
+        """The depth of the coming round (0: plain); asked once per round."""
+        return self.depth if self.switch is None or self.switch.speculate(1) else 0
+
+    def record(self, speculative: bool, tokens: int, seconds: float) -> None:
+        """A finished round of this request: `tokens` emitted in `seconds`."""
+        if self.switch is not None:
+            self.switch.record(1, speculative, tokens, seconds)
 
     def update(self, drafter, draft: DraftTree, walk: Walk, round_depth: int) -> DepthStep:
         """Move the depth after a round drafted at `round_depth`; what was decided."""
@@ -52,7 +70,8 @@ class DepthPolicy:
                 else cfg.ema_beta * self.entropy_ema + (1 - cfg.ema_beta) * entropy
             )
             self.depth = round(cfg.depth_max - self.entropy_ema * (cfg.depth_max - cfg.depth_min))
-        self.depth = max(cfg.depth_min, min(cfg.depth_max, self.depth)) if cfg.adaptive else cfg.depth
+        if cfg.adaptive in DEPTH_ADAPTIVE:
+            self.depth = max(cfg.depth_min, min(cfg.depth_max, self.depth))
         return DepthStep(round_depth, entropy, from_drafter, self.depth)
 
 

@@ -9,6 +9,8 @@ Methods (all on the same target/draft, same prompts, same max_new_tokens):
     autoregressive  treespec, tree=None                       the in-library baseline
     linear          treespec, TreeConfig(width=1, depth)
     tree            treespec, TreeConfig(width, depth, strategy)
+    goodput         treespec, the linear chain with adaptive="goodput": per request, speculate
+                    or decode plainly by which measured more tokens/s (not run by default)
 
 treespec methods run once per backend ("linear[native]", "linear[hf]", ...) and, given several
 verification rules, once per rule that applies to the method's tree ("linear/block[native]";
@@ -21,6 +23,7 @@ floor: weight bytes / measured memory bandwidth, as a ratio to the measured t(1)
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -38,7 +41,8 @@ from .stats import GenerationStats
 from .tree import TokenTree
 from .verify import RULES
 
-METHODS = ("hf", "hf-assisted", "autoregressive", "linear", "tree")
+METHODS = ("hf", "hf-assisted", "autoregressive", "linear", "tree")  # what a bench runs by default
+KNOWN_METHODS = (*METHODS, "goodput")
 
 
 @dataclass
@@ -209,9 +213,9 @@ def run_bench(
     assistant = draft
     if draft_vocab is not None and "hf-assisted" in methods:
         assistant = full_vocabulary_model(draft, draft_vocab)
-    unknown = set(methods) - set(METHODS)
+    unknown = set(methods) - set(KNOWN_METHODS)
     if unknown:
-        raise ValueError(f"unknown bench methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
+        raise ValueError(f"unknown bench methods {sorted(unknown)}; choose from {', '.join(KNOWN_METHODS)}")
     prompts = [list(encode_prompt(p, tokenizer)) for p in prompts]  # text and chats -> token ids
     bad = [v for v in verifications if v not in ("auto",) + RULES]
     if bad or not verifications:
@@ -232,7 +236,8 @@ def run_bench(
     ]  # per batch: input_ids, attention_mask
     # linear: a chain of the tree's depth (a Sequoia shape's chain is its depth, drafted i.i.d.)
     linear = TreeConfig(1, tree.depth, "iid" if tree.strategy in ("sequoia", "dynamic") else tree.strategy)
-    trees = {"autoregressive": None, "linear": linear, "tree": tree}
+    goodput = dataclasses.replace(linear, adaptive="goodput")
+    trees = {"autoregressive": None, "linear": linear, "tree": tree, "goodput": goodput}
     hf_kwargs = dict(
         max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=_pad_id(tokenizer)
     )

@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .config import STRATEGIES, SamplingConfig, TreeConfig
+from .config import ADAPTIVE, STRATEGIES, SamplingConfig, TreeConfig
 
 COLOURS = {"accepted": "\033[32m", "correction": "\033[33m", "bonus": "\033[36m"}  # green, yellow, cyan
 RESET = "\033[0m"
@@ -91,7 +91,10 @@ def _add_decode_args(p: argparse.ArgumentParser, max_new_tokens: int, width: int
     g.add_argument("--strategy", default="iid", choices=STRATEGIES, help="tree construction (default iid)")
     g.add_argument("--budget", type=int, default=None, help="strategy dynamic: draft nodes kept per round")
     g.add_argument(
-        "--adaptive", default=None, choices=("hf", "entropy"), help="adapt the depth between rounds"
+        "--adaptive",
+        default=None,
+        choices=ADAPTIVE,
+        help="adapt the depth between rounds (goodput: speculate or not, by measured tokens/s)",
     )
     g.add_argument("--depth-max", type=int, default=8, help="adaptive depth upper bound (default 8)")
     g.add_argument("--shape", type=Path, default=None, help="draft along a saved Sequoia TreeShape (JSON)")
@@ -202,7 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--n-prompts", type=int, default=8, help="use the first N prompts (default 8)")
     bench.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
-    bench.add_argument("--methods", default=",".join(_bench_methods()), help="comma-separated subset")
+    bench.add_argument(
+        "--methods",
+        default=",".join(_bench_methods()),
+        help=f"comma-separated, of {','.join(_bench_methods(known=True))}",
+    )
     bench.add_argument(
         "--json", type=Path, default=Path("treespec-bench.json"), help="where to write results"
     )
@@ -226,10 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _bench_methods():
-    from .bench import METHODS
+def _bench_methods(known: bool = False):
+    """The bench's default methods, or (`known`) every method it can run."""
+    from .bench import KNOWN_METHODS, METHODS
 
-    return METHODS
+    return KNOWN_METHODS if known else METHODS
 
 
 def _configs(args) -> tuple[TreeConfig, SamplingConfig]:
@@ -418,11 +426,10 @@ def cmd_bench(args) -> None:
     if args.repeats < 1 or args.n_prompts < 1 or args.batch_size < 1:
         raise CliError("--repeats, --n-prompts and --batch-size must be >= 1")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = sorted(set(methods) - set(_bench_methods()))
+    known = _bench_methods(known=True)
+    unknown = sorted(set(methods) - set(known))
     if unknown or not methods:
-        raise CliError(
-            f"--methods: unknown {unknown or 'empty list'}; choose from {','.join(_bench_methods())}"
-        )
+        raise CliError(f"--methods: unknown {unknown or 'empty list'}; choose from {','.join(known)}")
     _check_writable(args.json, "--json")
     paths = _paths(args)
     if paths[1] is None:

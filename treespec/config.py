@@ -12,7 +12,8 @@ from typing import Literal
 
 Strategy = Literal["iid", "without_replacement", "topk", "dynamic", "sequoia"]
 STRATEGIES: tuple[str, ...] = ("iid", "without_replacement", "topk", "dynamic", "sequoia")
-ADAPTIVE: tuple[str, ...] = ("hf", "entropy")
+ADAPTIVE: tuple[str, ...] = ("hf", "entropy", "goodput")
+DEPTH_ADAPTIVE: tuple[str, ...] = ("hf", "entropy")  # the policies that move the depth itself
 
 # The most draft nodes one round may hold. The target scores every node in one forward
 # ([nodes, vocab] logits: 1024 x 128256 fp32 is 0.5 GB), so a larger tree is rejected up
@@ -148,7 +149,12 @@ class TreeConfig:
       entropy along the accepted path linearly onto [depth_min, depth_max] (confident draft:
       deeper). Drafters without a distribution (n-gram, lookup) use the round's rejection
       rate, 1 - accepted / depth, instead.
-    Adaptive depth stays within [depth_min, depth_max]; `depth` is the starting depth.
+    - "goodput": per request, a round drafts `depth` deep or not at all (a plain round), by
+      which has measured more tokens per second for this request so far
+      (`treespec.adaptive.GoodputSwitch`): speculation where this draft pays on this text and
+      hardware, plain decoding where it does not. Decisions follow past timings, so at
+      temperature > 0 an output is exact but no longer reproducible from its seed alone.
+    "hf" and "entropy" stay within [depth_min, depth_max]; `depth` is the starting depth.
 
     At temperature 0 the draft is read greedily: "iid" proposes the draft's argmax chain
     (its samples would all be equal), "without_replacement" takes the draft's top tokens
@@ -162,7 +168,7 @@ class TreeConfig:
     depth: int = 6  # draft tokens per branch; a round emits between 1 and depth + 1 tokens
     strategy: Strategy = "iid"  # see the class docstring
     budget: int | None = None  # "dynamic": draft nodes kept per round (default width * depth)
-    adaptive: str | None = None  # None (fixed depth), "hf" or "entropy"
+    adaptive: str | None = None  # None (fixed depth), "hf", "entropy" or "goodput"
     depth_min: int = 1  # adaptive depth lower bound
     depth_max: int = 8  # adaptive depth upper bound
     ema_beta: float = 0.8  # "entropy": weight of the past in the entropy EMA, in [0, 1)
@@ -182,8 +188,10 @@ class TreeConfig:
         if self.shape is not None and not hasattr(self.shape, "children"):
             raise ValueError("TreeConfig.shape must be a treespec.sequoia.TreeShape (see TreeShape.load)")
         if self.adaptive is not None and self.adaptive not in ADAPTIVE:
-            raise ValueError(f"TreeConfig.adaptive must be None, 'hf' or 'entropy'; got {self.adaptive!r}")
-        if self.adaptive is not None and not self.depth_min <= self.depth <= self.depth_max:
+            raise ValueError(
+                f"TreeConfig.adaptive must be None, 'hf', 'entropy' or 'goodput'; got {self.adaptive!r}"
+            )
+        if self.adaptive in DEPTH_ADAPTIVE and not self.depth_min <= self.depth <= self.depth_max:
             raise ValueError(
                 f"adaptive depth needs depth_min <= depth <= depth_max, got {self.depth_min}, "
                 f"{self.depth}, {self.depth_max}"
@@ -192,7 +200,9 @@ class TreeConfig:
         if not isinstance(b, (int, float)) or isinstance(b, bool) or not 0 <= b < 1:
             raise ValueError(f"TreeConfig.ema_beta must be in [0, 1), got {self.ema_beta!r}")
         if self.max_nodes > MAX_TREE_NODES:
-            depth = f"depth_max={self.depth_max}" if self.adaptive else f"depth={self.depth}"
+            depth = (
+                f"depth_max={self.depth_max}" if self.adaptive in DEPTH_ADAPTIVE else f"depth={self.depth}"
+            )
             depth += f", budget={self.budget}" if self.budget is not None else ""
             raise ValueError(
                 f"TreeConfig(width={self.width}, {depth}, strategy={self.strategy!r}) drafts up to "
@@ -203,7 +213,7 @@ class TreeConfig:
     @property
     def max_depth(self) -> int:
         """The deepest a round can go."""
-        return self.depth if self.adaptive is None else self.depth_max
+        return self.depth_max if self.adaptive in DEPTH_ADAPTIVE else self.depth
 
     @property
     def max_nodes(self) -> int:

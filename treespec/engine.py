@@ -204,7 +204,9 @@ class Engine:
             else:
                 speculate = self.speculate_max_live is None or len(live) <= self.speculate_max_live
             depths = {
-                r.id: min(r.depth_policy.depth, r.builder.remaining - 1) if r.drafter and speculate else 0
+                r.id: min(r.depth_policy.next_depth(), r.builder.remaining - 1)
+                if r.drafter and speculate
+                else 0
                 for r in live
             }
             proposing = [r for r in live if depths[r.id]]
@@ -279,6 +281,8 @@ class Engine:
             draft_s += time.perf_counter() - t
         r.stats.record_round(draft, walk, draft_seconds=draft_s, verify_seconds=verify_s)
         kept = r.builder.add(walk.emitted(draft), walk.kind)
+        if r.depth_policy is not None:
+            r.depth_policy.record(depth > 0, len(kept), draft_s + verify_s)
         if r.request.logprobs is not None and kept:  # token i came from the row of path[i]
             r.logprobs.append(TokenLogprobs.of(rows[list(walk.path[: len(kept)])], kept, r.request.logprobs))
         if r.rounds is not None:
