@@ -14,7 +14,8 @@ as `forward_seconds` and plain decoding feed it); "new" = the library's eager fo
 "compiled" = `NativeRunner(compile=True)` (its compile time is measured separately, before the
 rounds: the first call of each of its two graphs); "int8" / "compiled-int8" = the same with
 `quantize="int8"` (weight-only int8: another model, the int8 one); "compiled-onednn" = the
-compiled graphs with oneDNN's products everywhere (no max-autotune).
+compiled graphs with oneDNN's products everywhere (no max-autotune); "compiled-cppwrapper" = the
+compiled graphs called from inductor's C++ wrapper (`cpp_wrapper=True`) instead of Python.
 
 --clock thread times with the thread's CPU clock (only with --threads 1): on a machine whose
 cores other processes share, wall-clock times of a two-thread forward mostly measure the
@@ -277,7 +278,7 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         default="old,new,compiled",
-        help="comma-separated: old, new, compiled, compiled-onednn, int8, compiled-int8",
+        help="comma-separated: old, new, compiled, compiled-onednn, compiled-cppwrapper, int8, compiled-int8",
     )
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians over them)")
     ap.add_argument("--repeats", type=int, default=20, help="forwards per t(n) measurement")
@@ -310,7 +311,7 @@ def main() -> None:
     if "int8" in variants:
         runners["int8"] = NativeRunner.from_pretrained(args.model, dtype=dtype, quantize="int8")
     result["compile_seconds"] = {}
-    for v in ("compiled", "compiled-int8", "compiled-onednn"):
+    for v in ("compiled", "compiled-int8", "compiled-onednn", "compiled-cppwrapper"):
         if v not in variants:
             continue
         quantize = "int8" if v.endswith("int8") else None
@@ -319,6 +320,9 @@ def main() -> None:
         )
         if v == "compiled-onednn":  # the same graphs with oneDNN's products, no autotuning
             compiled.compiled = CompiledForward(compiled, {"freezing": True, "max_autotune": False})
+        if v == "compiled-cppwrapper":  # the same graphs called from inductor's C++ wrapper
+            for graph in ("static", "dynamic"):
+                compiled.compiled.config[graph]["cpp_wrapper"] = True
         for n in (1, 2):  # the first call of each graph compiles it
             t0 = time.perf_counter()
             forward_ms(compiled, n, time.perf_counter, repeats=1)
