@@ -302,7 +302,8 @@ class SpeculativeDecoder:
         `deterministic=True`: a request's output depends only on itself (prompt, settings,
         seed), never on what else the engine runs: each lane forwards alone, with the numbers
         of `generate()` (batch-invariant; vLLM's idea), at the cost of batching's speed-up. It
-        excludes `speculate_max_live`, whose choice depends on the load."""
+        excludes `speculate_max_live`, whose choice depends on the load. A sampled request with
+        `TreeConfig(adaptive="goodput")` opts out for itself: its rounds follow measured timings."""
         check_positive_int("max_live", max_live)
         if deterministic and speculate_max_live is not None:
             raise ValueError(
