@@ -12,8 +12,8 @@ the forwards that need no logits, apart), drafting (`propose_many`, its draft fo
 left is the drafter's Python and small ops), verification (`verify`), and the rest of
 `Engine.step` (tree masks, commits, stats, emission). Milliseconds per round, medians over the
 repeats; the trees are interleaved per prompt so that a slow minute of a shared machine does
-not land on one of them. Native backend only (the forwards are the native runner's). `plain` is plain decoding (no
-draft), timed the same way: its round is one target forward.
+not land on one of them. Native backend only (the forwards are the native runner's). `plain`
+is plain decoding (no draft), timed the same way: its round is one target forward.
 """
 
 from __future__ import annotations
