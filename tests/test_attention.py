@@ -101,6 +101,7 @@ def test_masked_attention_matches_sdpa(dtype, g, batched_mask):
     torch.testing.assert_close(lse, expected_lse, atol=TOL[dtype], rtol=0)
 
 
+@pytest.mark.cpu
 def test_masked_attention_bf16_does_softmax_in_fp32():
     q, k, v = qkv(1, 2, 3, 4, 9, dtype=torch.bfloat16)
     mask = torch.ones(4, 9, dtype=torch.bool)
@@ -162,6 +163,7 @@ def test_cascade_random_trees(trees, g, prefix_len, B, batched_mask, seed):
     torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("prefix_len", [0, 1, 37])
 @pytest.mark.parametrize("g", [1, 3])
 def test_cascade_bf16(g, prefix_len):
@@ -220,6 +222,7 @@ def test_merge_empty_side_and_extreme_magnitudes():
     )
 
 
+@pytest.mark.cpu
 def test_merge_bf16_in_fp32_returns_out_a_dtype():
     torch.manual_seed(0)
     out_a, out_b = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(4, 8)

@@ -21,6 +21,8 @@ from .conftest import perturbed, tiny_llama
 from .llamas import GREEDY, PROMPTS
 from .test_native import CHEAP, build, compiled_runner, max_diff, random_tree
 
+pytestmark = pytest.mark.cpu  # int8 product kernels differ by CPU (AVX2, AVX512-VNNI, AMX)
+
 
 def dequantized(model):
     """An untied HF copy of `model` whose projections and output layer are the int8 runner's

@@ -176,6 +176,7 @@ def test_make_runner_picks_native_and_falls_back_to_hf_with_a_notice(capsys):
         ("fpu sse avx2", True, torch.float32),  # no bf16 instructions: emulated, never bf16
     ],
 )
+@pytest.mark.cpu
 def test_auto_dtype_follows_the_cpu_flags_and_measurement(monkeypatch, tmp_path, flags, faster, want):
     from treespec import backends
 
@@ -184,7 +185,11 @@ def test_auto_dtype_follows_the_cpu_flags_and_measurement(monkeypatch, tmp_path,
     read = backends.cpu_bf16_flags
     monkeypatch.setattr(backends.cpu, "cpu_bf16_flags", lambda: read(str(cpuinfo)))
     monkeypatch.setattr(backends.cpu, "bf16_matmul_is_faster", lambda: faster)
+    monkeypatch.setattr(backends.cpu, "bf16_kernels_enabled", lambda: True)
     assert backends.auto_dtype("cpu") == want
+    # the same flags where torch may not use them (an emulated AVX2 core): fp32
+    monkeypatch.setattr(backends.cpu, "bf16_kernels_enabled", lambda: False)
+    assert backends.auto_dtype("cpu") == torch.float32
     assert backends.auto_dtype("cpu", "draft") == torch.float32  # a small draft is op-bound on CPU
     assert (
         backends.auto_dtype("cuda") == backends.auto_dtype("cuda", "draft") == torch.bfloat16
@@ -199,6 +204,7 @@ def test_auto_dtype_follows_the_cpu_flags_and_measurement(monkeypatch, tmp_path,
     ) & {"amx_bf16", "avx512_bf16"}
 
 
+@pytest.mark.cpu
 def test_bf16_probe_answers_and_is_cached():
     from treespec import backends
 

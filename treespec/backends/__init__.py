@@ -19,7 +19,7 @@ import sys
 import torch
 
 from .base import Runner
-from .cpu import auto_dtype, bf16_matmul_is_faster, cpu_bf16_flags, cpu_model
+from .cpu import auto_dtype, bf16_kernels_enabled, bf16_matmul_is_faster, cpu_bf16_flags, cpu_model
 
 BACKENDS = ("auto", "native", "hf")
 
@@ -68,6 +68,7 @@ __all__ = [
     "BACKENDS",
     "Runner",
     "auto_dtype",
+    "bf16_kernels_enabled",
     "bf16_matmul_is_faster",
     "check_backend",
     "cpu_bf16_flags",

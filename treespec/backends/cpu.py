@@ -16,6 +16,16 @@ def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
     return set(BF16_CPU_FLAGS) & set(_cpuinfo_field("flags", cpuinfo).split())
 
 
+def bf16_kernels_enabled() -> bool:
+    """Whether torch may run bf16 matrix instructions here: its kernels dispatch at AVX512 or
+    above and oneDNN serves bf16. False on an AVX2-only core, and on any core told to act as a
+    plainer one (`ATEN_CPU_CAPABILITY=avx2`, `ONEDNN_MAX_CPU_ISA=AVX2`: how the tests run the
+    AVX2 path on any machine), whatever /proc/cpuinfo lists."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512") and bool(
+        torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
 def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
     """The CPU's model name as /proc/cpuinfo gives it ("cpu" where unreadable)."""
     return _cpuinfo_field("model name", cpuinfo) or "cpu"
@@ -37,7 +47,8 @@ def auto_dtype(device: torch.device | str, role: str = "target") -> torch.dtype:
     which bf16 does not shorten). The target in bf16 where the CPU has AMX; with AVX512-BF16
     but no AMX only where bf16 products measure faster than fp32 on this very CPU
     (`bf16_matmul_is_faster`, once per process), since that goes both ways across such CPUs
-    (docs/performance.md, "Defaults"); else fp32. Pass a dtype explicitly to override.
+    (docs/performance.md, "Defaults"); else fp32, as where torch may not use the flags
+    (`bf16_kernels_enabled`). Pass a dtype explicitly to override.
     """
     if role not in ("target", "draft"):
         raise ValueError(f"role must be 'target' or 'draft', got {role!r}")
@@ -46,7 +57,7 @@ def auto_dtype(device: torch.device | str, role: str = "target") -> torch.dtype:
         return torch.bfloat16
     if device.type != "cpu" or role != "target":
         return torch.float32
-    flags = cpu_bf16_flags()
+    flags = cpu_bf16_flags() if bf16_kernels_enabled() else set()
     if "amx_bf16" in flags or ("avx512_bf16" in flags and bf16_matmul_is_faster()):
         return torch.bfloat16
     return torch.float32

@@ -5,8 +5,9 @@ more than the dtype does. oneDNN can multiply by a weight reordered once into it
 blocked layout (what inductor's weight freezing and IPEX do); plain `x @ W` / `F.linear` hand
 the library a strided matrix on every call, so whatever reordering its kernel needs is redone
 per call. A packed call also has a fixed cost of its own, larger than MKL's for a small fp32
-weight, so fp32 weights below `MIN_PACKED_FP32` elements stay plain; bf16 weights are always
-packed (MKL has no fast bf16 path for them). The measurements behind these rules are in
+weight, so fp32 weights below `MIN_PACKED_FP32` elements stay plain; bf16 weights are packed
+wherever oneDNN serves bf16 (MKL has no fast bf16 path for them; an AVX2-only core has
+neither, and multiplies them unpacked). The measurements behind these rules are in
 docs/performance.md ("Native forward overhead on SmolLM2-135M").
 
 So a `Projection` packs where oneDNN serves the dtype (CPU, float32 / bfloat16) and checks the
@@ -24,12 +25,15 @@ MIN_PACKED_FP32 = 1 << 18  # fp32 weights with fewer elements multiply faster un
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether oneDNN can hold weights of `dtype` on `device` in its packed layout."""
+    """Whether oneDNN can hold weights of `dtype` on `device` in its packed layout. bf16 needs
+    AVX512 (BW/VL/DQ) or AVX-NE-CONVERT: an AVX2-only core, or oneDNN capped below them by
+    `ONEDNN_MAX_CPU_ISA`, multiplies bf16 weights unpacked."""
     return (
         device.type == "cpu"
         and dtype in PACKABLE_DTYPES
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and (dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
     )
 
 

@@ -1,0 +1,54 @@
+"""The CPU-dependent tests (marker `cpu`) once more, as on an AVX2-only core, on any machine.
+
+These machines range from AVX2-only cores to AVX512-BF16 and AMX, and the paths treespec
+takes differ with them: oneDNN packs bf16 weights only from AVX512 (BW/VL/DQ) on, bf16 products
+are emulated on AVX2, `dtype="auto"` and the int8 kernels follow the CPU. `AVX2` makes torch
+dispatch as on an AVX2 core (`ATEN_CPU_CAPABILITY`) and caps oneDNN there
+(`ONEDNN_MAX_CPU_ISA`); `bf16_kernels_enabled` honours both. So a change that breaks the AVX2
+path fails here, whatever CPU runs the suite.
+
+Two kinds of `cpu` test are left out of the emulated run, each for a reason of its own:
+- compiled forwards (`compiled` in the name): inductor picks its GEMM micro-kernels from the
+  real CPU's flags but vectorises for the emulated ISA, and the mix computes garbage (compiled
+  int8 logits of 1e11 under ATEN_CPU_CAPABILITY=avx2 on an AMX core, where a real AVX2 core
+  passes the same test): the emulation is not faithful there.
+- the served bf16 streams (`server`): a minute of emulated bf16 products for what
+  test_batch's deterministic-engine test checks in bf16 in seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, **AVX2}
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_the_emulation_reaches_torch_onednn_and_treespec():
+    probe = (
+        "import torch; from treespec.backends import auto_dtype, bf16_kernels_enabled;"
+        "from treespec.backends.linear import Projection;"
+        "print(torch.backends.cpu.get_cpu_capability(), bf16_kernels_enabled(), auto_dtype('cpu'),"
+        " Projection(torch.randn(600, 512).bfloat16()).packed is None)"
+    )
+    out = run(["-c", probe], timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["AVX2", "False", "torch.float32", "True"]
+
+
+def test_cpu_dependent_tests_pass_as_on_an_avx2_core():
+    args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cpu and not slow"]
+    out = run([*args, "-k", "not compiled and not server", "tests"], timeout=600)
+    summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr
+    assert out.returncode == 0, f"as on an AVX2 core: {summary}\n{out.stdout[-4000:]}"
+    assert " passed" in summary and "failed" not in summary
