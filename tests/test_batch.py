@@ -216,13 +216,13 @@ def test_hf_batched_forward_equals_lone_forwards(family):
             trees.append(TokenTree(torch.randint(2, VOCAB, (size,), generator=rng).tolist(), parents))
         got = score_many(list(zip(lanes, trees)))
         for b in range(3):
-            assert (got[b] - alone_[b].score(trees[b])).abs().max() < tol
+            assert (got[b].logits - alone_[b].score(trees[b])).abs().max() < tol
             chain = trees[b].path_to(len(trees[b]) - 1)[: 1 + rnd % 3]
             lanes[b].commit(chain)
             alone_[b].commit(chain)
         steps = [[int(t)] for t in torch.randint(2, VOCAB, (3,), generator=rng)]  # a chain step each
-        for b, logits in enumerate(extend_many([(lane, step, [-1]) for lane, step in zip(lanes, steps)])):
-            assert (logits - alone_[b].extend(steps[b], [-1])).abs().max() < tol
+        for b, scores in enumerate(extend_many([(lane, step, [-1]) for lane, step in zip(lanes, steps)])):
+            assert (scores.logits - alone_[b].extend(steps[b], [-1])).abs().max() < tol
             lanes[b].commit([0])
             alone_[b].commit([0])
     for lane, lone in zip(lanes, alone_):
@@ -263,7 +263,7 @@ def test_hf_lanes_with_sliding_window_caches_run_one_forward_each():
     assert calls == [1, 1, 1, 1]  # two prefills, two tree forwards: one lane each
     for b in range(2):
         alone_[b].prefill(PROMPTS[b + 1])
-        assert (got[b] - alone_[b].score(trees[b])).abs().max() < 1e-9
+        assert (got[b].logits - alone_[b].score(trees[b])).abs().max() < 1e-9
 
 
 @pytest.mark.parametrize("backend", ["native", "hf"])
@@ -694,6 +694,7 @@ def test_stops_and_streaming_per_request(models):
     assert_same(same[0], want[0])
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_deterministic_engine_outputs_do_not_depend_on_batch_mates(dtype, monkeypatch):
     """`engine(deterministic=True)`: 8 requests decoded together, greedy and sampled, each

@@ -20,7 +20,7 @@ import torch
 from hypothesis import strategies as st
 
 from treespec import SpeculativeDecoder, TokenTree
-from treespec.backends.base import Runner
+from treespec.backends.base import Runner, Scores
 from treespec.config import SamplingConfig
 from treespec.rng import Rng
 from treespec.sampling import probs
@@ -83,13 +83,20 @@ def reference_penalties(
 
 
 class TableRunner(Runner):
+    """`n_layers` layers to tap: the feature of layer t at a node is the model's logits for the
+    node's context times (t + 1), so features are a function of exactly what the node sees."""
+
+    n_layers = 3
+
     def __init__(self, model: TableModel, max_positions: int | None = None, eos_token_ids=()):
         self.model, self.vocab_size, self.max_positions = model, model.vocab_size, max_positions
         self.eos_token_ids = frozenset(eos_token_ids)
         super().__init__()
 
     def _new_lane(self) -> TableRunner:
-        return TableRunner(self.model, self.max_positions, self.eos_token_ids)
+        lane = TableRunner(self.model, self.max_positions, self.eos_token_ids)
+        lane.taps = self.taps
+        return lane
 
     def _reset_cache(self) -> None:
         self.slots: list[int] = []  # token of every cache slot
@@ -110,7 +117,9 @@ class TableRunner(Runner):
             assert visible[i, s + i], "a node must see itself"
             rows.append(self.model.logits(ctx))
         self.slots = all_tokens
-        return torch.stack(rows) if need_logits else None  # [n, V]
+        logits = torch.stack(rows)  # [n, V]
+        features = torch.cat([logits * (t + 1) for t in self.taps], -1) if self.taps else None
+        return Scores(logits if need_logits else None, features)
 
     def _keep(self, nodes):
         c = self.n_committed
@@ -207,3 +216,66 @@ def trees(draw, max_nodes: int = 24):
     parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
     tokens = draw(st.lists(st.integers(0, 50), min_size=n, max_size=n))
     return TokenTree(tokens, parents)
+
+
+class TableHead(Runner):
+    """A table-defined feature head over a `TableRunner` target (what the enumeration tests
+    draft with): slot t holds (hidden, token t+1) at position t, and its q is the `draft`
+    model's for the context it sees. It checks every hidden state it is fed, so the tests fail
+    on any misaligned feature: a row fed from the target must carry, marked 1 in its last
+    column, the target's features at position t (`project` keeps the first tap's block, the
+    target's logits there); a drafted row, marked 0, its parent's output state (the draft's
+    logits for the parent's context). `first` is the prompt's first token, which no slot holds."""
+
+    takes_hidden = True
+
+    def __init__(self, target: TableModel, draft: TableModel, first: int, taps=(0, 2)):
+        self.target, self.draft, self.first, self.target_taps = target, draft, first, tuple(taps)
+        self.vocab_size, self.max_positions = target.vocab_size, None
+        super().__init__()
+
+    def _new_lane(self) -> TableHead:
+        return TableHead(self.target, self.draft, self.first, self.target_taps)
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        V = self.vocab_size
+        block = features[:, :V] / (self.target_taps[0] + 1)  # TableRunner's first tap
+        return torch.cat([block, torch.ones(features.shape[0], 1, dtype=block.dtype)], -1)  # [n, V + 1]
+
+    def _reset_cache(self) -> None:
+        self.slots: list[int] = []
+
+    @classmethod
+    def _forward_many(cls, runners, feeds, need_logits):
+        return [r._forward_fed(f) for r, f in zip(runners, feeds)]
+
+    def _forward(self, tokens, positions, visible, need_logits):
+        raise AssertionError("a head is fed through _forward_many, with its hidden states")
+
+    def _forward_fed(self, feed) -> Scores:
+        tokens, positions, hidden = feed.tokens.tolist(), feed.positions.tolist(), feed.hidden
+        n, s = len(tokens), len(self.slots)
+        visible = feed.visible if feed.visible is not None else torch.ones(n, s + n, dtype=torch.bool).tril(s)
+        all_tokens = self.slots + tokens
+        logits, states = [], []
+        for i in range(n):
+            seen = tuple(t for t, v in zip(all_tokens, visible[i].tolist()) if v)
+            ctx = (self.first,) + seen  # the sequence up to and including this slot's token
+            assert positions[i] == len(seen) - 1, "slot t sits at position t"
+            from_target = bool(hidden[i, -1] == 1)
+            want = (self.target if from_target else self.draft).logits(ctx[:-1])
+            what = "target features" if from_target else "parent state"
+            assert torch.allclose(hidden[i, :-1].double(), want, atol=1e-9), (
+                f"slot {positions[i]} was fed the wrong {what}"
+            )
+            logits.append(self.draft.logits(ctx))
+            states.append(torch.cat([self.draft.logits(ctx), torch.zeros(1, dtype=torch.float64)]))
+        self.slots = all_tokens
+        return Scores(torch.stack(logits), torch.stack(states))
+
+    def _keep(self, nodes):
+        c = self.n_committed
+        self.slots = self.slots[:c] + [self.slots[c + n] for n in nodes]
+
+    def _truncate(self, n_slots):
+        self.slots = self.slots[:n_slots]

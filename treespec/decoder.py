@@ -44,6 +44,8 @@ class SpeculativeDecoder:
       "ngram"   `NgramDrafter(width)`: n-gram tables over the sequence, no draft model
       "lookup"  `PromptLookupDrafter(width)`: continuations of earlier matches in the context
       "merged"  the draft model's tree and the n-gram tree merged into one
+      "head"    a feature head (EAGLE-3) drafting from the target's hidden states; the
+                default when `draft` is a head (`treespec.backends.head.HeadRunner`)
       a `Drafter` instance: used as it is; `TreeConfig.depth` still caps each round's depth
 
     `backend` runs HF models: "native" (treespec's static-cache Llama forward), "hf" (the
@@ -88,6 +90,8 @@ class SpeculativeDecoder:
                 tokenizer if tokenizer is not None else draft_tokenizer,
             )
         )
+        if drafter == "model" and self.draft_runner is not None and self.draft_runner.takes_hidden:
+            drafter = "head"  # a feature head drafts from the target's features
         self.drafter = DrafterFactory(drafter, self.vocab_size, self.draft_support)
         self.eos_token_ids = frozenset(self.target_runner.eos_token_ids)
         self._busy = threading.Lock()  # held while generate() / generate_batch() runs
@@ -144,9 +148,15 @@ class SpeculativeDecoder:
             loading.resolve_dtype(dtype, device, "target"),
             loading.resolve_dtype(dtype if draft_dtype is None else draft_dtype, device, "draft"),
         )
+        from .backends.head import load_head_runner
+
+        target_runner = loading.load_runner(target, dtypes[0], device, backend, compile, quantize)
+        head = None if draft is None else load_head_runner(draft, target_runner, dtypes[1], device)
         runners = [
-            None if p is None else loading.load_runner(p, t, device, backend, compile, q)
-            for p, t, q in zip((target, draft), dtypes, (quantize, draft_quantize))
+            target_runner,
+            head
+            if head is not None or draft is None
+            else loading.load_runner(draft, dtypes[1], device, backend, compile, draft_quantize),
         ]
         draft_tokenizer = None if draft is None else loading.load_tokenizer(draft)
         tokenizer = loading.load_tokenizer(target)

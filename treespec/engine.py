@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .adaptive import DepthPolicy, GoodputSwitch
-from .backends.base import Runner, prefill_many, score_many
+from .backends.base import Runner, Scores, prefill_many, score_many
 from .drafters import Drafter, DrafterFactory, check_draft, propose_many
 from .output import GenerationOutput, OutputBuilder, StopMatcher, TokenLogprobs
 from .proposal import DraftTree
@@ -94,6 +94,10 @@ class Engine:
                 f"need one draft lane (or None) per target lane, got {len(targets)} and {len(drafts)}"
             )
         self.targets, self.drafts, self.drafter = list(targets), list(drafts), drafter
+        # the target layers the drafter reads: every target lane returns their features
+        self.taps = drafter.taps(self.drafts[0])
+        for target in self.targets:
+            target.set_taps(self.taps)
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(targets[0].eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.vocab_size = targets[0].vocab_size
@@ -228,15 +232,15 @@ class Engine:
             live = [r for r in live if r.id in drafts]
             t1 = clock()
             # 2. score every request's tree in one target forward
-            logits = score_many([(self.targets[r.lane], drafts[r.id].tree) for r in live])
+            scores = score_many([(self.targets[r.lane], drafts[r.id].tree) for r in live])
             # 3. verify each with its own sampling and coins
             walks = {}
-            for r, rows in zip(live, logits):
+            for r, rows in zip(live, scores):
                 committed = PenaltyContext(r.context, len(r.request.prompt))
                 try:
                     walks[r.id] = verify(
                         drafts[r.id],
-                        rows,
+                        rows.logits,
                         r.request.sampling,
                         r.rng,
                         r.rule,
@@ -246,7 +250,7 @@ class Engine:
                     )
                 except Exception as e:  # noqa: BLE001 - e.g. its own NaN logits: it ends alone
                     self._fail(r, e)
-            rows_of = {r.id: rows for r, rows in zip(live, logits)}
+            rows_of = {r.id: rows for r, rows in zip(live, scores)}
             live = [r for r in live if r.id in walks]
             t2 = clock()
         except BaseException:
@@ -269,22 +273,27 @@ class Engine:
             self.switch.record(len(live), any(depths.values()), tokens, self.switch.clock() - t_round)
         return emitted
 
-    def _commit(self, r: RequestState, draft: DraftTree, walk, depth: int, draft_s, verify_s, rows):
-        """Apply a verified round to request `r` (`rows`: its target logits [nodes, V]): the
+    def _commit(self, r: RequestState, draft: DraftTree, walk, depth: int, draft_s, verify_s, rows: Scores):
+        """Apply a verified round to request `r` (`rows`: its target scores, [nodes] rows): the
         tokens it emitted."""
         self.targets[r.lane].commit(walk.path)
         step = None
-        if depth:
+        if depth or (r.drafter is not None and r.drafter.taps):
             t = time.perf_counter()
-            r.drafter.observe(draft, walk)
-            step = r.depth_policy.update(r.drafter, draft, walk, depth)
+            if depth:
+                r.drafter.observe(draft, walk)
+                step = r.depth_policy.update(r.drafter, draft, walk, depth)
+            if r.drafter.taps:  # the features of the path's positions, plain rounds too
+                r.drafter.read_target(rows.rows(walk.path))
             draft_s += time.perf_counter() - t
         r.stats.record_round(draft, walk, draft_seconds=draft_s, verify_seconds=verify_s)
         kept = r.builder.add(walk.emitted(draft), walk.kind)
         if r.depth_policy is not None:
             r.depth_policy.record(depth > 0, len(kept), draft_s + verify_s)
         if r.request.logprobs is not None and kept:  # token i came from the row of path[i]
-            r.logprobs.append(TokenLogprobs.of(rows[list(walk.path[: len(kept)])], kept, r.request.logprobs))
+            r.logprobs.append(
+                TokenLogprobs.of(rows.logits[list(walk.path[: len(kept)])], kept, r.request.logprobs)
+            )
         if r.rounds is not None:
             r.rounds.append(
                 RoundTrace(
@@ -396,15 +405,20 @@ class Engine:
             for r in admitted:
                 r.started = t0
                 r.status, r.context = "live", list(r.request.prompt)
-                kept.append(self.targets[r.lane].keep_prefix(r.context[:-1]))  # 0 unless prefix_reuse
+                target = self.targets[r.lane]
+                if self.taps:  # a feature drafter reads every prompt position's features: no reuse
+                    target.reset()
+                kept.append(target.keep_prefix(r.context[:-1]))  # 0 unless prefix_reuse
             # the target holds all but the last prompt token (the root of the first tree)
-            prefill_many([(self.targets[r.lane], r.context[k:-1]) for r, k in zip(admitted, kept)])
+            prompt_scores = prefill_many(
+                [(self.targets[r.lane], r.context[k:-1]) for r, k in zip(admitted, kept)]
+            )
         except Exception:  # noqa: BLE001 - one request's prefill failed (e.g. its cache cannot grow)
-            admitted = self._prefill_alone(admitted)
+            admitted, prompt_scores = self._prefill_alone(admitted)
         except BaseException:
             self._unadmit(admitted)
             raise
-        for r in admitted:
+        for r, prompt in zip(admitted, prompt_scores):
             tree = r.request.tree
             if tree is None:
                 continue
@@ -412,6 +426,8 @@ class Engine:
                 r.drafter = self.drafter.make(tree, self.drafts[r.lane])
                 r.depth_policy = DepthPolicy(tree)
                 r.drafter.start(r.request.prompt, r.request.sampling, r.rng)
+                if r.drafter.taps and prompt is not None:
+                    r.drafter.read_target(prompt)
                 r.draft_forwards_before = sum(x.forwards for x in r.drafter.runners())
             except Exception as e:  # noqa: BLE001 - its drafter failed to start: it ends alone
                 self._fail(r, e)
@@ -422,15 +438,16 @@ class Engine:
         for r in admitted:
             r.stats.prefill_seconds = t1 - t0
 
-    def _prefill_alone(self, admitted: list[RequestState]) -> list[RequestState]:
+    def _prefill_alone(self, admitted: list[RequestState]) -> tuple[list[RequestState], list[Scores | None]]:
         """After a packed prefill failed: each request prefilled on its own, so that the one
-        at fault ends alone (finish_reason "error") and the others are admitted. Returns them."""
-        ok = []
+        at fault ends alone (finish_reason "error") and the others are admitted. Returns them
+        and their prompts' scores."""
+        ok, scores = [], []
         for i, r in enumerate(admitted):
             target = self.targets[r.lane]
             target.reset()
             try:
-                prefill_many([(target, r.context[:-1])])
+                (prompt,) = prefill_many([(target, r.context[:-1])])
             except Exception as e:  # noqa: BLE001 - this request's own failure
                 target.reset()
                 self._fail(r, e)
@@ -439,7 +456,8 @@ class Engine:
                 self._unadmit(ok + [r] + admitted[i + 1 :])
                 raise
             ok.append(r)
-        return ok
+            scores.append(prompt)
+        return ok, scores
 
     def _unadmit(self, states: list[RequestState]) -> None:
         """Put requests whose admission was interrupted back at the head of the queue."""

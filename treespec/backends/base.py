@@ -39,6 +39,24 @@ class Feed:
     tokens: torch.Tensor  # [n] token ids
     positions: torch.Tensor  # [n] position ids
     visible: torch.Tensor | None  # [n, S + n] bool attention pattern; None: causal (a prefill, a chain)
+    hidden: torch.Tensor | None = None  # [n, H] a hidden state read with each token (feature heads)
+
+
+@dataclass(frozen=True)
+class Scores:
+    """What a forward returns for one runner's fed tokens (vLLM's SpeculativeScores): the
+    logits, and the hidden states a drafter reads from the target where the runner has `taps`."""
+
+    logits: torch.Tensor | None  # [n, V]; None where none were asked for (a prefill)
+    features: torch.Tensor | None = None  # [n, F]: a target's taps concatenated; a head's output state
+
+    def rows(self, index: Sequence[int]) -> Scores:
+        """The scores of rows `index` (e.g. a walk's accepted path)."""
+        idx = list(index)
+        return Scores(
+            None if self.logits is None else self.logits[idx],
+            None if self.features is None else self.features[idx],
+        )
 
 
 class Runner(ABC):
@@ -54,6 +72,12 @@ class Runner(ABC):
     # True: keep_prefix() keeps the cached slots a new sequence shares with the last one (a
     # chat's earlier turns), instead of starting from an empty cache
     prefix_reuse: bool = False
+    # layers whose input hidden states every forward returns as `Scores.features`, concatenated
+    # in this order (EAGLE-3's taps; the layer count itself: the last layer's output, before the
+    # final norm); () computes none. Set with `set_taps` by whoever runs a feature drafter.
+    taps: tuple[int, ...] = ()
+    n_layers: int | None = None  # decoder layers (None: this runner has no features to tap)
+    takes_hidden: bool = False  # True: each fed token comes with a hidden state (`Feed.hidden`)
 
     def __init__(self) -> None:
         self.forwards = 0  # model calls so far (prefills included), for statistics
@@ -83,6 +107,23 @@ class Runner(ABC):
         return self.n_committed + self.n_pending
 
     # ---- the API the decoder and the drafters use ------------------------------------------
+    def input_embeddings(self) -> torch.Tensor | None:
+        """The model's input embedding matrix [V, hidden] (what a feature head shares), or None."""
+        return None
+
+    def set_taps(self, taps: Sequence[int]) -> None:
+        """Make every forward return the input hidden states of layers `taps` (see `taps`)."""
+        taps = tuple(int(t) for t in taps)
+        if taps and self.n_layers is None:
+            raise ValueError(f"{type(self).__name__} has no hidden states to tap for a feature drafter")
+        bad = [t for t in taps if not 0 <= t <= (self.n_layers or 0)]
+        if bad:
+            raise ValueError(
+                f"tap layers {bad} are outside the target's layers [0, {self.n_layers}] "
+                f"(a head made for another target?)"
+            )
+        self.taps = taps
+
     @property
     def lanes_match_solo(self) -> bool:
         """Whether a lane of `lanes(n)` forwarding alone computes exactly what this runner
@@ -113,25 +154,35 @@ class Runner(ABC):
         prefill_many([(self, tokens)])
 
     def score(self, tree: TokenTree) -> torch.Tensor:
-        """Feed a whole tree rooted right after the committed prefix; logits `[N, V]`.
+        """Feed a whole tree rooted right after the committed prefix; logits `[N, V]` (the
+        logits of `score_many`'s `Scores`).
 
         Row i holds the next-token logits after node i. Pending index == node index.
         """
-        return score_many([(self, tree)])[0]
+        return score_many([(self, tree)])[0].logits
 
-    def extend(self, tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+    def extend(
+        self, tokens: Sequence[int], parents: Sequence[int], hidden: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Feed new pending nodes (level-by-level drafting); their logits `[n, V]`.
 
         `parents[i]` is the pending index of node i's parent: an earlier pending node, a node
         earlier in this call (`n_pending + j`, j < i), or -1 to continue the committed prefix.
+        `hidden` [n, H]: the hidden state read with each token (runners that `takes_hidden`).
         """
-        return extend_many([(self, tokens, parents)])[0]
+        return extend_many([(self, tokens, parents, hidden)])[0].logits
 
-    def _plan(self, tokens: Sequence[int], parents: Sequence[int]) -> Feed:
+    def _plan(
+        self, tokens: Sequence[int], parents: Sequence[int], hidden: torch.Tensor | None = None
+    ) -> Feed:
         """Record new pending nodes and say what to feed for them (no forward yet)."""
         n, p0, c = len(tokens), self.n_pending, self.n_committed
         if n == 0 or len(parents) != n:
             raise ValueError(f"extend() needs one parent per token, got {n} tokens, {len(parents)} parents")
+        if (hidden is not None) != self.takes_hidden or (hidden is not None and hidden.shape[0] != n):
+            wants = "one hidden state per token" if self.takes_hidden else "no hidden states"
+            got = None if hidden is None else tuple(hidden.shape)
+            raise ValueError(f"{type(self).__name__} reads {wants}, got {got} for {n} tokens")
         depths = []
         for i, parent in enumerate(parents):
             if not -1 <= parent < p0 + i:
@@ -147,7 +198,7 @@ class Runner(ABC):
             # a chain below every pending node (each step of linear drafting, a chain tree):
             # every new node sees all slots before it, the causal pattern; no tree mask to build
             ids = torch.tensor([self._tokens[p0:], [c + d for d in depths]], device=self.device)  # [2, n]
-            return Feed(ids[0], ids[1], None)
+            return Feed(ids[0], ids[1], None, hidden)
         # one host -> device copy: tokens, positions and the parent pointers of every pending node
         ids = torch.tensor(
             [self._tokens, [c + d for d in self._depths], self._parents], device=self.device
@@ -155,7 +206,7 @@ class Runner(ABC):
         new = ancestor_rows(ids[2], p0, max(self._depths[p0:]))  # [n, P] ancestor-or-self of the new nodes
         visible = torch.ones(n, c + p0 + n, dtype=torch.bool, device=self.device)  # [n, S + n]
         visible[:, c:] = new
-        return Feed(ids[0, p0:], ids[1, p0:], visible)
+        return Feed(ids[0, p0:], ids[1, p0:], visible, hidden)
 
     def commit(self, nodes: Sequence[int]) -> None:
         """Commit the chain of pending `nodes` (root level first); drop every other pending node."""
@@ -186,12 +237,13 @@ class Runner(ABC):
     @abstractmethod
     def _forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor | None, need_logits: bool
-    ) -> torch.Tensor | None:
+    ) -> Scores:
         """Append `tokens` [n] at `positions` [n] to the cache (slots S .. S+n-1, S = n_slots).
 
         `visible` [n, S+n] (bool, on the device) is the attention pattern; None means a prefill:
-        plain causal after the committed prefix. Returns logits [n, V], or None when
-        `need_logits` is False."""
+        plain causal after the committed prefix. Returns the logits [n, V] (None when
+        `need_logits` is False) and, with `taps`, the features [n, F]. A runner that
+        `takes_hidden` overrides `_forward_many`, which sees each feed's hidden states."""
 
     @abstractmethod
     def _keep(self, nodes: list[int]) -> None:
@@ -214,47 +266,64 @@ class Runner(ABC):
         )
 
     @classmethod
-    def _forward_many(
-        cls, runners: list[Runner], feeds: list[Feed], need_logits: bool
-    ) -> list[torch.Tensor | None]:
+    def _forward_many(cls, runners: list[Runner], feeds: list[Feed], need_logits: bool) -> list[Scores]:
         """One `_forward` per runner; a backend whose lanes share a batched forward overrides
         this (`runners` are all of this class)."""
         return [r._forward(f.tokens, f.positions, f.visible, need_logits) for r, f in zip(runners, feeds)]
 
 
-def extend_many(jobs: Sequence[tuple[Runner, Sequence[int], Sequence[int]]]) -> list[torch.Tensor]:
-    """`runner.extend(tokens, parents)` for every job; logits `[n_i, V]` per job. Lanes of one
-    batched backend (see `Runner.lanes`) run in ONE forward; others one after another."""
-    feeds = [runner._plan(tokens, parents) for runner, tokens, parents in jobs]
-    return _run([r for r, _, _ in jobs], feeds, need_logits=True)
+def tapped(x: torch.Tensor, layer: int, taps: tuple[int, ...], found: dict[int, torch.Tensor]) -> None:
+    """Keep `x`, the input of layer `layer` (or the last layer's output, layer = L), if tapped."""
+    if layer in taps:
+        found[layer] = x
 
 
-def score_many(jobs: Sequence[tuple[Runner, TokenTree]]) -> list[torch.Tensor]:
-    """`runner.score(tree)` for every job, in one forward where the runners allow it."""
+def features_of(taps: tuple[int, ...], found: dict[int, torch.Tensor]) -> torch.Tensor | None:
+    """The tapped hidden states concatenated in `taps` order: [T, len(taps) * H], or None."""
+    return torch.cat([found[t] for t in taps], dim=-1) if taps else None
+
+
+def extend_many(jobs: Sequence[tuple]) -> list[Scores]:
+    """`runner.extend(tokens, parents[, hidden])` for every job `(runner, tokens, parents[,
+    hidden])`; the `Scores` of each job's n_i new nodes. Lanes of one batched backend (see
+    `Runner.lanes`) run in ONE forward; others one after another."""
+    feeds = [job[0]._plan(*job[1:]) for job in jobs]
+    return _run([job[0] for job in jobs], feeds, need_logits=True)
+
+
+def score_many(jobs: Sequence[tuple[Runner, TokenTree]]) -> list[Scores]:
+    """`runner.score(tree)` for every job, in one forward where the runners allow it: each
+    tree's `Scores` (logits [N, V], features where the runner has taps)."""
     for runner, _ in jobs:
         if runner._tokens:
             raise RuntimeError("score() needs an empty pending area; commit() the last tree first")
     return extend_many([(runner, tree.tokens, tree.parents) for runner, tree in jobs])
 
 
-def prefill_many(jobs: Sequence[tuple[Runner, Sequence[int]]]) -> None:
-    """`runner.prefill(tokens)` for every job (ragged lengths: packed, never padded)."""
+def prefill_many(jobs: Sequence[tuple[Runner, Sequence[int]]]) -> list[Scores | None]:
+    """`runner.prefill(tokens)` for every job (ragged lengths: packed, never padded). Returns
+    each job's `Scores` without logits, its features where the runner has taps (None for an
+    empty job)."""
     for runner, _ in jobs:
         if runner._tokens:
             raise RuntimeError("prefill() with pending tree nodes; commit() them first")
-    jobs = [(r, [int(t) for t in tokens]) for r, tokens in jobs if len(tokens)]
+        if runner.takes_hidden:
+            raise ValueError(f"{type(runner).__name__} reads a hidden state per token: feed it with extend()")
+    given = [(r, [int(t) for t in tokens]) for r, tokens in jobs]
+    jobs = [(r, tokens) for r, tokens in given if tokens]
     feeds = []
     for runner, tokens in jobs:
         runner._check_positions(runner.n_committed + len(tokens) - 1)
         c = runner.n_committed
         ids = torch.tensor([tokens, list(range(c, c + len(tokens)))], device=runner.device)  # [2, n]
         feeds.append(Feed(ids[0], ids[1], None))
-    _run([r for r, _ in jobs], feeds, need_logits=False)
+    out = iter(_run([r for r, _ in jobs], feeds, need_logits=False))
     for runner, tokens in jobs:
         runner.committed.extend(tokens)
+    return [next(out) if tokens else None for _, tokens in given]
 
 
-def _run(runners: list[Runner], feeds: list[Feed], need_logits: bool) -> list[torch.Tensor | None]:
+def _run(runners: list[Runner], feeds: list[Feed], need_logits: bool) -> list[Scores]:
     """Forward `feeds`, grouping runners by class so a batched backend sees all its lanes (a
     batch-invariant lane forms a group of its own)."""
     out = forward_grouped(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .base import Feed, Runner, forward_grouped, lanes_mask
+from .base import Feed, Runner, Scores, features_of, forward_grouped, lanes_mask
 from .checkpoint import eos_ids
 
 # Attention implementations that take a custom 4D mask as given. flash_attention_* ignore
@@ -39,10 +39,17 @@ class HFRunner(Runner):
         self.eos_token_ids = eos_token_ids(model)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self._blocks = decoder_blocks(model)
+        self.n_layers = None if self._blocks is None else len(self._blocks[0])
         super().__init__()
 
+    def input_embeddings(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight.detach()
+
     def _new_lane(self) -> HFRunner:
-        return HFRunner(self.model)  # the modules are shared; each lane has its own DynamicCache
+        lane = HFRunner(self.model)  # the modules are shared; each lane has its own DynamicCache
+        lane.taps = self.taps
+        return lane
 
     def _reset_cache(self) -> None:
         from transformers import DynamicCache
@@ -63,25 +70,25 @@ class HFRunner(Runner):
 
     @torch.inference_mode()
     def _forward(self, tokens, positions, visible, need_logits):
-        out = self.model(
-            input_ids=tokens[None],  # [1, n]
-            position_ids=positions[None],  # [1, n]
-            attention_mask=None if visible is None else self._mask(visible),
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=0 if need_logits else 1,  # 0 = all rows
-        )
-        return out.logits[0] if need_logits else None  # [n, V]
+        with tap_inputs(self._blocks, self.taps) as found:
+            out = self.model(
+                input_ids=tokens[None],  # [1, n]
+                position_ids=positions[None],  # [1, n]
+                attention_mask=None if visible is None else self._mask(visible),
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=0 if need_logits else 1,  # 0 = all rows
+            )
+        features = features_of(self.taps, found)  # [1, n, F]
+        return Scores(out.logits[0] if need_logits else None, None if features is None else features[0])
 
     @classmethod
-    def _forward_many(
-        cls, runners: list[HFRunner], feeds: list[Feed], need_logits: bool
-    ) -> list[torch.Tensor | None]:
+    def _forward_many(cls, runners: list[HFRunner], feeds: list[Feed], need_logits: bool) -> list[Scores]:
         """Lanes of one model run as ONE batched forward (`_batched_forward`); a lone runner,
         or lanes whose caches are not plain `DynamicLayer`s (sliding windows, quantized
         caches), run one forward each."""
 
-        def model_forward(lanes: list[HFRunner], lane_feeds: list[Feed]) -> list[torch.Tensor | None]:
+        def model_forward(lanes: list[HFRunner], lane_feeds: list[Feed]) -> list[Scores]:
             if len(lanes) > 1 and all(lane._plain_cache() for lane in lanes):
                 return _batched_forward(lanes, lane_feeds, need_logits)
             return [
@@ -117,10 +124,42 @@ class HFRunner(Runner):
                 layer.values = layer.values[..., :n_slots, :]
 
 
+def decoder_blocks(model) -> tuple[list[torch.nn.Module], torch.nn.Module] | None:
+    """A Llama-like HF model's decoder layers and final norm (where features are tapped), or
+    None where the model has no such layout."""
+    inner = getattr(model, "model", None)
+    layers, norm = getattr(inner, "layers", None), getattr(inner, "norm", None)
+    if layers is None or norm is None:
+        return None
+    return list(layers), norm
+
+
+class tap_inputs:
+    """Within the block: the input hidden states of the layers in `taps` (the layer count:
+    the final norm's input) are recorded by forward pre-hooks, {layer: [B, n, H]}."""
+
+    def __init__(self, blocks, taps: tuple[int, ...]):
+        self.blocks, self.taps, self.found, self.hooks = blocks, taps, {}, []
+
+    def __enter__(self) -> dict[int, torch.Tensor]:
+        if self.taps:
+            layers, norm = self.blocks
+            for t in self.taps:
+                module = layers[t] if t < len(layers) else norm
+
+                def hook(_module, args, kwargs, t=t):
+                    self.found[t] = args[0] if args else kwargs["hidden_states"]
+
+                self.hooks.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+        return self.found
+
+    def __exit__(self, *exc) -> None:
+        for h in self.hooks:
+            h.remove()
+
+
 @torch.inference_mode()
-def _batched_forward(
-    lanes: list[HFRunner], feeds: list[Feed], need_logits: bool
-) -> list[torch.Tensor | None]:
+def _batched_forward(lanes: list[HFRunner], feeds: list[Feed], need_logits: bool) -> list[Scores]:
     """B lanes of one model in one forward. Each lane's cache (S_b slots) is copied into one
     batched `DynamicCache`, right-padded to S = max S_b; the new tokens are padded to
     [B, n_max]; a [B, 1, n_max, S + n_max] mask lets lane b's row i see its own S_b slots
@@ -158,20 +197,26 @@ def _batched_forward(
                 for which in ("keys", "values")
             )
             cache.update(keys, values, layer)
-    out = first.model(
-        input_ids=tokens,
-        position_ids=positions,
-        attention_mask=first._mask_4d(mask),
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=0 if need_logits else 1,
-    )
+    with tap_inputs(first._blocks, first.taps) as found:
+        out = first.model(
+            input_ids=tokens,
+            position_ids=positions,
+            attention_mask=first._mask_4d(mask),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=0 if need_logits else 1,
+        )
     for b, (lane, n) in enumerate(zip(lanes, ns)):
         for i, layer in enumerate(cache.layers):
             lane.cache.update(layer.keys[b : b + 1, :, S : S + n], layer.values[b : b + 1, :, S : S + n], i)
-    if not need_logits:
-        return [None] * B
-    return [out.logits[b, :n] for b, n in enumerate(ns)]  # [n_b, V] each
+    features = features_of(first.taps, found)  # [B, n_max, F]
+    return [
+        Scores(
+            out.logits[b, :n] if need_logits else None,  # [n_b, V]
+            None if features is None else features[b, :n],  # [n_b, F]
+        )
+        for b, n in enumerate(ns)
+    ]
 
 
 def eos_token_ids(model) -> frozenset[int]:

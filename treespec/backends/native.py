@@ -54,7 +54,7 @@ from .attention import (
     flash_prefix_attention,
     graph_lane_attention,
 )
-from .base import Feed, Runner, causal_visible, forward_grouped
+from .base import Feed, Runner, Scores, causal_visible, features_of, forward_grouped, tapped
 from .checkpoint import LlamaShape, read_checkpoint
 from .linear import Projection, QuantizedProjection, check_quantize, int8_product
 
@@ -224,7 +224,7 @@ class NativeRunner(Runner):
         if quantize is not None:
             check_quantize(quantize, dtype)  # before any weight is converted
         self.shape = s = shape
-        self.vocab_size, self.max_positions = s.vocab, s.max_positions
+        self.vocab_size, self.max_positions, self.n_layers = s.vocab, s.max_positions, s.layers
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device, self.dtype = torch.device(device), dtype
         reason = compile_unsupported_reason(self.device, dtype) if compile else None
@@ -331,6 +331,17 @@ class NativeRunner(Runner):
         shape, weights, eos_ids = read_checkpoint(path)
         return cls(shape, weights, eos_ids, dtype, device, pack_weights, compile, quantize)
 
+    def input_embeddings(self) -> torch.Tensor:
+        return self.embed
+
+    def set_taps(self, taps) -> None:
+        before = self.taps
+        super().set_taps(taps)
+        if (
+            self.compiled is not None and self.taps != before
+        ):  # the graphs return the taps they were traced with
+            self.compiled = CompiledForward(self, self.compiled.custom_config)
+
     # ---- the KV cache ---------------------------------------------------------------------
     @property
     def kv(self) -> torch.Tensor:
@@ -391,9 +402,10 @@ class NativeRunner(Runner):
     @torch.inference_mode()
     def _packed_forward(
         self, lanes: list[NativeRunner], feeds: list[Feed], need_logits: bool
-    ) -> list[torch.Tensor | None]:
+    ) -> list[Scores]:
         """Feed every lane's new tokens (lanes of this runner's pool) in one forward; logits
-        [n_i, V] per lane. T = the new tokens of all lanes, packed."""
+        [n_i, V] (and the tapped features [n_i, F]) per lane. T = the new tokens of all lanes,
+        packed."""
         s, pool = self.shape, self.pool
         ns, starts = [f.tokens.shape[0] for f in feeds], [lane.filled for lane in lanes]
         for f, S, n in zip(feeds, starts, ns):
@@ -401,10 +413,10 @@ class NativeRunner(Runner):
                 raise RuntimeError(f"mask covers {f.visible.shape[-1]} slots, the cache holds {S} + {n} new")
         one = len(lanes) == 1
         if one and need_logits and self.compiled is not None:
-            logits = self.compiled(self, feeds[0], starts[0])
-            if logits is not None:
+            scores = self.compiled(self, feeds[0], starts[0])
+            if scores is not None:
                 self.filled = starts[0] + ns[0]
-                return [logits]
+                return [scores]
         pool.fit(max(S + n for S, n in zip(starts, ns)), max(lane.row for lane in lanes) + 1)
         tokens = feeds[0].tokens if one else torch.cat([f.tokens for f in feeds])  # [T]
         positions = feeds[0].positions if one else torch.cat([f.positions for f in feeds])  # [T]
@@ -429,7 +441,9 @@ class NativeRunner(Runner):
 
         cos, sin = pool.rope(positions)  # [T, Hq+2Hkv, D] each
         x = self._embed(tokens)  # [T, hidden]
+        found: dict[int, torch.Tensor] = {}  # tapped layer -> its input [T, hidden]
         for i, layer in enumerate(self.layers):
+            tapped(x, i, self.taps, found)
             # attention: fused q/k/v projection, RoPE on all of it at once, k and v into the cache
             qkv = rotate(layer.qkv(rms_norm(x, layer.attn_norm, eps)).view(T, F_qkv, D), cos, sin)
             x = layer.o(attend(i, qkv)) + x  # [T, hidden]
@@ -437,16 +451,24 @@ class NativeRunner(Runner):
             # MLP: fused gate/up projection, SiLU gate, down projection
             gate, up = layer.gate_up(rms_norm(x, layer.mlp_norm, eps)).chunk(2, dim=-1)  # [T, I] each
             x = layer.down(F.silu(gate) * up) + x
+        tapped(x, len(self.layers), self.taps, found)
         for lane, S, n in zip(lanes, starts, ns):
             lane.filled = S + n
-        if not need_logits:
-            return [None] * len(lanes)
-        logits = self.lm_head(rms_norm(x, self.norm, eps))  # [T, V]
-        return [logits] if one else list(logits.split(ns))
+        logits = self.lm_head(rms_norm(x, self.norm, eps)) if need_logits else None  # [T, V]
+        return split_scores(logits, features_of(self.taps, found), ns)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """[n] token ids -> [n, hidden]."""
         return F.embedding(tokens, self.embed)
+
+
+def split_scores(logits: torch.Tensor | None, features: torch.Tensor | None, ns: list[int]) -> list[Scores]:
+    """One packed forward's logits [T, V] and features [T, F] (either None) as each lane's
+    `Scores` (n_i rows each)."""
+    if len(ns) == 1:
+        return [Scores(logits, features)]
+    parts = [None if t is None else t.split(ns) for t in (logits, features)]
+    return [Scores(*(None if p is None else p[b] for p in parts)) for b in range(len(ns))]
 
 
 # ---- the compiled forward (compile=True) ---------------------------------------------------------
@@ -467,7 +489,7 @@ class _ForwardGraph(torch.nn.Module):
 
     def __init__(self, runner: NativeRunner):
         super().__init__()
-        self.shape = runner.shape
+        self.shape, self.taps = runner.shape, runner.taps
         self.register_buffer("embed", runner.embed)
         self.register_buffer("norm", runner.norm)
         self._register("lm_head", runner.lm_head)
@@ -500,14 +522,19 @@ class _ForwardGraph(torch.nn.Module):
         T, F_qkv, D, eps = tokens.shape[0], s.heads + 2 * s.kv_heads, s.head_dim, s.eps
         cos, sin = rope_rows(cos_table, sin_table, positions, s)  # [T, Hq+2Hkv, D] each
         x = F.embedding(tokens, self.embed)  # [T, hidden]
+        found: dict[int, torch.Tensor] = {}
         for i in range(s.layers):
+            tapped(x, i, self.taps, found)
             h = rms_norm(x, w(f"attn_norm_{i}"), eps)
             qkv = rotate(self._linear(h, f"qkv_{i}", w(f"qkv_bias_{i}")).view(T, F_qkv, D), cos, sin)
             o = graph_lane_attention(kv, i, qkv, slots, mask, s.heads)  # [T, Hq*D]
             x = self._linear(o, f"o_{i}", w(f"o_bias_{i}")) + x
             gate, up = self._linear(rms_norm(x, w(f"mlp_norm_{i}"), eps), f"gate_up_{i}").chunk(2, dim=-1)
             x = self._linear(F.silu(gate) * up, f"down_{i}") + x
-        return self._linear(rms_norm(x, self.norm, eps), "lm_head")  # [T, V]
+        tapped(x, s.layers, self.taps, found)
+        return self._linear(rms_norm(x, self.norm, eps), "lm_head"), features_of(
+            self.taps, found
+        )  # [T, V], [T, F]
 
 
 class CompiledForward:
@@ -560,6 +587,7 @@ class CompiledForward:
             fullgraph=True,
             options=None if skip is None else {"guard_filter_fn": skip},
         )
+        self.custom_config = config
         if config is not None:
             self.config = {"static": dict(config), "dynamic": dict(config)}
         else:
@@ -568,8 +596,8 @@ class CompiledForward:
         self.compiled: set[int | str] = set()  # graphs compiled: static feed sizes, "dynamic"
         self.failed = False
 
-    def __call__(self, runner: NativeRunner, feed: Feed, S: int) -> torch.Tensor | None:
-        """Logits [n, V] of `feed` after the S slots `runner` holds (its cache written), or None
+    def __call__(self, runner: NativeRunner, feed: Feed, S: int) -> Scores | None:
+        """The `Scores` of `feed` after the S slots `runner` holds (its cache written), or None
         where the graphs do not serve it."""
         n, pool = feed.tokens.shape[0], runner.pool
         if self.failed or pool.rows != 1 or S < 1 or n > COMPILE_MAX_TOKENS:
@@ -592,7 +620,7 @@ class CompiledForward:
             if graph in self.compiled:
                 # compiled: the dynamic sizes and settings are read only while compiling, and
                 # marking and patching cost ~0.1 ms a call
-                return self.graph(*inputs)
+                return Scores(*self.graph(*inputs))
             if not static:
                 for t in (feed.tokens, feed.positions, slots, mask):
                     torch._dynamo.mark_dynamic(t, 0, min=COMPILE_STATIC_MAX + 1, max=COMPILE_MAX_TOKENS)
@@ -603,9 +631,9 @@ class CompiledForward:
                 torch._inductor.config.patch(self.config["static" if static else "dynamic"]),
                 torch._dynamo.config.patch(self.dynamo),
             ):
-                logits = self.graph(*inputs)
+                scores = Scores(*self.graph(*inputs))
             self.compiled.add(graph)
-            return logits
+            return scores
         except Exception as e:  # noqa: BLE001 - any compile failure means: run eagerly from now on
             self.failed = True
             warnings.warn(

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .base import Feed, Runner, forward_grouped
+from .base import Feed, Runner, Scores, forward_grouped
 
 MAP_FILE = "vocab_map.json"
 
@@ -87,7 +87,7 @@ class SubsetVocabRunner(Runner):
             )
         self.inner, self.map = inner, vocab_map
         self.vocab_size = vocab_map.target_vocab
-        self.max_positions = inner.max_positions
+        self.max_positions, self.n_layers = inner.max_positions, inner.n_layers
         self.device, self.dtype = inner.device, inner.dtype
         self.eos_token_ids = frozenset(
             int(vocab_map.ids[e]) for e in inner.eos_token_ids if e < vocab_map.size
@@ -104,21 +104,27 @@ class SubsetVocabRunner(Runner):
     _parents = property(lambda self: self.inner._parents, lambda self, v: setattr(self.inner, "_parents", v))
     _depths = property(lambda self: self.inner._depths, lambda self, v: setattr(self.inner, "_depths", v))
 
-    def _scatter(self, logits: torch.Tensor) -> torch.Tensor:
-        """[n, K + 1] draft logits -> [n, V] target logits, -inf outside the subset."""
+    def set_taps(self, taps) -> None:
+        self.inner.set_taps(taps)
+        self.taps = self.inner.taps
+
+    def _scatter(self, scores: Scores) -> Scores:
+        """Draft logits [n, K + 1] -> [n, V] target logits, -inf outside the subset."""
+        logits = scores.logits
+        if logits is None:
+            return scores
         out = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
         out[:, self._ids] = logits[:, : self.map.size]
-        return out
+        return Scores(out, scores.features)
 
     def _feed(self, feed: Feed) -> Feed:
-        return Feed(self._rows[feed.tokens], feed.positions, feed.visible)
+        return Feed(self._rows[feed.tokens], feed.positions, feed.visible, feed.hidden)
 
     def _reset_cache(self) -> None:
         self.inner._reset_cache()
 
     def _forward(self, tokens, positions, visible, need_logits):
-        logits = self.inner._forward(self._rows[tokens], positions, visible, need_logits)
-        return None if logits is None else self._scatter(logits)
+        return self._scatter(self.inner._forward(self._rows[tokens], positions, visible, need_logits))
 
     def _keep(self, nodes: list[int]) -> None:
         self.inner._keep(nodes)
@@ -142,7 +148,7 @@ class SubsetVocabRunner(Runner):
             type,
             lambda group, fs: type(group[0])._forward_many(group, fs, need_logits),
         )
-        return [None if out is None else r._scatter(out) for r, out in zip(runners, inner)]
+        return [r._scatter(out) for r, out in zip(runners, inner)]
 
 
 def full_vocabulary_model(model: torch.nn.Module, vocab_map: VocabMap) -> torch.nn.Module:

@@ -3,6 +3,7 @@
 from .base import Drafter, DraftForward, check_draft, propose_many
 from .counts import BigramDrafter, CountDrafter, UnigramDrafter
 from .factory import DRAFTER_KINDS, DrafterFactory
+from .head import FeatureDrafter
 from .merged import MergedDrafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter, PromptLookupDrafter
@@ -14,6 +15,7 @@ __all__ = [
     "DraftForward",
     "Drafter",
     "DrafterFactory",
+    "FeatureDrafter",
     "MergedDrafter",
     "ModelDrafter",
     "NgramDrafter",

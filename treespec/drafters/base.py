@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backends.base import Runner, extend_many
+from ..backends.base import Runner, Scores, extend_many
 from ..config import SamplingConfig
 from ..proposal import DraftTree, Walk
 from ..rng import Rng
@@ -16,16 +16,17 @@ from ..rng import Rng
 
 @dataclass(frozen=True)
 class DraftForward:
-    """A draft forward a drafter asks for: `runner.extend(tokens, parents)`."""
+    """A draft forward a drafter asks for: `runner.extend(tokens, parents, hidden)`."""
 
     runner: Runner
     tokens: list[int]
     parents: list[int]
+    hidden: torch.Tensor | None = None  # [n, H], for a runner that `takes_hidden` (a feature head)
 
 
-# propose() one draft forward at a time: yields each DraftForward, is sent its logits [n, V],
-# returns the tree
-ProposeSteps = Generator[DraftForward, torch.Tensor, DraftTree]
+# propose() one draft forward at a time: yields each DraftForward, is sent its `Scores`
+# (logits [n, V], and a head's output states), returns the tree
+ProposeSteps = Generator[DraftForward, Scores, DraftTree]
 
 
 class Drafter(ABC):
@@ -35,7 +36,15 @@ class Drafter(ABC):
     `observe()` with the verification walk of that very proposal. Randomness must come from
     the `Rng` given to `start()`, and every stochastic proposal must carry the exact
     distribution it was drawn from (after `sampling`), or verification is not lossless.
+
+    A drafter that reads the target's hidden states (a feature head) names the layers in
+    `taps`; the target then returns their features with every forward, at no extra forward,
+    and `read_target()` hands the drafter those of every committed position, in order.
     """
+
+    # target layers whose input hidden states this drafter reads (`Runner.taps`); () = none,
+    # and the target computes none
+    taps: tuple[int, ...] = ()
 
     @abstractmethod
     def start(self, prompt: Sequence[int], sampling: SamplingConfig, rng: Rng) -> None:
@@ -54,6 +63,12 @@ class Drafter(ABC):
 
     def observe(self, draft: DraftTree, walk: Walk) -> None:
         """Feedback after verification of `draft` (keep caches in sync). Optional."""
+
+    def read_target(self, scores: Scores) -> None:
+        """For drafters with `taps`: the target's `Scores` of newly committed positions, in
+        sequence order: after `start()`, those of the prompt but its last token (features, no
+        logits); after each round, plain rounds included, those of the walk's path (the
+        positions whose next token the round settled)."""
 
     def path_entropy(self, draft: DraftTree, walk: Walk) -> float | None:
         """The draft's uncertainty along the accepted path, in [0, 1] (normalised entropy),
@@ -99,9 +114,9 @@ def propose_many(steps: Sequence[ProposeSteps], catch: bool = False) -> list[Dra
     trees: list[DraftTree | Exception | None] = [None] * len(steps)
     asks: dict[int, DraftForward] = {}
 
-    def advance(i: int, logits: torch.Tensor | None) -> None:
+    def advance(i: int, scores: Scores | None) -> None:
         try:
-            asks[i] = steps[i].send(logits)
+            asks[i] = steps[i].send(scores)
         except StopIteration as done:
             trees[i] = done.value
         except Exception as e:
@@ -113,6 +128,7 @@ def propose_many(steps: Sequence[ProposeSteps], catch: bool = False) -> list[Dra
         advance(i, None)
     while asks:
         batch, asks = list(asks.items()), {}
-        for (i, _), logits in zip(batch, extend_many([(a.runner, a.tokens, a.parents) for _, a in batch])):
-            advance(i, logits)
+        jobs = [(a.runner, a.tokens, a.parents, a.hidden) for _, a in batch]
+        for (i, _), scores in zip(batch, extend_many(jobs)):
+            advance(i, scores)
     return trees

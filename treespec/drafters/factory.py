@@ -12,11 +12,12 @@ from __future__ import annotations
 from ..backends.base import Runner
 from ..config import TreeConfig
 from .base import Drafter
+from .head import FeatureDrafter
 from .merged import MergedDrafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter, PromptLookupDrafter
 
-DRAFTER_KINDS = ("model", "ngram", "lookup", "merged")
+DRAFTER_KINDS = ("model", "head", "ngram", "lookup", "merged")
 
 
 class DrafterFactory:
@@ -38,7 +39,20 @@ class DrafterFactory:
 
     @property
     def needs_draft_model(self) -> bool:
-        return self.kind in ("model", "merged")
+        return self.kind in ("model", "head", "merged")
+
+    def taps(self, draft: Runner | None) -> tuple[int, ...]:
+        """The target layers this factory's drafters read (a feature head's; () for the rest)."""
+        if self.custom:
+            return tuple(self.kind.taps)
+        if self.kind == "head":
+            if draft is None or not draft.takes_hidden:
+                raise ValueError(
+                    "drafter='head' needs a feature head as the draft (an EAGLE-3 checkpoint, "
+                    "`treespec.backends.head.HeadRunner`)"
+                )
+            return tuple(draft.target_taps)
+        return ()
 
     @property
     def name(self) -> str:
@@ -63,5 +77,7 @@ class DrafterFactory:
             return NgramDrafter(tree.width)
         if self.kind == "lookup":
             return PromptLookupDrafter(tree.width)
+        if self.kind == "head":
+            return FeatureDrafter(draft, tree, vocab_size=self.vocab_size)
         model = ModelDrafter(draft, tree, vocab_size=self.vocab_size, support=self.support)
         return model if self.kind == "model" else MergedDrafter([model, NgramDrafter(tree.width)])

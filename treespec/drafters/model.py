@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backends.base import Runner
+from ..backends.base import Runner, Scores
 from ..config import SamplingConfig, TreeConfig
 from ..proposal import DraftTree, Draw, ProposalGroup, Walk
 from ..rng import Rng
@@ -40,6 +40,7 @@ class _Node:
     q: torch.Tensor | None = None  # [V] sampling distribution at this node, once fed
     score: torch.Tensor | None = None  # [V] probabilities used to rank children, once fed
     shape_id: int = 0  # "sequoia": the node of the TreeShape this node stands for
+    state: torch.Tensor | None = None  # [H] a feature head's output state here, once fed
 
 
 class ModelDrafter(Drafter):
@@ -65,22 +66,16 @@ class ModelDrafter(Drafter):
 
     def propose_steps(self, context: Sequence[int], depth: int) -> ProposeSteps:
         run = self.runner
-        if list(context[: run.n_committed]) != run.committed:
-            raise RuntimeError("draft cache is out of sync with the committed tokens")
         # 1. catch up on committed tokens the draft never fed; the last one is the root
-        chain = list(context[run.n_committed :])
-        if max(chain) >= run.vocab_size:
-            raise ValueError(
-                f"the target emitted token id {max(chain)}, a padding id beyond the draft model's "
-                f"{run.vocab_size} rows; "
-                "this draft cannot continue the sequence (use drafter='ngram' or a draft with the "
-                "target's rows)"
-            )
-        logits = yield DraftForward(run, chain, list(range(-1, len(chain) - 1)))  # pending nodes 0 .. len-1
-        self._chain = list(range(len(chain)))
+        ask = self._catch_up(context)
+        if ask is None:  # nothing to draft from yet (a feature head before its first features)
+            self._chain, self._nodes = [], []
+            return DraftTree.root_only(context[-1])
+        scores = yield ask
+        self._chain = list(range(len(ask.tokens)))  # pending nodes 0 .. len-1
         self._committed = PenaltyContext(context, self.prompt_len)
-        nodes = [_Node(token=chain[-1], parent=-1, log_score=0.0)]
-        self._attach(nodes, [0], self._chain[-1], logits[-1:])
+        nodes = [_Node(token=context[-1], parent=-1, log_score=0.0)]
+        self._attach(nodes, [0], self._chain[-1], scores, last=True)
 
         groups: list[ProposalGroup] = []
         frontier = [0]
@@ -92,16 +87,34 @@ class ModelDrafter(Drafter):
                 break
             # 3. one draft forward over the whole next frontier
             first = run.n_pending
-            logits = yield DraftForward(
-                run, [nodes[n].token for n in frontier], [nodes[nodes[n].parent].pending for n in frontier]
-            )
-            self._attach(nodes, frontier, first, logits)
+            scores = yield self._level(nodes, frontier)
+            self._attach(nodes, frontier, first, scores)
 
         if self.config.strategy == "dynamic":
             nodes, groups = self._prune(nodes, groups, self.config.node_budget)
         self._nodes = nodes
         tree = TokenTree([n.token for n in nodes], [n.parent for n in nodes], vocab_size=self.vocab_size)
         return DraftTree(tree, tuple(groups))
+
+    def _catch_up(self, context: Sequence[int]) -> DraftForward | None:
+        """Draft forward #1: the committed tokens the draft has not fed, ending with the root."""
+        run = self.runner
+        if list(context[: run.n_committed]) != run.committed:
+            raise RuntimeError("draft cache is out of sync with the committed tokens")
+        chain = list(context[run.n_committed :])
+        if max(chain) >= run.vocab_size:
+            raise ValueError(
+                f"the target emitted token id {max(chain)}, a padding id beyond the draft model's "
+                f"{run.vocab_size} rows; "
+                "this draft cannot continue the sequence (use drafter='ngram' or a draft with the "
+                "target's rows)"
+            )
+        return DraftForward(run, chain, list(range(-1, len(chain) - 1)))
+
+    def _level(self, nodes: list[_Node], frontier: list[int]) -> DraftForward:
+        """Draft forward #d: every frontier node, under the tree mask."""
+        tokens = [nodes[n].token for n in frontier]
+        return DraftForward(self.runner, tokens, [nodes[nodes[n].parent].pending for n in frontier])
 
     def observe(self, draft: DraftTree, walk: Walk) -> None:
         keep = list(self._chain)
@@ -118,10 +131,16 @@ class ModelDrafter(Drafter):
         return sum(_normalised_entropy(s) for s in fed) / len(fed)
 
     # ---- helpers ---------------------------------------------------------------------------
-    def _attach(self, nodes: list[_Node], fed: list[int], first: int, logits: torch.Tensor) -> None:
+    def _attach(
+        self, nodes: list[_Node], fed: list[int], first: int, scores: Scores, last: bool = False
+    ) -> None:
         """Give the nodes `fed` of one draft forward (pending indices first, first+1, ...)
-        their q and ranking scores: one batched transform over `logits` [n, V]. With
-        penalties, each row is penalised for the committed tokens plus its own path."""
+        their q and ranking scores: one batched transform over the logits [n, V] (`last`: of
+        the forward's last row only). With penalties, each row is penalised for the committed
+        tokens plus its own path. A head's output states go with them (`_Node.state`)."""
+        logits, states = scores.logits, scores.features
+        if last:
+            logits, states = logits[-1:], None if states is None else states[-1:]
         check_finite(logits, "draft")
         logits = fit_logits(logits, self.vocab_size, self.support)  # q: no mass on padding ids
         counts = None
@@ -140,6 +159,7 @@ class ModelDrafter(Drafter):
         )
         for i, n in enumerate(fed):
             nodes[n].pending, nodes[n].q, nodes[n].score = first + i, q[i], score[i]
+            nodes[n].state = None if states is None else states[i]
 
     @staticmethod
     def _add(nodes: list[_Node], parent: int, token: int) -> int:
