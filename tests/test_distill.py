@@ -564,3 +564,27 @@ def test_stored_rows_are_the_targets_distributions(tiny_target, train_on_prompt)
         np.testing.assert_allclose(shard["topk_probs"][prompt_rows], ref_probs[prompt_rows], atol=2e-3)
     else:
         assert (shard["topk_ids"][prompt_rows] == -1).all() and not shard["topk_probs"][prompt_rows].any()
+
+
+def test_distill_head_trains_a_head_on_a_runs_data_that_loads_and_drafts(distilled, tiny_target, tmp_path):
+    """`treespec distill --head --data-from RUN`: an EAGLE-3 checkpoint and head.json with the
+    curve; the head loads over its target and drafts losslessly (greedy == the target's)."""
+    from treespec.backends.head import HeadRunner
+    from treespec.distill.head import distill_head
+
+    target, _ = tiny_target
+    out = distill_head(
+        target, tmp_path / "head", distilled, minutes=0.05, vocab_subset=40, evals=1,
+        eval_prompts=2, eval_tokens=4, dtype="float32", progress=False,
+    )  # fmt: skip
+    summary = json.loads((out / "head.json").read_text())
+    assert summary["steps"] > 0 and [p["step"] for p in summary["curve"]] == [0, summary["steps"]]
+    assert summary["recipe"]["taps"] == [0] and summary["data"]["response_positions"] > 0
+    dec = SpeculativeDecoder.from_pretrained(target=target, draft=out, dtype="float32")
+    assert isinstance(dec.draft_runner, HeadRunner) and dec.draft_runner.cfg.draft_vocab_size == 40
+    prompt = [5, 6, 7, 8]
+    plain = dec.generate(prompt, 8, tree=None, sampling=SamplingConfig(temperature=0), ignore_eos=True)
+    spec = dec.generate(
+        prompt, 8, tree=TreeConfig(2, 2), sampling=SamplingConfig(temperature=0), ignore_eos=True
+    )
+    assert spec.token_ids == plain.token_ids and spec.stats.draft_forwards > 0

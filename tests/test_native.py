@@ -700,6 +700,28 @@ def test_compiled_forward_matches_hf(monkeypatch):
     assert unique_graphs() - before == graphs  # long feeds and pooled lanes ran eagerly
 
 
+@pytest.mark.cpu
+def test_compiled_forward_returns_the_taps_features_and_keeps_graphs_per_taps():
+    """A compiled target tapped for a feature head returns the eager forward's features with its
+    logits; switching taps back and forth (decoders with and without a head sharing one runner)
+    reuses each set of graphs instead of recompiling."""
+    model = build("gqa_tied")
+    eager, nat = NativeRunner.from_hf(model), compiled_runner(model, CHEAP)
+    for r in (eager, nat):
+        r.set_taps((0, 2))
+        r.prefill([3, 1, 4, 1, 5])
+    plain_graphs = nat._graphs_by_taps[()]
+    tree = TokenTree([9], [-1])
+    want, got = (score_many([(r, tree)])[0] for r in (eager, nat))
+    assert max_diff(want.logits, got.logits) < 1e-4 and max_diff(want.features, got.features) < 1e-4
+    assert 1 in nat.compiled.compiled  # the one-token graph served it
+    tapped = nat.compiled
+    nat.set_taps(())
+    assert nat.compiled is plain_graphs
+    nat.set_taps((0, 2))
+    assert nat.compiled is tapped
+
+
 def test_compiled_forward_falls_back_to_eager(monkeypatch):
     model = build("gqa_tied")
     eager, nat = NativeRunner.from_hf(model), compiled_runner(model, CHEAP)

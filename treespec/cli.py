@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .config import ADAPTIVE, STRATEGIES, SamplingConfig, TreeConfig
+from .config import ADAPTIVE, DRAFTER_KINDS, STRATEGIES, SamplingConfig, TreeConfig
 
 COLOURS = {"accepted": "\033[32m", "correction": "\033[33m", "bonus": "\033[36m"}  # green, yellow, cyan
 RESET = "\033[0m"
@@ -39,7 +39,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target", help="target model: HF id, local directory or GGUF file")
     g.add_argument(
         "--draft",
-        help="draft model: HF id, local directory or GGUF file (not needed for --drafter ngram/lookup)",
+        help="draft model: HF id, local directory or GGUF file, or an EAGLE-3 head directory "
+        "(not needed for --drafter ngram/lookup)",
     )
     g.add_argument(
         "--dtype",
@@ -101,8 +102,9 @@ def _add_decode_args(p: argparse.ArgumentParser, max_new_tokens: int, width: int
     g.add_argument(
         "--drafter",
         default="model",
-        choices=("model", "ngram", "lookup", "merged"),
-        help="who proposes: the draft model, n-gram tables, prompt lookup, or model+n-gram merged",
+        choices=DRAFTER_KINDS,
+        help="who proposes: the draft model, a feature head (EAGLE-3; the default when --draft is one), "
+        "n-gram tables, prompt lookup, or model+n-gram merged",
     )
     g.add_argument(
         "--verification",

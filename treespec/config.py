@@ -13,6 +13,9 @@ from typing import Literal
 Strategy = Literal["iid", "without_replacement", "topk", "dynamic", "sequoia"]
 STRATEGIES: tuple[str, ...] = ("iid", "without_replacement", "topk", "dynamic", "sequoia")
 ADAPTIVE: tuple[str, ...] = ("hf", "entropy", "goodput")
+# who proposes (`treespec.drafters.DrafterFactory`): a draft model, a feature head, n-gram
+# tables, prompt lookup, or a draft model and n-grams merged
+DRAFTER_KINDS: tuple[str, ...] = ("model", "head", "ngram", "lookup", "merged")
 DEPTH_ADAPTIVE: tuple[str, ...] = ("hf", "entropy")  # the policies that move the depth itself
 
 # The most draft nodes one round may hold. The target scores every node in one forward

@@ -285,6 +285,7 @@ class NativeRunner(Runner):
             0,
         )  # this runner's cache: row 0 of a pool of one
         self.compiled = CompiledForward(self) if compile else None
+        self._graphs_by_taps: dict[tuple[int, ...], CompiledForward] = {}  # see set_taps
         super().__init__()
 
     # ---- constructors ----------------------------------------------------------------------
@@ -337,10 +338,14 @@ class NativeRunner(Runner):
     def set_taps(self, taps) -> None:
         before = self.taps
         super().set_taps(taps)
-        if (
-            self.compiled is not None and self.taps != before
-        ):  # the graphs return the taps they were traced with
-            self.compiled = CompiledForward(self, self.compiled.custom_config)
+        if self.compiled is not None and self.taps != before:
+            # the graphs return the taps they were traced with: one set of graphs per taps, kept
+            # (decoders sharing this runner, with and without a head, do not recompile in turn)
+            graphs = self._graphs_by_taps
+            graphs.setdefault(before, self.compiled)
+            if self.taps not in graphs:
+                graphs[self.taps] = CompiledForward(self, self.compiled.custom_config)
+            self.compiled = graphs[self.taps]
 
     # ---- the KV cache ---------------------------------------------------------------------
     @property

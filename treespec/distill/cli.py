@@ -59,6 +59,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="train on the data of finished runs instead of making it (same target, prompts and data "
         "flags; several runs with distinct --seed: their samples together)",
     )
+    head = parser.add_argument_group("feature head (EAGLE-3), trained on --data-from's data")
+    head.add_argument(
+        "--head",
+        action="store_true",
+        help="train a feature head that drafts from the target's hidden states, instead of a draft model",
+    )
+    head.add_argument(
+        "--unroll", type=int, default=2, help="training-time test: steps on the head's own states"
+    )
+    head.add_argument(
+        "--taps", type=int, nargs="+", help="target layers read (default: EAGLE-3's 2, N/2, N-3)"
+    )
     helps = _field_help()
     group = parser.add_argument_group("recipe")
     for f in fields(Recipe):
@@ -76,6 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     from .pipeline import distill
 
+    if args.head:
+        run_head(args)
+        return
     recipe = {f.name: getattr(args, f.name) for f in fields(Recipe) if getattr(args, f.name) is not None}
     out = distill(
         args.target,
@@ -104,4 +119,34 @@ def run(args: argparse.Namespace) -> None:
     print(
         f"wrote {out} (distill.json, eval.jsonl, eval.png): {summary['budget_seconds']:.0f} s of data and "
         f"training, {summary['eval_seconds']:.0f} s of evaluation"
+    )
+
+
+def run_head(args: argparse.Namespace) -> None:
+    from .head import distill_head
+
+    if not args.data_from or args.minutes is None:
+        raise ValueError(
+            "--head trains on the data of finished runs: give --data-from DIR (made by --data-only) "
+            "and --minutes"
+        )
+    out = distill_head(
+        args.target,
+        args.out,
+        args.data_from,
+        args.minutes,
+        unroll=args.unroll,
+        taps=args.taps,
+        vocab_subset=args.vocab_subset or 8192,
+        batch_size=args.batch_size or 8,
+        lr=args.lr or 1e-3,
+        evals=args.evals or 4,
+        seed=args.seed or 0,
+    )
+    summary = json.loads((out / "head.json").read_text())
+    final = summary["curve"][-1]
+    t0, t1 = final["T0"]["acceptance_by_depth"][0], final["T1"]["acceptance_by_depth"][0]
+    print(
+        f"wrote {out}: a feature head of {summary['params']:,} params, {summary['steps']} steps; "
+        f"acceptance at depth 1: T=0 {t0}, T=1 {t1}"
     )

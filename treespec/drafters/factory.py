@@ -10,14 +10,12 @@ that drafter draws siblings (`siblings`, the key of `treespec.request.RULES_FOR`
 from __future__ import annotations
 
 from ..backends.base import Runner
-from ..config import TreeConfig
+from ..config import DRAFTER_KINDS, TreeConfig
 from .base import Drafter
 from .head import FeatureDrafter
 from .merged import MergedDrafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter, PromptLookupDrafter
-
-DRAFTER_KINDS = ("model", "head", "ngram", "lookup", "merged")
 
 
 class DrafterFactory:

@@ -18,7 +18,7 @@ import signal
 import sys
 from pathlib import Path
 
-from ..config import STRATEGIES, TreeConfig
+from ..config import DRAFTER_KINDS, STRATEGIES, TreeConfig
 
 DEFAULT_MAX_LIVE = 8
 DEFAULT_MAX_QUEUE = 64
@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="native forwards as inductor graphs (one live request at a time gains; minutes to compile)",
     )
     g.add_argument(
-        "--drafter", default="model", choices=("model", "ngram", "lookup", "merged"), help="who proposes"
+        "--drafter", default="model", choices=DRAFTER_KINDS, help="who proposes (a head drafts as one)"
     )
     g.add_argument("--served-model-name", default=None, help="the model id clients name (default: the pair)")
 
