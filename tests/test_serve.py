@@ -50,11 +50,11 @@ def server(tmp_path_factory):
     yield from start_server(tmp_path_factory, "float32")
 
 
-def start_server(tmp_path_factory, dtype: str, *extra: str):
+def start_server(tmp_path_factory, dtype: str, *extra: str, models=("--pair", "pycode")):
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     env = dict(os.environ, TREESPEC_SERVE_FAULTS="1", OMP_NUM_THREADS="1", NO_COLOR="1")
-    cmd = [sys.executable, "-m", "treespec.serve", "--pair", "pycode", "--dtype", dtype, "--threads", "1"]
+    cmd = [sys.executable, "-m", "treespec.serve", *models, "--dtype", dtype, "--threads", "1"]
     cmd += ["--port", str(port), "--max-live", str(MAX_LIVE), "--max-queue", str(MAX_QUEUE)]
     cmd += ["--grace-period", "20", "--log-level", "warning", *extra]
     with open(log, "w") as f:
@@ -429,3 +429,41 @@ def test_sigterm_finishes_in_flight_streams_and_exits_0(server, client, ref):
     assert server["proc"].wait(30) == 0, server["log"].read_text()
     with pytest.raises(httpx.TransportError):
         httpx.get(server["base"] + "/health", timeout=2)
+
+
+def test_a_server_drafting_with_a_feature_head_serves_what_generate_gives(tmp_path_factory):
+    """`treespec serve --draft HEAD`: an EAGLE-3 head (random, written by the test for the pycode
+    target) drafts for the server's requests, greedy and seeded, as `generate()` does alone."""
+    from transformers import AutoModelForCausalLM
+
+    from treespec.backends.head import HeadConfig, head_weight_shapes, save_head
+
+    target_dir = ZOO / "pycode" / "target"
+    config = AutoModelForCausalLM.from_pretrained(target_dir).config
+    H, V = config.hidden_size, config.vocab_size
+    cfg = HeadConfig(
+        hidden_size=H, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, head_dim=H // config.num_attention_heads,
+        intermediate_size=2 * H, vocab_size=V, draft_vocab_size=V, target_hidden_size=H,
+        taps=(0, config.num_hidden_layers), rms_norm_eps=config.rms_norm_eps,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    weights = {n: 0.05 * torch.randn(shape, generator=g) for n, shape in head_weight_shapes(cfg).items()}
+    weights["d2t"], weights["t2d"] = torch.zeros(V, dtype=torch.int64), torch.ones(V, dtype=torch.bool)
+    head = save_head(tmp_path_factory.mktemp("head") / "head", cfg, weights)
+    local = SpeculativeDecoder.from_pretrained(target=target_dir, draft=head, dtype="float32")
+    gen = start_server(
+        tmp_path_factory, "float32", models=("--target", str(target_dir), "--draft", str(head))
+    )
+    server = next(gen)
+    try:
+        with openai.OpenAI(base_url=server["base"] + "/v1", api_key="x", max_retries=0, timeout=60) as c:
+            for temperature, seed in ((0.0, None), (1.0, 5)):
+                got = c.completions.create(
+                    model=c.models.list().data[0].id, prompt=PROMPTS[0], max_tokens=16,
+                    temperature=temperature, seed=seed, extra_body={"tree": {"width": 2, "depth": 2}},
+                )  # fmt: skip
+                want = solo(local, PROMPTS[0], 16, temperature, seed, TreeConfig(2, 2))
+                assert got.choices[0].text == want.text and want.stats.draft_forwards > 0
+    finally:
+        next(gen, None)
