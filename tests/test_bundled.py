@@ -162,7 +162,7 @@ def test_the_default_pair_is_smollm2_and_loads_offline(monkeypatch):
     monkeypatch.delenv("TREESPEC_PAIR", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert DEFAULT_PAIR == "smollm2"
-    dec = SpeculativeDecoder.from_pretrained(dtype="float32")
+    dec = SpeculativeDecoder.from_pretrained(dtype="float32", drafter="model")
     assert isinstance(dec.draft_runner, SubsetVocabRunner) and dec.target_runner.vocab_size == 49152
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     out = dec.generate(chat, 12, tree=TreeConfig(1, 3), sampling=GREEDY)
@@ -175,6 +175,19 @@ def test_the_default_pair_is_smollm2_and_loads_offline(monkeypatch):
     assert ids == [list(chat_ids(c, dec.tokenizer)) for c in heldout_chats(3)]
     assert ids[0][-3:] == dec.tokenizer("<|im_start|>assistant\n")["input_ids"][-3:]
     assert counts_file("smollm2").is_file() and counts_file("pycode").is_file()
+    # by default the pair drafts with its feature head: lossless, and it drafts
+    from treespec.backends.head import HeadRunner
+    from treespec.zoo import head, pair_draft
+
+    assert pair_draft() == head("smollm2") and pair_draft(None, "model") == pair("smollm2")[1]
+    with_head = SpeculativeDecoder.from_pretrained(dtype="float32")
+    assert isinstance(with_head.draft_runner, HeadRunner) and with_head.drafter.kind == "head"
+    assert with_head.draft_runner.target_taps == (2, 15, 27)
+    out = with_head.generate(chat, 12, tree=TreeConfig(1, 3), sampling=GREEDY)
+    assert out.token_ids == dec.generate(chat, 12, tree=None, sampling=GREEDY).token_ids
+    assert out.stats.accepted_by_depth[0] > 0
+    with pytest.raises(ValueError, match="the pycode pair ships no feature head"):
+        head("pycode")
 
 
 def test_a_pairs_heldout_prompt_ids():

@@ -101,10 +101,11 @@ def _add_decode_args(p: argparse.ArgumentParser, max_new_tokens: int, width: int
     g.add_argument("--shape", type=Path, default=None, help="draft along a saved Sequoia TreeShape (JSON)")
     g.add_argument(
         "--drafter",
-        default="model",
+        default=None,
         choices=DRAFTER_KINDS,
-        help="who proposes: the draft model, a feature head (EAGLE-3; the default when --draft is one), "
-        "n-gram tables, prompt lookup, or model+n-gram merged",
+        help="who proposes: the draft model, a feature head (EAGLE-3; the default when --draft is one, "
+        "and a named pair's own head where it ships one), n-gram tables, prompt lookup, or model+n-gram "
+        "merged (default: the pair's, else model)",
     )
     g.add_argument(
         "--verification",
@@ -267,14 +268,14 @@ def _configs(args) -> tuple[TreeConfig, SamplingConfig]:
 
 def _paths(args) -> tuple:
     """(target, draft) from --pair / --target / --draft."""
-    from .zoo import pair
+    from .zoo import pair, pair_draft
 
     if args.pair is not None and (args.target or args.draft):
         raise CliError("give --pair or --target/--draft, not both")
     if args.target is None:
         if args.draft is not None:
             raise CliError("--draft needs --target")
-        return pair(args.pair) if args.pair else pair()
+        return pair(args.pair)[0], pair_draft(args.pair, args.drafter)
     model_free = getattr(args, "plain", False) or args.drafter in ("ngram", "lookup")
     if args.draft is None and not model_free:
         raise CliError("--target needs --draft (or --drafter ngram / lookup, or --plain)")
@@ -292,7 +293,7 @@ def _load(args):
         device=args.device,
         backend=args.backend,
         draft_dtype=args.draft_dtype,
-        drafter=args.drafter,
+        drafter=args.drafter or "model",
         compile=args.compile,
         quantize=args.quantize,
         draft_quantize=args.draft_quantize,
@@ -433,6 +434,7 @@ def cmd_bench(args) -> None:
     if unknown or not methods:
         raise CliError(f"--methods: unknown {unknown or 'empty list'}; choose from {','.join(known)}")
     _check_writable(args.json, "--json")
+    args.drafter = args.drafter or "model"  # the bench runs HF models: a draft model, not a head
     paths = _paths(args)
     if paths[1] is None:
         raise CliError("bench compares against HF assisted generation: give --draft (or a --pair)")

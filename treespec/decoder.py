@@ -106,7 +106,7 @@ class SpeculativeDecoder:
         dtype: torch.dtype | str = "auto",
         device: torch.device | str | None = None,
         backend: str = "auto",
-        drafter: str | Drafter = "model",
+        drafter: str | Drafter | None = None,
         draft_dtype: torch.dtype | str | None = None,
         compile: bool = False,
         quantize: str | None = None,
@@ -114,7 +114,8 @@ class SpeculativeDecoder:
     ) -> SpeculativeDecoder:
         """Load target, draft and the target's tokenizer: local directories, GGUF files or HF ids.
 
-        With no arguments, loads the bundled pair (see `treespec.zoo`). `dtype="auto"` is
+        With no arguments, loads the bundled pair (see `treespec.zoo`), drafting with its feature
+        head where it ships one (`drafter=None`; "model" for its draft model). `dtype="auto"` is
         bf16 on CUDA; on a CPU, bf16 for the target where the CPU has AMX or AVX512-BF16 and
         bf16 products measure faster, fp32 for the draft (`treespec.backends.auto_dtype`).
         `draft_dtype` overrides the draft's (default: `dtype`). `device` defaults to the CPU.
@@ -133,12 +134,13 @@ class SpeculativeDecoder:
                     f"from_pretrained() takes paths or hub ids, got a {type(path).__name__} for {name}; "
                     f"pass loaded models to SpeculativeDecoder(target, draft, tokenizer) instead"
                 )
-        DrafterFactory(drafter)  # a bad drafter name fails before anything loads
+        DrafterFactory("model" if drafter is None else drafter)  # a bad name fails before anything loads
         check_backend(backend)
         if target is None and draft is None:
-            from .zoo import default_pair
+            from .zoo import default_pair, pair_draft
 
-            target, draft = default_pair()
+            target = default_pair()[0]
+            draft = pair_draft(None, "model" if isinstance(drafter, Drafter) else drafter)
         if target is None:
             raise ValueError(
                 "pass target= (an HF id, a local model directory or a GGUF file) along with draft="
@@ -160,6 +162,7 @@ class SpeculativeDecoder:
         ]
         draft_tokenizer = None if draft is None else loading.load_tokenizer(draft)
         tokenizer = loading.load_tokenizer(target)
+        drafter = "model" if drafter is None else drafter  # a head drafts as one (see __init__)
         return cls(runners[0], runners[1], tokenizer, drafter=drafter, draft_tokenizer=draft_tokenizer)
 
     def generate(

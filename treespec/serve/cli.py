@@ -39,7 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="native forwards as inductor graphs (one live request at a time gains; minutes to compile)",
     )
     g.add_argument(
-        "--drafter", default="model", choices=DRAFTER_KINDS, help="who proposes (a head drafts as one)"
+        "--drafter",
+        default=None,
+        choices=DRAFTER_KINDS,
+        help="who proposes (default: a named pair's own feature head where it ships one, else model)",
     )
     g.add_argument("--served-model-name", default=None, help="the model id clients name (default: the pair)")
 
@@ -127,13 +130,13 @@ def build(args):
         raise ValueError(str(e).replace("TreeConfig.", "--")) from None
     target, draft, name = args.target, args.draft, args.served_model_name
     if args.pair is not None:
-        from ..zoo import pair
+        from ..zoo import pair, pair_draft
 
-        target, draft = pair(args.pair)
+        target, draft = pair(args.pair)[0], pair_draft(args.pair, args.drafter)
     elif target is None:  # the bundled default pair, named after its directory
-        from ..zoo import default_pair
+        from ..zoo import default_pair, pair_draft
 
-        target, draft = default_pair()
+        target, draft = default_pair()[0], pair_draft(None, args.drafter)
         name = name or Path(target).parent.name
     if name is None:
         name = args.pair or Path(str(target)).name
@@ -150,7 +153,7 @@ def build(args):
         device=args.device,
         backend=args.backend,
         draft_dtype=args.draft_dtype,
-        drafter=args.drafter,
+        drafter=args.drafter or "model",
         compile=args.compile,
     )
     engine = dec.engine(

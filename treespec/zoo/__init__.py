@@ -53,6 +53,28 @@ def pair(name: str | None = None) -> tuple[Path, Path]:
     return target, draft
 
 
+def head(name: str | None = None) -> Path:
+    """The feature head (EAGLE-3) shipped for a named pair's target (None: the default pair):
+    what `drafter="head"` drafts with when no draft is named (`smollm2/head/README.md`)."""
+    name = _known(default_pair_name() if name is None else name)
+    path = ZOO / name / "head"
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"the {name} pair ships no feature head; name one with draft=... (an EAGLE-3 directory)"
+        )
+    return path
+
+
+def pair_draft(name: str | None = None, drafter: str | None = None) -> Path:
+    """What a named pair drafts with (None: the default pair): its feature head for
+    drafter="head", and by default (drafter None) where it ships one, the head having measured
+    faster than the pair's draft model (smollm2/head/README.md); its draft model otherwise."""
+    name = _known(default_pair_name() if name is None else name)
+    if drafter == "head" or (drafter is None and (ZOO / name / "head" / "config.json").is_file()):
+        return head(name)
+    return pair(name)[1]
+
+
 def default_pair() -> tuple[Path, Path]:
     """(target, draft) of the default pair (`default_pair_name()`)."""
     return pair()
