@@ -41,13 +41,14 @@ from .toy import (
 SHAPES = [(1, 1), (1, 2), (2, 1), (2, 2), (3, 1), (3, 2)]  # (width, depth)
 
 
-SLOW_MODEL_CASE = ("without_replacement", 3, 2, "T1")  # ~35 s; width 3 without replacement is also at depth 1
+# the two longest cases (~35 s and ~10 s); width 3 of both strategies is also enumerated at depth 1
+SLOW_MODEL_CASES = (("without_replacement", 3, 2, "T1"), ("iid", 3, 2, "T1"))
 
 
 @pytest.mark.parametrize(
     "strategy,width,depth,sampling_name",
     [
-        pytest.param(*case, marks=pytest.mark.slow) if case == SLOW_MODEL_CASE else case
+        pytest.param(*case, marks=pytest.mark.slow) if case in SLOW_MODEL_CASES else case
         for case in (
             (strategy, width, depth, s)
             for width, depth in SHAPES

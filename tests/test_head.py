@@ -377,10 +377,14 @@ def test_a_batch_with_a_head_equals_each_request_alone_in_float64():
 @pytest.mark.parametrize(
     "tree,sampling",
     [
-        (TreeConfig(2, 2), SamplingConfig(temperature=1.0)),
-        (TreeConfig(2, 2, "without_replacement"), SamplingConfig(temperature=0.9, top_p=0.9)),
+        pytest.param(TreeConfig(2, 2), SamplingConfig(temperature=1.0), id="iid"),
+        pytest.param(  # draws without replacement are in the enumeration above, exactly
+            TreeConfig(2, 2, "without_replacement"),
+            SamplingConfig(temperature=0.9, top_p=0.9),
+            id="without_replacement-topp",
+            marks=pytest.mark.slow,
+        ),
     ],
-    ids=["iid", "without_replacement-topp"],
 )
 def test_sampling_with_a_head_matches_the_target_chi_square(models, tree, sampling):  # noqa: F811
     target, _ = models
