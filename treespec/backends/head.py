@@ -33,13 +33,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .attention import LaneAttention, PackedAttention
 from .base import Feed, Scores
 from .checkpoint import LlamaShape
 from .linear import Projection
 from .native import KVPool, Layer, NativeRunner, rms_norm, rotate, split_scores
 
-ARCHITECTURE = "LlamaForCausalLMEagle3"
+ARCHITECTURE = "LlamaForCausalLMEagle3"  # what save_head writes
+ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM")  # what a head's config may name (vLLM's alias)
 
 
 def default_taps(target_layers: int) -> tuple[int, ...]:
@@ -125,7 +125,7 @@ class HeadConfig:
         """An EAGLE-3 config.json; taps from `eagle_aux_hidden_state_layer_ids` (top level or in
         `eagle_config`), else EAGLE-3's default for a target of `target_layers` layers."""
         archs = cfg.get("architectures") or []
-        if ARCHITECTURE not in archs and "Eagle3LlamaForCausalLM" not in archs:
+        if not set(archs) & set(ARCHITECTURES):
             raise ValueError(f"not an EAGLE-3 head: architectures {archs}, expected [{ARCHITECTURE!r}]")
         if int(cfg.get("num_hidden_layers", 1)) != 1:
             raise ValueError(
@@ -210,7 +210,7 @@ def is_head(directory) -> bool:
     if not path.is_file():
         return False
     archs = json.loads(path.read_text()).get("architectures") or []
-    return ARCHITECTURE in archs or "Eagle3LlamaForCausalLM" in archs
+    return bool(set(archs) & set(ARCHITECTURES))
 
 
 def load_head(directory, target_layers: int | None = None) -> tuple[HeadConfig, dict[str, torch.Tensor]]:
@@ -305,19 +305,8 @@ class HeadRunner(NativeRunner):
         """The one layer over every lane's (token, hidden) pairs in one forward."""
         s, pool = self.shape, self.pool
         ns, starts = [f.tokens.shape[0] for f in feeds], [lane.filled for lane in lanes]
-        pool.fit(max(S + n for S, n in zip(starts, ns)), max(lane.row for lane in lanes) + 1)
-        one = len(lanes) == 1
-        if one:
-            attend = LaneAttention(
-                pool.kv, self.row, starts[0], ns[0], s.heads, feeds[0].visible, self.n_committed
-            )
-        else:
-            attend = PackedAttention(
-                pool.kv, [lane.row for lane in lanes], starts, ns, s.heads, [f.visible for f in feeds]
-            )
-        cat = (lambda ts: ts[0]) if one else (lambda ts: torch.cat(ts))
-        tokens, positions = cat([f.tokens for f in feeds]), cat([f.positions for f in feeds])  # [T]
-        h = cat([f.hidden for f in feeds]).to(self.dtype)  # [T, hidden]
+        tokens, positions, attend = self._packed_inputs(lanes, feeds, starts, ns)
+        h = torch.cat([f.hidden for f in feeds]).to(self.dtype)  # [T, hidden]
         T, D, eps, layer = tokens.shape[0], s.head_dim, s.eps, self.layers[0]
         cos, sin = pool.rope(positions)  # [T, Hq+2Hkv, D] each
         e = rms_norm(F.embedding(tokens, self.embed), layer.attn_norm, eps)  # [T, hidden]

@@ -422,26 +422,7 @@ class NativeRunner(Runner):
             if scores is not None:
                 self.filled = starts[0] + ns[0]
                 return [scores]
-        pool.fit(max(S + n for S, n in zip(starts, ns)), max(lane.row for lane in lanes) + 1)
-        tokens = feeds[0].tokens if one else torch.cat([f.tokens for f in feeds])  # [T]
-        positions = feeds[0].positions if one else torch.cat([f.positions for f in feeds])  # [T]
-        if one:
-            feed, c = feeds[0], self.n_committed
-            attend = LaneAttention(
-                pool.kv,
-                self.row,
-                starts[0],
-                ns[0],
-                s.heads,
-                feed.visible,
-                c,
-                self.flash,
-                self.prefix_attention,
-            )
-        else:
-            attend = PackedAttention(
-                pool.kv, [lane.row for lane in lanes], starts, ns, s.heads, [f.visible for f in feeds]
-            )
+        tokens, positions, attend = self._packed_inputs(lanes, feeds, starts, ns)
         T, F_qkv, D, eps = tokens.shape[0], s.heads + 2 * s.kv_heads, s.head_dim, s.eps
 
         cos, sin = pool.rope(positions)  # [T, Hq+2Hkv, D] each
@@ -461,6 +442,30 @@ class NativeRunner(Runner):
             lane.filled = S + n
         logits = self.lm_head(rms_norm(x, self.norm, eps)) if need_logits else None  # [T, V]
         return split_scores(logits, features_of(self.taps, found), ns)
+
+    def _packed_inputs(self, lanes: list[NativeRunner], feeds: list[Feed], starts: list[int], ns: list[int]):
+        """What an eager packed forward over `lanes` (this runner's pool) needs: the cache grown
+        to fit, the new tokens and positions of every lane packed ([T] each), and the attention
+        over each lane's cache row (a single lane's cascade-capable one, or the padded one)."""
+        pool = self.pool
+        pool.fit(max(S + n for S, n in zip(starts, ns)), max(lane.row for lane in lanes) + 1)
+        if len(lanes) == 1:
+            feed = feeds[0]
+            attend = LaneAttention(
+                pool.kv,
+                self.row,
+                starts[0],
+                ns[0],
+                self.shape.heads,
+                feed.visible,
+                self.n_committed,
+                self.flash,
+                self.prefix_attention,
+            )
+            return feed.tokens, feed.positions, attend
+        rows, visibles = [lane.row for lane in lanes], [f.visible for f in feeds]
+        attend = PackedAttention(pool.kv, rows, starts, ns, self.shape.heads, visibles)
+        return torch.cat([f.tokens for f in feeds]), torch.cat([f.positions for f in feeds]), attend
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """[n] token ids -> [n, hidden]."""

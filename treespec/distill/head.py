@@ -17,16 +17,18 @@ at step 0 it already predicts what the target's late features say.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..backends.base import prefill_many
-from ..backends.head import HeadConfig, default_taps
+from ..backends.head import HeadConfig, default_taps, head_weight_shapes
 from .data import Dataset, load_shard
 
 DECAY = 0.8  # EAGLE-3: step j of the unrolled test weighs DECAY ** j
@@ -154,8 +156,6 @@ def init_head(target, taps, vocab_ids: list[int], intermediate_size: int | None 
         rope_theta=float(s.rope["rope_theta"]),
         max_position_embeddings=s.max_positions or 2048,
     )
-    from ..backends.head import head_weight_shapes
-
     g = torch.Generator().manual_seed(seed)
     ids = torch.tensor(sorted(vocab_ids))
     weights = {}
@@ -294,9 +294,6 @@ def distill_head(
     of training split into `evals` parts, each followed by a held-out acceptance measurement
     (the first run's held-out prompts, `eval_prompts` of them, `eval_tokens` each).
     Writes an EAGLE-3 checkpoint and head.json (recipe, data size, times, the curve) to `out_dir`."""
-    import json
-    from pathlib import Path
-
     from .. import loading
     from ..backends import bf16_kernels_enabled
     from ..backends.head import HeadRunner, save_head
