@@ -331,8 +331,8 @@ def test_a_full_stdout_is_one_line_not_a_traceback():
 
 
 def test_ctrl_c_while_loading_is_exit_130_not_a_traceback():
+    import select
     import signal
-    import time
 
     proc = subprocess.Popen(
         # HF's modules, no EOS, 480 tokens: still running after 1.5 s however fast the machine
@@ -345,7 +345,10 @@ def test_ctrl_c_while_loading_is_exit_130_not_a_traceback():
         # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    time.sleep(1.5)  # inside main(): torch and the models are loading, or generation runs
+    # inside main(): torch and the models are loading, or generation runs. Not later than the
+    # first streamed text: a fast machine (or a parallel test run's timing) could otherwise
+    # finish all 480 tokens before the signal
+    select.select([proc.stdout], [], [], 1.5)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "Traceback" not in err, err

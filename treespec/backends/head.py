@@ -224,7 +224,10 @@ def load_head(directory, target_layers: int | None = None) -> tuple[HeadConfig, 
         raise ValueError(f"no .safetensors file in {directory}")
     weights: dict[str, torch.Tensor] = {}
     for f in files:
-        weights.update(load_file(str(f)))
+        # owned copies: safetensors' tensors sit at arbitrary offsets of the file's buffer, and a
+        # CPU's BLAS may round a product differently for unaligned operands, so the same weights
+        # would not give the same logits bit for bit
+        weights.update({name: t.clone() for name, t in load_file(str(f)).items()})
     check_head_weights(cfg, weights)
     return cfg, weights
 
