@@ -588,3 +588,106 @@ def test_distill_head_trains_a_head_on_a_runs_data_that_loads_and_drafts(distill
         prompt, 8, tree=TreeConfig(2, 2), sampling=SamplingConfig(temperature=0), ignore_eos=True
     )
     assert spec.token_ids == plain.token_ids and spec.stats.draft_forwards > 0
+
+
+def test_a_head_run_resumed_after_interruptions_equals_the_uninterrupted_one(
+    distilled, tiny_target, tmp_path, monkeypatch
+):
+    """`distill --head --resume`: cut once while computing the features and once in training,
+    the head ends bit for bit as an uninterrupted run's, its evaluations redone once."""
+    from treespec.distill import head as head_module
+
+    target, _ = tiny_target
+    recipe = dict(
+        vocab_subset=40, steps=8, evals=2, eval_prompts=2, eval_tokens=4, dtype="float32",
+        checkpoint_minutes=0, progress=False, batch_size=4,
+    )  # fmt: skip
+    head_module.distill_head(target, tmp_path / "whole", distilled, **recipe)
+
+    def failing_after(n, real):
+        calls = [0]
+
+        def wrapped(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] > n:
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+
+        return wrapped
+
+    out = tmp_path / "cut"
+    monkeypatch.setattr(head_module, "FEATURE_CHUNK_TOKENS", 64)  # several chunks, one of them cut
+    monkeypatch.setattr(head_module, "prefill_many", failing_after(2, head_module.prefill_many))
+    with pytest.raises(KeyboardInterrupt):
+        head_module.distill_head(target, out, distilled, **recipe)
+    assert json.loads((out / "work" / "features.json").read_text())["done"] > 0
+    monkeypatch.undo()
+    monkeypatch.setattr(head_module, "head_loss", failing_after(5, head_module.head_loss))
+    with pytest.raises(KeyboardInterrupt):
+        head_module.distill_head(target, out, distilled, resume=True, **recipe)
+    assert torch.load(out / "work" / "head.pt", weights_only=False)["step"] == 5
+    monkeypatch.undo()
+    head_module.distill_head(target, out, distilled, resume=True, **recipe)
+
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "whole" / name).read_bytes() == (out / name).read_bytes(), name
+    np.testing.assert_array_equal(
+        np.load(tmp_path / "whole" / "work" / "features.npy"), np.load(out / "work" / "features.npy")
+    )
+    curve = json.loads((out / "head.json").read_text())["curve"]
+    assert [r["step"] for r in curve] == [0, 4, 8] and all("top1" in r["proxy"] for r in curve)
+    with pytest.raises(ValueError, match="resume cannot change lr"):
+        head_module.distill_head(target, out, distilled, resume=True, **{**recipe, "lr": 0.5})
+    with pytest.raises(ValueError, match="not empty"):
+        head_module.distill_head(target, out, distilled, **recipe)
+
+
+def test_cli_trains_a_head_with_its_own_recipe_flags(distilled, tiny_target, tmp_path, monkeypatch):
+    """`treespec distill --head`: the recipe flags a head has reach HeadRecipe (--target-dtype as
+    its dtype), the head's own ones too; a flag it has not (--layers) is ignored."""
+    from treespec.distill import head as head_module
+
+    seen = {}
+
+    def fake(target, out, data_from, minutes, resume=False, **recipe):
+        seen.update(recipe, minutes=minutes, resume=resume, data_from=data_from)
+        raise SystemExit
+
+    monkeypatch.setattr(head_module, "distill_head", fake)
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--target",
+            "T",
+            "--out",
+            "O",
+            "--head",
+            "--data-from",
+            str(distilled),
+            "--steps",
+            "7",
+            "--lr",
+            "0.01",
+        ]
+        + [
+            "--target-dtype",
+            "float32",
+            "--taps",
+            "0",
+            "1",
+            "--unroll",
+            "3",
+            "--freeze-lm-head",
+            "--layers",
+            "4",
+        ]
+    )
+    with pytest.raises(SystemExit):
+        cli.run(args)
+    assert seen == dict(
+        steps=7, lr=0.01, dtype="float32", taps=[0, 1], unroll=3, freeze_lm_head=True,
+        minutes=None, resume=False, data_from=[str(distilled)],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="unroll must be an integer >= 0"):
+        head_module.HeadRecipe(unroll=-1)

@@ -59,17 +59,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="train on the data of finished runs instead of making it (same target, prompts and data "
         "flags; several runs with distinct --seed: their samples together)",
     )
-    head = parser.add_argument_group("feature head (EAGLE-3), trained on --data-from's data")
+    head = parser.add_argument_group(
+        "feature head (EAGLE-3), trained on --data-from's data",
+        "with --head, the recipe flags below that a head has (--vocab-subset, --batch-size, --lr, "
+        "--steps, --epochs, --evals, --eval-prompts, --eval-tokens, --seed, --target-dtype, ...) keep "
+        "treespec.distill.head.HeadRecipe's defaults, not the draft's",
+    )
     head.add_argument(
         "--head",
         action="store_true",
         help="train a feature head that drafts from the target's hidden states, instead of a draft model",
     )
     head.add_argument(
-        "--unroll", type=int, default=2, help="training-time test: steps on the head's own states"
+        "--unroll", type=int, help="training-time test: steps on the head's own states (default 2)"
     )
     head.add_argument(
         "--taps", type=int, nargs="+", help="target layers read (default: EAGLE-3's 2, N/2, N-3)"
+    )
+    head.add_argument(
+        "--freeze-lm-head",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep the target's output rows as the head's LM head (default: trained)",
     )
     helps = _field_help()
     group = parser.add_argument_group("recipe")
@@ -123,26 +134,23 @@ def run(args: argparse.Namespace) -> None:
 
 
 def run_head(args: argparse.Namespace) -> None:
-    from .head import distill_head
+    from .head import HeadRecipe, distill_head
 
-    if not args.data_from or args.minutes is None:
+    if not args.data_from:
         raise ValueError(
-            "--head trains on the data of finished runs: give --data-from DIR (made by --data-only) "
-            "and --minutes"
+            "--head trains on the data of finished runs: give --data-from DIR (made by --data-only)"
         )
-    out = distill_head(
-        args.target,
-        args.out,
-        args.data_from,
-        args.minutes,
-        unroll=args.unroll,
-        taps=args.taps,
-        vocab_subset=args.vocab_subset or 8192,
-        batch_size=args.batch_size or 8,
-        lr=args.lr or 1e-3,
-        evals=args.evals or 4,
-        seed=args.seed or 0,
+    names = {f.name for f in fields(HeadRecipe)}
+    given = {"target_dtype": "dtype"}  # the draft recipe's flag for the target's dtype
+    recipe = {
+        given.get(f.name, f.name): getattr(args, f.name)
+        for f in fields(Recipe)
+        if given.get(f.name, f.name) in names and getattr(args, f.name) is not None
+    }
+    recipe.update(
+        {k: getattr(args, k) for k in ("unroll", "taps", "freeze_lm_head") if getattr(args, k) is not None}
     )
+    out = distill_head(args.target, args.out, args.data_from, args.minutes, resume=args.resume, **recipe)
     summary = json.loads((out / "head.json").read_text())
     final = summary["curve"][-1]
     t0, t1 = final["T0"]["acceptance_by_depth"][0], final["T1"]["acceptance_by_depth"][0]

@@ -1,14 +1,24 @@
 """Training a feature head (EAGLE-3) for a target, on `treespec distill`'s on-policy data.
 
-    features   one teacher-forced pass of the target over every stored sequence, its taps kept
-               (the inputs of layers {2, N/2, N-3}, bf16): the only target forwards of training
+    treespec distill --head --target T --out DIR --data-from RUN [RUN ...] --minutes M [--resume]
+
+    features   one teacher-forced pass of the target over every stored sequence, its taps (the
+               inputs of layers {2, N/2, N-3}) kept in bf16 in a memory-mapped file
+               (out/work/features.npy), resumable chunk by chunk: the only target forwards of
+               training
     train      the head reads (f_t, token t+1) and learns the target's distribution of token t+2
-               (the stored top-k, restricted to the head's rows), then again on its OWN output
-               states for `unroll` more steps (EAGLE-3's training-time test): step j's slot t
-               reads step j-1's state at slot t-1 and attends to the target-fed slots <= t-j and
-               its own chain of unrolled slots, exactly what a node j levels below the root sees
-               when drafting. Step j's loss weighs 0.8^j.
-    save       an EAGLE-3 checkpoint (`treespec.backends.head.save_head`)
+               (forward KL on the stored top-k and its tail, as a draft model learns it:
+               `losses.buckets`), then again on its OWN output states for `unroll` more steps
+               (EAGLE-3's training-time test): step j's slot t reads step j-1's state at slot
+               t-1 and attends to the target-fed slots <= t-j and its own chain of unrolled
+               slots, exactly what a node j levels below the root sees when drafting; step j's
+               loss weighs 0.8^j. The loop is the draft's (`train.train_model`): seeded order,
+               warm-up then cosine over the step count or the time budget, checkpoints, a resume
+               that reproduces the uninterrupted run bit for bit, a progress bar
+    evaluate   at step 0 and `evals` times: held-out acceptance by depth through
+               `SpeculativeDecoder` (a chain of depth 4, T=0 and T=1) and the proxy on held-out
+               stored distributions (top-1 agreement, sum of min(p, q)): eval.jsonl
+    save       an EAGLE-3 checkpoint (`treespec.backends.head.save_head`) and head.json
 
 The head starts as a copy of the target's last stage: its LM head is the target's output rows
 of the draft vocabulary, its final norm the target's, and fc passes the last tap through, so
@@ -20,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -30,38 +40,154 @@ import torch.nn.functional as F
 from ..backends.base import prefill_many
 from ..backends.head import HeadConfig, default_taps, head_weight_shapes
 from .data import Dataset, load_shard
+from .evaluate import read_jsonl
+from .losses import alpha_lower_bound, buckets, divergence
+from .train import Clock, Job, train_model
 
 DECAY = 0.8  # EAGLE-3: step j of the unrolled test weighs DECAY ** j
+FEATURE_CHUNK_TOKENS = 4096  # target tokens per features forward (packed lanes)
 
 
-def target_features(target, data: Dataset, taps, max_tokens: int = 4096) -> torch.Tensor:
-    """The target's tapped features at every stored token, [T, len(taps) * H] bf16, aligned with
-    `data.tokens`: sequences prefilled as packed lanes of a native runner, `max_tokens` a forward."""
-    target.set_taps(taps)
+@dataclass(frozen=True)
+class HeadRecipe:
+    """Every knob of `treespec distill --head`; recorded in head.json, fixed for a resumed run
+    (but the machine fields: `progress`, `threads`, `checkpoint_minutes`)."""
+
+    taps: tuple[int, ...] | None = None  # target layers read (None: EAGLE-3's 2, N/2, N-3)
+    unroll: int = 2  # training-time test: steps on the head's own output states
+    vocab_subset: int = 8192  # the head's rows: the ids the target emits most in the data
+    freeze_lm_head: bool = False  # keep the target's output rows as the head's LM head
+    batch_size: int = 8  # sequences per step
+    lr: float = 1e-3  # peak AdamW learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    warmup_steps: int = 20  # linear warm-up, then cosine decay to min_lr_ratio x lr
+    min_lr_ratio: float = 0.1  # final learning rate / peak
+    grad_clip: float = 1.0  # max gradient norm
+    steps: int | None = None  # optimizer steps (None: what fits in --minutes, else `epochs`)
+    epochs: float = 1.0  # passes over the data when neither --minutes nor --steps is given
+    evals: int = 4  # held-out evaluations during training (plus one at step 0)
+    eval_prompts: int = 16  # held-out prompts decoded per evaluation
+    eval_tokens: int = 48  # new tokens per held-out prompt
+    dtype: str = "bfloat16"  # the target's dtype for its features and the evaluations
+    seed: int = 0  # data order and the layer's initialisation
+    checkpoint_minutes: float = 2.0  # minutes between checkpoints (0: after every step)
+    threads: int | None = None  # torch CPU threads (None: torch's default)
+    progress: bool = True  # a tqdm progress bar
+
+    MACHINE = ("progress", "threads", "checkpoint_minutes")
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_subset",
+            "batch_size",
+            "evals",
+            "eval_prompts",
+            "eval_tokens",
+            "steps",
+            "threads",
+        ):
+            v = getattr(self, name)
+            if v is None and name in ("steps", "threads"):
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "evals" else 1):
+                raise ValueError(f"{name} must be an integer >= {0 if name == 'evals' else 1}, got {v!r}")
+        if not isinstance(self.unroll, int) or isinstance(self.unroll, bool) or self.unroll < 0:
+            raise ValueError(f"unroll must be an integer >= 0, got {self.unroll!r}")
+        for name in ("lr", "weight_decay", "min_lr_ratio", "grad_clip", "epochs", "checkpoint_minutes"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if self.lr <= 0 or self.epochs <= 0 or self.min_lr_ratio > 1:
+            raise ValueError("lr and epochs must be > 0 and min_lr_ratio <= 1")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.taps is not None and (
+            not self.taps or not all(isinstance(t, int) and t >= 0 for t in self.taps)
+        ):
+            raise ValueError(f"taps must be target layer numbers >= 0, got {self.taps!r}")
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["taps"] = None if self.taps is None else list(self.taps)
+        return out
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict) -> HeadRecipe:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown head recipe option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        if kwargs.get("taps") is not None:
+            kwargs = {**kwargs, "taps": tuple(kwargs["taps"])}
+        return cls(**kwargs)
+
+
+# ---- the target's features --------------------------------------------------------------------
+class Features:
+    """The target's tapped features at every stored token, [T, F] bf16, aligned with the data's
+    `tokens`, in a memory-mapped .npy file (bf16 bits as uint16): 3 x 576 x 2 bytes a token for
+    SmolLM2's three taps, so millions of tokens stay on disk and in the page cache."""
+
+    def __init__(self, path: Path, shape: tuple[int, int] | None = None):
+        mode = "r+" if shape is None else "w+"
+        self.array = np.lib.format.open_memmap(path, mode=mode, dtype=np.uint16, shape=shape)
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(self.array[rows])).view(torch.bfloat16)
+
+    def write(self, start: int, values: torch.Tensor) -> None:
+        self.array[start : start + len(values)] = values.to(torch.bfloat16).view(torch.uint16).numpy()
+
+    def flush(self) -> None:
+        self.array.flush()
+
+
+def compute_features(target, data: Dataset, taps, store, done: int = 0, on_chunk=None) -> None:
+    """The target's tapped features of `data`'s sequences from sequence `done` on, written into
+    `store` (a `Features`, or anything with `write(start, tensor)`), sequences prefilled as
+    packed native lanes, `FEATURE_CHUNK_TOKENS` a forward; `on_chunk(sequences_done)` after each."""
+    target.set_taps(tuple(taps))
     seqs = data.sequences()
-    out = []
-    i = 0
-    while i < len(seqs):
-        n, total = 0, 0
-        while i + n < len(seqs) and (n == 0 or total + len(seqs[i + n]) <= max_tokens):
-            total += len(seqs[i + n])
-            n += 1
-        lanes = target.lanes(n)
-        scores = prefill_many([(lane, seq.tolist()) for lane, seq in zip(lanes, seqs[i : i + n])])
-        out.extend(s.features.to(torch.bfloat16) for s in scores)
-        i += n
-    target.set_taps(())
-    return torch.cat(out)
+    try:
+        i = done
+        while i < len(seqs):
+            n, total = 0, 0
+            while i + n < len(seqs) and (n == 0 or total + len(seqs[i + n]) <= FEATURE_CHUNK_TOKENS):
+                total += len(seqs[i + n])
+                n += 1
+            scores = prefill_many([(lane, s.tolist()) for lane, s in zip(target.lanes(n), seqs[i : i + n])])
+            store.write(int(data.offsets[i]), torch.cat([s.features for s in scores]))
+            i += n
+            if on_chunk is not None:
+                on_chunk(i)
+    finally:
+        target.set_taps(())
 
 
+class _InMemory:
+    def __init__(self, tokens: int, width: int):
+        self.values = torch.zeros(tokens, width, dtype=torch.bfloat16)
+
+    def write(self, start: int, values: torch.Tensor) -> None:
+        self.values[start : start + len(values)] = values.to(torch.bfloat16)
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        return self.values[rows]
+
+
+# ---- the model ---------------------------------------------------------------------------------
 class HeadModel(torch.nn.Module):
     """The head's weights as trainable parameters (EAGLE-3 names), the target's embedding frozen."""
 
     def __init__(self, cfg: HeadConfig, embed: torch.Tensor, weights: dict[str, torch.Tensor]):
         super().__init__()
         self.cfg = cfg
-        self.register_buffer("embed", embed.float())
-        self.register_buffer("ids", torch.arange(cfg.draft_vocab_size) + weights["d2t"].long())
+        self.register_buffer("embed", embed.float(), persistent=False)
+        self.register_buffer(
+            "ids", torch.arange(cfg.draft_vocab_size) + weights["d2t"].long(), persistent=False
+        )
         self.names = [n for n in weights if n not in ("d2t", "t2d")]
         self.params = torch.nn.ParameterDict(
             {n.replace(".", "__"): torch.nn.Parameter(weights[n].float().clone()) for n in self.names}
@@ -176,26 +302,30 @@ def init_head(target, taps, vocab_ids: list[int], intermediate_size: int | None 
     return cfg, weights
 
 
+# ---- batches and the loss -----------------------------------------------------------------------
 @dataclass
 class HeadBatch:
     features: torch.Tensor  # [B, L, F] slot t: the target's features at position t
     tokens: torch.Tensor  # [B, L] slot t: token t + 1
     where: tuple[torch.Tensor, torch.Tensor]  # ([M] sequence, [M] slot): slots with a target
     rows: torch.Tensor  # [M, k] draft rows of the target's top-k at token t + 2 (-1: not a row)
-    probs: torch.Tensor  # [M, k] their probabilities, renormalised over the draft rows
+    probs: torch.Tensor  # [M, k] their stored probabilities (the tail is 1 - their sum)
 
 
-def head_batch(data: Dataset, features: torch.Tensor, seqs, rows_mask: np.ndarray, row_of: torch.Tensor):
+def head_batch(data: Dataset, features, seqs, rows_mask: np.ndarray, row_of: torch.Tensor) -> HeadBatch:
     """Sequences `seqs` as head slots: slot t of a sequence of n tokens reads (f_t, x_{t+1}),
     t < n - 1, and learns the stored distribution of x_{t+2} where `rows_mask` keeps its row."""
     lengths = [int(data.offsets[s + 1] - data.offsets[s]) - 1 for s in seqs]  # slots per sequence
     B, L = len(seqs), max(lengths)
-    feats = torch.zeros(B, L, features.shape[1], dtype=features.dtype)
+    feats = None
     tokens = torch.zeros(B, L, dtype=torch.long)
     which, slot, rows = [], [], []
     for b, (s, n) in enumerate(zip(seqs, lengths)):
         a = int(data.offsets[s])
-        feats[b, :n] = features[a : a + n]
+        f = features[a : a + n]
+        if feats is None:
+            feats = torch.zeros(B, L, f.shape[1], dtype=f.dtype)
+        feats[b, :n] = f
         tokens[b, :n] = torch.from_numpy(data.tokens[a + 1 : a + 1 + n].astype(np.int64))
         first = a - s  # the sequence's first stored row: the distribution of token 1
         ts = np.arange(n - 1)  # slot t's target is row first + t + 1 (token t + 2)
@@ -206,186 +336,242 @@ def head_batch(data: Dataset, features: torch.Tensor, seqs, rows_mask: np.ndarra
     rows = np.concatenate(rows)
     ids = torch.from_numpy(data.topk_ids[rows].astype(np.int64))
     probs = torch.from_numpy(data.topk_probs[rows].astype(np.float32))
-    draft_rows = row_of[ids]  # [M, k]
-    probs = torch.where(draft_rows >= 0, probs, 0.0)
-    probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-9)
     where = (torch.from_numpy(np.concatenate(which)), torch.from_numpy(np.concatenate(slot)))
-    return HeadBatch(feats, tokens, where, draft_rows, probs)
+    return HeadBatch(feats, tokens, where, row_of[ids.clamp_min(0)].masked_fill(ids < 0, -1), probs)
 
 
 def head_loss(model: HeadModel, batch: HeadBatch, unroll: int) -> tuple[torch.Tensor, list[float]]:
-    """Sum over steps j of DECAY^j x the cross-entropy of the head's q against the target's
-    stored distribution (over the draft rows), at slots t >= j; and each step's top-1 agreement."""
+    """Sum over steps j of DECAY^j x the forward KL of the head's q from the target's stored
+    distribution (its top-k over the head's rows and the rest, `losses.buckets`), at slots
+    t >= j; and each step's top-1 agreement."""
     logits = model(batch.features, batch.tokens, unroll)
     b, t = batch.where
-    rows = batch.rows.clamp_min(0)
     total, agree = 0.0, []
     for j, lg in enumerate(logits):
         keep = t >= j
-        sel = lg[b[keep], t[keep]].float()  # [M_j, K]
-        logq = sel.gather(1, rows[keep]) - torch.logsumexp(sel, -1, keepdim=True)  # [M_j, k]
-        ce = -(batch.probs[keep] * logq).sum(-1).mean()
-        total = total + DECAY**j * ce
-        best = batch.rows[keep].gather(1, batch.probs[keep].argmax(-1, keepdim=True))[:, 0]
-        agree.append(float((sel.argmax(-1) == best).float().mean()))
+        logq = torch.log_softmax(lg[b[keep], t[keep]].float(), -1)  # [M_j, K]
+        rows = batch.rows[keep]
+        P, Q, logQ = buckets(logq, rows, batch.probs[keep], rows >= 0)
+        total = total + DECAY**j * divergence("kl", P, Q, logQ).mean()
+        best = rows.gather(1, batch.probs[keep].argmax(-1, keepdim=True))[:, 0]
+        agree.append(float((logq.argmax(-1) == best).float().mean()))
     return total, agree
 
 
-def train_head(
-    model: HeadModel,
-    data: Dataset,
-    features: torch.Tensor,
-    row_of: torch.Tensor,
-    unroll: int,
-    seconds: float,
-    batch_size: int = 8,
-    lr: float = 1e-3,
-    seed: int = 0,
-    log=None,
-    bf16: bool = False,
-) -> dict:
-    """AdamW on the response slots for `seconds` of wall time (cosine schedule over that
-    budget, by elapsed time); `log(step, loss, agree)` now and then. `bf16`: products under
-    bf16 autocast (fp32 master weights; 2.4x faster a step where the CPU has AMX)."""
-    rows_mask = data.row_mask(train_on_prompt=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
-    rng = np.random.default_rng(seed)
-    order, step, t0 = [], 0, time.time()
-    losses = []
-    while time.time() - t0 < seconds:
-        if len(order) < batch_size:
-            order = list(rng.permutation(len(data))) + order
-        seqs, order = order[:batch_size], order[batch_size:]
-        frac = min(1.0, (time.time() - t0) / seconds)
-        for group in opt.param_groups:
-            group["lr"] = lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss, agree = head_loss(model, head_batch(data, features, seqs, rows_mask, row_of), unroll)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(float(loss.detach()))
-        step += 1
-        if log is not None and step % 25 == 0:
-            log(step, float(np.mean(losses[-25:])), agree)
-    return {"steps": step, "seconds": round(time.time() - t0, 1), "final_loss": float(np.mean(losses[-25:]))}
-
-
-def distill_head(
-    target,
-    out_dir,
-    data_from,
-    minutes: float,
-    unroll: int = 2,
-    taps=None,
-    vocab_subset: int = 8192,
-    batch_size: int = 8,
-    lr: float = 1e-3,
-    evals: int = 4,
-    eval_prompts: int = 16,
-    eval_tokens: int = 48,
-    dtype: str = "bfloat16",
-    seed: int = 0,
-    progress: bool = True,
-):
-    """Train a head for `target` (GGUF file, directory or hub id) on the data of finished
-    `treespec distill --data-only` runs (`data_from`: their output directories), for `minutes`
-    of training split into `evals` parts, each followed by a held-out acceptance measurement
-    (the first run's held-out prompts, `eval_prompts` of them, `eval_tokens` each).
-    Writes an EAGLE-3 checkpoint and head.json (recipe, data size, times, the curve) to `out_dir`."""
-    from .. import loading
-    from ..backends import bf16_kernels_enabled
-    from ..backends.head import HeadRunner, save_head
-    from .evaluate import acceptance
-    from .pipeline import choose_subset
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    t_start = time.time()
-    runs = [Path(d) for d in ([data_from] if isinstance(data_from, (str, Path)) else data_from)]
-    shards = []
-    for run in runs:
-        meta = json.loads((run / "work" / "data" / "meta.json").read_text())
-        shards += [
-            load_shard(run / "work" / "data" / f"shard_{i:05d}.safetensors") for i in range(meta["shards"])
-        ]
-    data = Dataset(shards)
-    device = loading.resolve_device(None)
-    target_runner = loading.load_runner(
-        target, loading.resolve_dtype(dtype, device, "target"), device, "native"
-    )
-    tokenizer = loading.load_tokenizer(target)
-    s = target_runner.shape
-    taps = default_taps(s.layers) if taps is None else tuple(taps)
-    t0 = time.time()
-    features = target_features(target_runner, data, taps)
-    feature_seconds = time.time() - t0
-    mass = data.token_mass(s.vocab)
-    vocab_ids = choose_subset(mass, vocab_subset, sorted(target_runner.eos_token_ids))
-    cfg, weights = init_head(target_runner, taps, vocab_ids, seed=seed)
-    model = HeadModel(cfg, target_runner.embed.detach(), weights)
-    row_of = torch.full((s.vocab,), -1, dtype=torch.long)
-    row_of[torch.tensor(vocab_ids)] = torch.arange(len(vocab_ids))
-    held = Dataset([load_shard(runs[0] / "work" / "data" / "heldout.safetensors")]).prompts()[:eval_prompts]
-    curve, steps, log_lines = [], 0, []
-
-    def evaluate(step: int) -> dict:
-        head = HeadRunner(cfg, model.state(), target_runner.embed.detach(), dtype=torch.float32)
-        acc = acceptance(target_runner, tokenizer, head, held, eval_tokens)
-        point = {"step": step, "seconds": round(time.time() - t_start, 1), **acc}
-        curve.append(point)
-        if progress:
-            print(
-                f"step {step}: T=0 {acc['T0']['acceptance_by_depth']} tau {acc['T0']['tokens_per_step']}; "
-                f"T=1 {acc['T1']['acceptance_by_depth']} tau {acc['T1']['tokens_per_step']}",
-                flush=True,
-            )
-        return point
-
-    def log(step, loss, agree):
-        line = f"step {steps + step}: loss {loss:.3f}, top-1 agreement by step {[round(a, 3) for a in agree]}"
-        log_lines.append(line)
-        if progress:
-            print(line, flush=True)
-
-    bf16 = bf16_kernels_enabled()  # AMX / AVX512-BF16: train under bf16 autocast
-    evaluate(0)
-    train_seconds = 0.0
-    for part in range(evals):
-        info = train_head(
-            model, data, features, row_of, unroll, minutes * 60 / evals, batch_size, lr, seed + part, log
+@torch.no_grad()
+def head_proxy(model: HeadModel, data: Dataset, features, row_of: torch.Tensor, batch_size: int = 8) -> dict:
+    """{"alpha": mean sum over the stored top-k of min(p, q), "top1": argmax agreement} of the
+    head's first step on `data`'s response rows (no target forward: the stored distributions)."""
+    rows_mask = data.response_rows()
+    alpha, top1, n = 0.0, 0.0, 0
+    for start in range(0, len(data), batch_size):
+        batch = head_batch(
+            data, features, list(range(start, min(len(data), start + batch_size))), rows_mask, row_of
         )
-        steps += info["steps"]
-        train_seconds += info["seconds"]
-        evaluate(steps)
-    save_head(
-        out, cfg, {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in model.state().items()}
-    )
-    summary = {
+        b, t = batch.where
+        logq = torch.log_softmax(model(batch.features, batch.tokens, 0)[0][b, t].float(), -1)
+        P, Q, _ = buckets(logq, batch.rows, batch.probs, batch.rows >= 0)
+        alpha += float(alpha_lower_bound(P, Q).sum())
+        top1 += float((logq.argmax(-1) == batch.rows[:, 0]).sum())
+        n += len(P)
+    return {"alpha": round(alpha / n, 4), "top1": round(top1 / n, 4)}
+
+
+# ---- the run ----------------------------------------------------------------------------------
+def distill_head(
+    target, out_dir, data_from, minutes: float | None = None, resume: bool = False, **recipe
+) -> Path:
+    """Train a feature head for `target` (GGUF file, directory or hub id) on the data of finished
+    `treespec distill` runs (`data_from`: their output directories, e.g. `--data-only` runs),
+    for `minutes` of training (or `steps`, or `epochs`), evaluated on the first run's held-out
+    prompts. Writes an EAGLE-3 checkpoint, head.json and eval.jsonl to `out_dir`; `resume`
+    continues an interrupted run there. `recipe`: `HeadRecipe` fields."""
+    if minutes is not None and (
+        isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or minutes <= 0
+    ):
+        raise ValueError(f"minutes must be a number > 0 (or None: steps or epochs decide), got {minutes!r}")
+    rec = HeadRecipe.from_kwargs(recipe)
+    runs = [Path(d) for d in ([data_from] if isinstance(data_from, (str, Path)) else data_from)]
+    for run in runs:
+        meta = run / "work" / "data" / "meta.json"
+        if not meta.is_file() or not json.loads(meta.read_text()).get("complete"):
+            raise ValueError(f"data_from: {run} holds no finished distill data (make it with --data-only)")
+    out = Path(out_dir)
+    work = out / "work"
+    record = {
         "target": str(target),
         "data_from": [str(r) for r in runs],
-        "recipe": {
-            "taps": list(taps),
-            "unroll": unroll,
-            "vocab_subset": vocab_subset,
-            "batch_size": batch_size,
-            "lr": lr,
-            "minutes": minutes,
-            "dtype": dtype,
-            "bf16_autocast": bf16,
-            "seed": seed,
-        },
-        "data": {
-            "sequences": len(data),
-            "response_positions": int(data.response_rows().sum()),
-            "feature_seconds": round(feature_seconds, 1),
-        },
-        "steps": steps,
-        "train_seconds": round(train_seconds, 1),
-        "total_seconds": round(time.time() - t_start, 1),
-        "params": sum(p.numel() for p in model.parameters()),
-        "curve": curve,
+        "minutes": minutes,
+        "recipe": rec.as_dict(),
     }
-    (out / "head.json").write_text(json.dumps(summary, indent=1) + "\n")
-    return out
+    if resume:
+        if not (work / "run.json").is_file():
+            raise ValueError(f"nothing to resume in {out}: no work/run.json (start without resume)")
+        stored = json.loads((work / "run.json").read_text())
+        differ = [k for k in ("target", "data_from", "minutes") if stored[k] != record[k]]
+        differ += [
+            k for k, v in record["recipe"].items() if k not in HeadRecipe.MACHINE and stored["recipe"][k] != v
+        ]
+        if differ:
+            raise ValueError(f"resume cannot change {', '.join(differ)} (start a new run instead)")
+    elif out.exists() and any(out.iterdir()):
+        raise ValueError(f"the output directory {str(out)!r} is not empty; pass resume=True or use a new one")
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "run.json").write_text(json.dumps(record, indent=1) + "\n")
+    return _HeadRun(target, out, runs, minutes, rec).execute()
+
+
+class _HeadRun:
+    def __init__(self, target, out: Path, runs: list[Path], minutes, rec: HeadRecipe):
+        self.target, self.out, self.runs, self.minutes, self.rec = target, out, runs, minutes, rec
+        self.work = out / "work"
+        self.eval_path = out / "eval.jsonl"
+
+    def execute(self) -> Path:
+        from .. import loading
+        from ..backends import bf16_kernels_enabled
+        from ..backends.head import save_head
+        from .pipeline import choose_subset
+
+        rec, t_start = self.rec, time.time()
+        if rec.threads is not None:
+            torch.set_num_threads(rec.threads)
+        shards = []
+        for run in self.runs:
+            meta = json.loads((run / "work" / "data" / "meta.json").read_text())
+            data_dir = run / "work" / "data"
+            shards += [load_shard(data_dir / f"shard_{i:05d}.safetensors") for i in range(meta["shards"])]
+        data = Dataset(shards)
+        held = Dataset([load_shard(self.runs[0] / "work" / "data" / "heldout.safetensors")])
+        device = loading.resolve_device(None)
+        self.target_runner = loading.load_runner(
+            self.target, loading.resolve_dtype(rec.dtype, device, "target"), device, "native"
+        )
+        self.tokenizer = loading.load_tokenizer(self.target)
+        s = self.target_runner.shape
+        taps = default_taps(s.layers) if rec.taps is None else rec.taps
+        if max(taps) > s.layers:
+            raise ValueError(f"taps {list(taps)} name layers beyond the target's {s.layers}")
+        features, feature_seconds = self._features(data, taps)
+        held_features = _InMemory(len(held.tokens), len(taps) * s.hidden)
+        compute_features(self.target_runner, held, taps, held_features)
+        vocab_ids = choose_subset(
+            data.token_mass(s.vocab), rec.vocab_subset, sorted(self.target_runner.eos_token_ids)
+        )
+        cfg, weights = init_head(self.target_runner, taps, vocab_ids, seed=rec.seed)
+        model = HeadModel(cfg, self.target_runner.embed.detach(), weights)
+        if rec.freeze_lm_head:
+            model.w("lm_head.weight").requires_grad_(False)
+        row_of = torch.full((s.vocab,), -1, dtype=torch.long)
+        row_of[torch.tensor(vocab_ids)] = torch.arange(len(vocab_ids))
+        self.eval_ids = held.prompts()[: rec.eval_prompts]
+        rows_mask = data.row_mask(train_on_prompt=False)
+        bf16 = bf16_kernels_enabled()  # AVX512-BF16 / AMX: the products under bf16 autocast
+
+        def loss(seqs):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                return head_loss(model, head_batch(data, features, seqs, rows_mask, row_of), rec.unroll)[0]
+
+        def evaluate(m, step, mean_loss):
+            return self._evaluate(m, cfg, held, held_features, row_of, step, mean_loss)
+
+        clock = Clock.load(self.work / "clock.json", None if self.minutes is None else self.minutes * 60)
+        self._prune_eval_log()
+        job = Job(
+            n_sequences=len(data), recipe=rec, loss=loss, index=0, checkpoint=self.work / "head.pt",
+            clock=clock, until=clock.budget, evaluate=evaluate, progress=self._bar if rec.progress else None,
+            name="head",
+        )  # fmt: skip
+        summary = train_model(model, job)
+        save_head(
+            self.out,
+            cfg,
+            {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in model.state().items()},
+        )
+        head = {
+            "target": str(self.target),
+            "data_from": [str(r) for r in self.runs],
+            "recipe": {**rec.as_dict(), "taps": list(taps), "bf16_autocast": bf16},
+            "data": {
+                "sequences": len(data),
+                "tokens": len(data.tokens),
+                "response_positions": int(data.response_rows().sum()),
+                "feature_seconds": feature_seconds,
+            },
+            **summary,
+            "total_seconds": round(time.time() - t_start, 1),
+            "curve": read_jsonl(self.eval_path),
+        }
+        (self.out / "head.json").write_text(json.dumps(head, indent=1) + "\n")
+        return self.out
+
+    def _features(self, data: Dataset, taps) -> tuple[Features, float]:
+        """The data's features on disk: computed (or continued) once, then read."""
+        path, state_path = self.work / "features.npy", self.work / "features.json"
+        width = len(taps) * self.target_runner.shape.hidden
+        state = json.loads(state_path.read_text()) if state_path.is_file() else None
+        if state is None or state["taps"] != list(taps) or state["tokens"] != len(data.tokens):
+            state = {"taps": list(taps), "tokens": len(data.tokens), "done": 0, "seconds": 0.0}
+            store = Features(path, (len(data.tokens), width))
+        else:
+            store = Features(path)
+        if state["done"] < len(data):
+            bar = (
+                self._bar(total=len(data), initial=state["done"], desc="features", unit="seq")
+                if self.rec.progress
+                else None
+            )
+            t0 = time.time()
+
+            def on_chunk(done: int) -> None:  # flushed, then recorded: a cut run resumes here
+                nonlocal t0
+                store.flush()
+                state.update(done=done, seconds=round(state["seconds"] + time.time() - t0, 1))
+                t0 = time.time()
+                state_path.write_text(json.dumps(state) + "\n")
+                if bar is not None:
+                    bar.update(done - bar.n)
+
+            compute_features(self.target_runner, data, taps, store, state["done"], on_chunk)
+            if bar is not None:
+                bar.close()
+        return store, state["seconds"]
+
+    def _evaluate(self, model, cfg, held, held_features, row_of, step: int, mean_loss) -> dict:
+        from ..backends.head import HeadRunner
+        from .evaluate import acceptance
+
+        t0 = time.time()
+        model.eval()
+        head = HeadRunner(cfg, model.state(), self.target_runner.embed.detach(), dtype=torch.float32)
+        record = {
+            "step": step,
+            "loss": None if mean_loss is None else round(mean_loss, 4),
+            "proxy": head_proxy(model, held, held_features, row_of),
+            **acceptance(self.target_runner, self.tokenizer, head, self.eval_ids, self.rec.eval_tokens),
+        }
+        model.train()
+        record["eval_seconds"] = round(time.time() - t0, 2)
+        with self.eval_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.rec.progress:
+            a0, a1 = record["T0"]["acceptance_by_depth"], record["T1"]["acceptance_by_depth"]
+            print(
+                f"head step {step}: acceptance by depth T=0 {a0}, T=1 {a1}; proxy {record['proxy']}",
+                flush=True,
+            )
+        return record
+
+    def _prune_eval_log(self) -> None:
+        """Drop evaluations a resumed run will redo: past the last checkpoint."""
+        rows = read_jsonl(self.eval_path)
+        if rows:
+            path = self.work / "head.pt"
+            last = torch.load(path, weights_only=False)["step"] if path.is_file() else -1
+            self.eval_path.write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= last))
+
+    @staticmethod
+    def _bar(**kwargs):
+        from tqdm.auto import tqdm
+
+        return tqdm(**kwargs)

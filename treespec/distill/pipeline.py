@@ -29,7 +29,7 @@ from .evaluate import acceptance, merged_acceptance, plot, proxy, read_jsonl
 from .model import build_draft, draft_runner, load_draft, load_draft_runner, save_draft
 from .prompts import Rendered, bundled_prompts, check_renderable, load_prompt_file, split_heldout
 from .recipe import Recipe
-from .train import Clock, Job, rejection_weights, train_draft
+from .train import Clock, Job, draft_loss, rejection_weights, train_model
 
 # recipe fields a resumed run may change: they do not alter what is computed
 MACHINE_FIELDS = ("progress", "threads", "checkpoint_minutes")
@@ -356,11 +356,12 @@ class _Run:
         if self.clock.budget is not None:
             until = self.clock.elapsed() + (self.clock.budget - self.clock.elapsed()) / (rec.drafts - i)
         job = Job(
-            data=data, vocab_map=vocab_map, recipe=rec, index=i, checkpoint=self.work / f"draft_{i + 1}.pt",
-            clock=self.clock, until=until, weights=weights, progress=self._bar,
+            n_sequences=len(data), recipe=rec, loss=draft_loss(draft, data, vocab_map, rec, weights),
+            index=i, checkpoint=self.work / f"draft_{i + 1}.pt", clock=self.clock, until=until,
             evaluate=lambda model, step, loss: self._evaluate(i, model, vocab_map, step, loss),
+            progress=self._bar,
         )  # fmt: skip
-        summary = train_draft(draft, job)
+        summary = train_model(draft, job)
         directory = self._draft_dir(i)
         save_draft(draft, directory, self.target, self.tokenizer, vocab_map, rec.save_dtype)
         if not any(r["draft"] == i + 1 and r.get("final") for r in read_jsonl(self.eval_path)):

@@ -1,5 +1,8 @@
-"""Training one draft on the stored distributions: deterministic, budgeted, resumable.
+"""Training one draft (or a feature head) on the stored distributions: deterministic,
+budgeted, resumable.
 
+`train_model(model, job)` is the loop; `job.loss(sequences)` is what a step minimises (a draft's
+divergence from the stored top-k: `draft_loss`; a feature head's: `treespec.distill.head`).
 Everything a step does is a function of the step number and the checkpointed state:
 the sequences of step s are entries s*B .. s*B+B-1 of the concatenated per-epoch
 permutations (seeded by the recipe seed, the draft index and the epoch), the learning rate
@@ -147,20 +150,29 @@ def eval_steps(total: int, evals: int) -> set[int]:
     return {max(1, round(total * j / evals)) for j in range(1, evals + 1)}
 
 
+def draft_loss(draft, data: Dataset, vocab_map: VocabMap | None, recipe, weights: np.ndarray | None):
+    """A step's loss for a draft model: the recipe's divergence at the loss rows of the step's
+    sequences (per-row `weights` [R] for boost-tuning, None: uniform)."""
+    rows = data.row_mask(recipe.train_on_prompt)
+    w = None if weights is None else torch.from_numpy(weights)
+    return lambda seqs: batch_loss(draft, data.batch(seqs, rows), vocab_map, recipe.loss, w)
+
+
 @dataclass
 class Job:
-    """What `train_draft` needs besides the model."""
+    """What `train_model` needs besides the model."""
 
-    data: Dataset
-    vocab_map: VocabMap | None
-    recipe: object  # the Recipe
+    n_sequences: int  # the data's sequences (a step trains on `recipe.batch_size` of them)
+    recipe: object  # lr, warmup_steps, min_lr_ratio, grad_clip, weight_decay, batch_size, steps,
+    # epochs, seed, evals, checkpoint_minutes (a `Recipe`, or a `HeadRecipe`)
+    loss: Callable[[list[int]], torch.Tensor]  # the mean loss over a step's sequences (indices)
     index: int  # 0 for the first draft, i for the (i+1)-th boost-tuned one
     checkpoint: Path
     clock: Clock
-    until: float | None  # clock.elapsed() at which this draft's budget share ends (None: no budget)
-    evaluate: Callable  # (draft, step, mean loss since the last evaluation or None) -> eval record
-    weights: np.ndarray | None = None  # [R] per-row loss weights (boost-tuning), None: uniform
+    until: float | None  # clock.elapsed() at which this model's budget share ends (None: no budget)
+    evaluate: Callable  # (model, step, mean loss since the last evaluation or None) -> eval record
     progress: Callable | None = None  # tqdm factory, or None
+    name: str = "draft"  # the progress bar's label
 
 
 def _save(path: Path, state: dict) -> None:
@@ -186,14 +198,13 @@ def fixed_total(recipe, n_sequences: int, budgeted: bool) -> int | None:
     return None if budgeted else max(1, math.ceil(recipe.epochs * n_sequences / recipe.batch_size))
 
 
-def train_draft(draft, job: Job) -> dict:
-    """Train `draft` in place (resuming from `job.checkpoint` if it exists); its summary."""
-    recipe, data = job.recipe, job.data
+def train_model(draft, job: Job) -> dict:
+    """Train `draft` (a draft model or a feature head) in place, resuming from `job.checkpoint`
+    if it exists; its summary."""
+    recipe = job.recipe
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=recipe.lr, betas=(0.9, 0.95), weight_decay=recipe.weight_decay)
-    weights = None if job.weights is None else torch.from_numpy(job.weights)
-    rows = data.row_mask(recipe.train_on_prompt)
-    order = Order(len(data), recipe.batch_size, recipe.seed, job.index)
+    order = Order(job.n_sequences, recipe.batch_size, recipe.seed, job.index)
     if job.checkpoint.is_file():
         state = torch.load(job.checkpoint, weights_only=False)
         draft.load_state_dict(state["model"])
@@ -203,7 +214,7 @@ def train_draft(draft, job: Job) -> dict:
         job.evaluate(draft, 0, None)
         state = {
             "step": 0,
-            "total": fixed_total(recipe, len(data), job.until is not None),
+            "total": fixed_total(recipe, job.n_sequences, job.until is not None),
             "losses": [],
             "step_seconds": [],
             "done": False,
@@ -213,7 +224,7 @@ def train_draft(draft, job: Job) -> dict:
     if state["done"]:
         return _summary(draft, state)
     bar = (
-        job.progress(total=state["total"], initial=state["step"], desc=f"draft {job.index + 1}")
+        job.progress(total=state["total"], initial=state["step"], desc=f"{job.name} {job.index + 1}")
         if job.progress
         else None
     )
@@ -223,7 +234,7 @@ def train_draft(draft, job: Job) -> dict:
         step, t0 = state["step"], time.time()
         for group in opt.param_groups:
             group["lr"] = lr_at(step, state["total"], recipe)
-        loss = batch_loss(draft, data.batch(order(step), rows), job.vocab_map, recipe.loss, weights)
+        loss = job.loss(order(step))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, recipe.grad_clip)
         opt.step()
