@@ -691,3 +691,38 @@ def test_cli_trains_a_head_with_its_own_recipe_flags(distilled, tiny_target, tmp
     )  # fmt: skip
     with pytest.raises(ValueError, match="unroll must be an integer >= 0"):
         head_module.HeadRecipe(unroll=-1)
+
+
+def test_self_written_prompts_are_the_targets_own_and_fixed_per_index(tiny_target, tmp_path):
+    """prompts="self" (Magpie): the target writes the prompts; prompt i is the same whatever
+    batch asks for it (a resumed run makes the same data), and a data run on them works."""
+    from treespec.distill.prompts import SelfPrompts
+
+    target, _ = tiny_target
+    dec = SpeculativeDecoder.from_pretrained(target=target, dtype="float32")
+    writer = SelfPrompts(dec, dec.tokenizer, seed=3, max_tokens=20)
+    four = writer.take(0, 4)
+    assert writer.take(2, 2) == four[2:] and len({tuple(p) for p in four}) == 4
+    assert all(p[0] == dec.tokenizer.bos_token_id and 1 not in p and len(p) <= 20 for p in four)
+    assert SelfPrompts(dec, dec.tokenizer, seed=4, max_tokens=20).take(0, 4) != four
+    out = distill(target, tmp_path / "data", prompts="self", data_only=True, **{**TINY, "max_prompts": 16})
+    summary = json.loads((out / "distill.json").read_text())
+    assert summary["prompts"] == "self" and summary["data"]["train_prompts"] == 16
+
+
+def test_self_written_chat_prompts_start_where_a_users_text_begins(tiny_target):
+    """A chat target is prompted with its template up to the user's text; what it writes until
+    its end of turn becomes one user turn, rendered with the generation prompt."""
+    from treespec.distill.prompts import SelfPrompts
+
+    target, _ = tiny_target
+    dec = SpeculativeDecoder.from_pretrained(target=target, dtype="float32")
+    tok = copy.deepcopy(dec.tokenizer)
+    tok.chat_template = (
+        "{% for m in messages %}<bos> w2 {{ m['content'] }} <eos> {% endfor %}"
+        "{% if add_generation_prompt %}<bos> w3 {% endif %}"
+    )
+    writer = SelfPrompts(dec, tok, seed=0, max_tokens=40)
+    assert writer.prefix == [0, 2]
+    for p in writer.take(0, 3):
+        assert p[:2] == [0, 2] and p[-2:] == [0, 3] and p[-3] == 1  # ... <eos> <bos> w3

@@ -27,7 +27,15 @@ from ..drafters.counts import write_counts
 from .data import Dataset, load_shard, make_data, make_shard, prompt_seed, save_shard
 from .evaluate import acceptance, merged_acceptance, plot, proxy, read_jsonl
 from .model import build_draft, draft_runner, load_draft, load_draft_runner, save_draft
-from .prompts import Rendered, bundled_prompts, check_renderable, load_prompt_file, split_heldout
+from .prompts import (
+    SELF,
+    Rendered,
+    SelfPrompts,
+    bundled_prompts,
+    check_renderable,
+    load_prompt_file,
+    split_heldout,
+)
 from .recipe import Recipe
 from .train import Clock, Job, draft_loss, rejection_weights, train_model
 
@@ -71,7 +79,7 @@ def distill(
     if data_only and data_from is not None:
         raise ValueError("data_only with data_from leaves nothing to do: give one of them")
     check_target(target)
-    prompt_list = load_prompt_file(prompts) if prompts is not None else None
+    prompt_list = load_prompt_file(prompts) if prompts not in (None, SELF) else None
     out = Path(out_dir)
     _check_writable(out, resume)
     work = out / "work"
@@ -138,7 +146,7 @@ def _reusable_data(others: list[Path], run: dict) -> list[Path]:
         if not meta.is_file() or not json.loads(meta.read_text()).get("complete") or not record.is_file():
             raise ValueError(f"data_from: {other} holds no finished distill data")
         theirs = json.loads(record.read_text())
-        differ = [k for k in ("target", "prompts") if theirs[k] != run[k]]
+        differ = ["target"] if theirs["target"] != run["target"] else []  # prompts: the held-out check
         differ += [
             k
             for k in DATA_FIELDS
@@ -257,9 +265,11 @@ class _Run:
         )
         self.eval_ids = held_ids[: rec.eval_prompts]
         self.heldout = self._heldout_data(held_ids[: rec.proxy_prompts])
-        train_ids = Rendered(
-            train, self.tokenizer, min(rec.prompt_tokens, max_pos - rec.response_tokens), rec.max_prompts
-        )
+        fits = min(rec.prompt_tokens, max_pos - rec.response_tokens)
+        if train is SELF:
+            train_ids = SelfPrompts(self.generator, self.tokenizer, rec.seed, fits, rec.max_prompts)
+        else:
+            train_ids = Rendered(train, self.tokenizer, fits, rec.max_prompts)
         data, meta = self._data(train_ids)
         if self.record.get("data_only"):
             self._write_summary(data, meta, None, [], None)
@@ -292,7 +302,9 @@ class _Run:
     def _prompts(self):
         rec = self.recipe
         n_held = max(rec.eval_prompts, rec.proxy_prompts)
-        if self.prompt_list is None:
+        if self.record["prompts"] == SELF:  # the target writes them; the bundled held-out set
+            train, (_, held, _), name = SELF, bundled_prompts(self.tokenizer, rec.seed), SELF
+        elif self.prompt_list is None:
             train, held, name = bundled_prompts(self.tokenizer, rec.seed)
         else:
             check_renderable(self.prompt_list, self.tokenizer)

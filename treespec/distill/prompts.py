@@ -14,6 +14,12 @@ trained on; `experiments/distill_make_chat_prompts.py` writes both). Any other t
 line-aligned snippets of the CPython standard library on this machine, without the files the
 pycode pair holds out (held out: those files' prompts, `zoo/pycode/heldout_prompts.json`).
 
+Self-written prompts (`prompts="self"`, `SelfPrompts`): the target writes its own (Magpie,
+Xu et al. 2024). A chat model is given its chat template up to where a user's text begins and
+samples the user's message; a model without a template samples text after its BOS token. The
+prompts are then as many and as varied as the data needs, in the target's own domain, with no
+file; held out are the bundled held-out prompts suited to the target.
+
 Rendering (`render`): with a chat template, text becomes one user turn and the prompt ends
 with the assistant header (`add_generation_prompt=True`); without one, text is tokenized as
 the decoder tokenizes prompts.
@@ -28,6 +34,7 @@ import sysconfig
 from pathlib import Path
 
 Prompt = str | list  # text, or a chat: [{"role": ..., "content": ...}, ...]
+SELF = "self"  # prompts=SELF: the target writes its own prompts (`SelfPrompts`)
 
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
 CHAT_TRAIN = PROMPTS_DIR / "chat_train.jsonl"
@@ -210,3 +217,70 @@ class Rendered:
             if ids:
                 self.ids.append(ids)
         return self.ids[start:end]
+
+
+class SelfPrompts:
+    """Prompts the target writes itself (Magpie), rendered to token ids, with `Rendered`'s
+    `take(start, n)`. Prompt i depends only on (seed, i): it is the first of its attempts
+    (sampling seeds `seed`, i, attempt) that a chat model ends with its end of turn within
+    `SAMPLE_TOKENS` tokens (fewer where `max_tokens`, the rendered prompt's limit, is short) and
+    that holds at least `MIN_WORDS` words, or its last attempt as it was cut; so a resumed run
+    writes the same prompts wherever it stopped. Attempts of one `take` are sampled together
+    (`generate_batch`, plain decoding at temperature 1)."""
+
+    MIN_WORDS = 3
+    ATTEMPTS = 8
+    TEMPERATURE = 1.0
+    SAMPLE_TOKENS = 96  # the most tokens sampled for one prompt's text
+
+    def __init__(self, generator, tokenizer, seed: int, max_tokens: int, limit: int | None = None):
+        self.generator, self.tokenizer, self.seed = generator, tokenizer, seed
+        self.max_tokens, self.limit = max_tokens, limit
+        self.chat = has_chat_template(tokenizer)
+        if self.chat:
+            mark = "\x00treespec\x00"
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": mark}], add_generation_prompt=False, tokenize=False
+            )
+            self.prefix = tokenizer(text[: text.index(mark)], add_special_tokens=False)["input_ids"]
+        else:
+            bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+            if bos is None:
+                raise ValueError("prompts='self' needs a chat template or a BOS token to start text from")
+            self.prefix = [bos]
+        # room for the template's closing and assistant header within max_tokens
+        self.sample_tokens = max(8, min(self.SAMPLE_TOKENS, max_tokens - len(self.prefix) - 16))
+
+    def seed_of(self, index: int, attempt: int) -> int:
+        return (self.seed * 1_000_003 + index) * self.ATTEMPTS + attempt + 7_919
+
+    def take(self, start: int, n: int) -> list[list[int]]:
+        """Self-written prompts start .. start + n - 1, as token ids the target is prompted with."""
+        from ..config import SamplingConfig
+
+        end = start + n if self.limit is None else min(start + n, self.limit)
+        prompts: dict[int, list[int]] = {}
+        todo = list(range(start, end))
+        for attempt in range(self.ATTEMPTS):
+            if not todo:
+                break
+            outs = self.generator.generate_batch(
+                [self.prefix] * len(todo),
+                max_new_tokens=self.sample_tokens,
+                tree=None,
+                sampling=SamplingConfig(temperature=self.TEMPERATURE),
+                seeds=[self.seed_of(i, attempt) for i in todo],
+                max_batch=len(todo),
+            )
+            for i, out in zip(todo, outs):
+                text = out.text.strip()
+                ended = out.finish_reason == "eos" or not self.chat  # a user turn must end
+                if attempt == self.ATTEMPTS - 1 or (ended and len(text.split()) >= self.MIN_WORDS):
+                    # a chat: the text as one user turn; else the sampled text itself
+                    if self.chat:  # the text as one user turn
+                        prompts[i] = render(text, self.tokenizer, 10**9)
+                    else:  # the sampled text itself, without an end-of-sequence token
+                        ids = list(out.token_ids)
+                        prompts[i] = self.prefix + (ids[:-1] if out.finish_reason == "eos" else ids)
+            todo = [i for i in todo if i not in prompts]
+        return [prompts[i] for i in range(start, end)]
