@@ -18,7 +18,7 @@ from treespec import (
     TokenTree,
     TreeConfig,
 )
-from treespec.drafters import ModelDrafter
+from treespec.drafters import ModelDrafter, draft_tree
 from treespec.rng import TorchRng
 
 from .conftest import tiny_llama
@@ -64,7 +64,7 @@ def test_draft_padded_beyond_the_tokenizer(draft_rows):
     drafter = dec.drafter.make(TreeConfig(3, 2), dec.draft_runner)
     assert isinstance(drafter, ModelDrafter)
     drafter.start([3, 4, 5], SamplingConfig(temperature=1.0), TorchRng(0))
-    draft = drafter.propose([3, 4, 5], 2)
+    draft = draft_tree(drafter, [3, 4, 5], 2)
     for g in draft.groups:
         assert g.q.shape == (96,) and float(g.q[90:].sum()) == 0 and abs(float(g.q.sum()) - 1) < 1e-9
     assert max(draft.tree.tokens) < 90

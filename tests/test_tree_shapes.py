@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from treespec import ModelDrafter, SamplingConfig, TreeConfig
 from treespec.adaptive import DepthPolicy
+from treespec.drafters import draft_tree
 from treespec.proposal import Walk
 from treespec.rng import TorchRng
 
@@ -21,8 +22,8 @@ def drafter(tree: TreeConfig, model: TableModel) -> ModelDrafter:
 
 def test_dynamic_tree_keeps_the_budget_most_probable_nodes():
     model = TableModel(V, seed=5)
-    full = drafter(TreeConfig(3, 3, "dynamic", budget=100), model).propose([1, 2, 3], 3)
-    pruned = drafter(TreeConfig(3, 3, "dynamic", budget=5), model).propose([1, 2, 3], 3)
+    full = draft_tree(drafter(TreeConfig(3, 3, "dynamic", budget=100), model), [1, 2, 3], 3)
+    pruned = draft_tree(drafter(TreeConfig(3, 3, "dynamic", budget=5), model), [1, 2, 3], 3)
     assert len(full.tree) == 1 + 3 + 9 + 9 and len(pruned.tree) == 6
 
     # the kept nodes are the 5 best token paths of the full tree
@@ -38,7 +39,7 @@ def test_hf_adaptive_depth_grows_when_all_accepted_and_shrinks_otherwise():
     ctx = [1, 2, 3]
     depths = []
     for _ in range(3):  # everything accepted: +2 per round, capped at 6
-        draft = d.propose(ctx, policy.depth)
+        draft = draft_tree(d, ctx, policy.depth)
         assert draft.tree.max_depth == policy.depth
         path = tuple(draft.tree.path_to(draft.tree.leaves()[0]))
         walk = Walk(path, 0, "bonus")
@@ -48,7 +49,7 @@ def test_hf_adaptive_depth_grows_when_all_accepted_and_shrinks_otherwise():
         depths.append(policy.depth)
     assert depths == [4, 6, 6]
     for _ in range(7):  # nothing accepted: -1 per round, floored at 1
-        draft = d.propose(ctx, policy.depth)
+        draft = draft_tree(d, ctx, policy.depth)
         walk = Walk((0,), 0, "correction")
         d.observe(draft, walk)
         step = policy.update(d, draft, walk, policy.depth)
@@ -61,7 +62,7 @@ def test_entropy_adaptive_depth_follows_draft_confidence():
     depths = {}
     for name, scale in (("sharp", 30), ("flat", 0.01)):
         d, policy = drafter(cfg, TableModel(V, seed=5, scale=scale)), DepthPolicy(cfg)
-        draft = d.propose([1, 2, 3], policy.depth)
+        draft = draft_tree(d, [1, 2, 3], policy.depth)
         walk = Walk((0,), 0, "correction")
         d.observe(draft, walk)
         step = policy.update(d, draft, walk, policy.depth)
@@ -75,7 +76,7 @@ def test_sequoia_drafter_reproduces_the_shape():
 
     shape = optimal_shape((0.5, 0.3, 0.1), 9, 3)
     d = drafter(TreeConfig(depth=3, strategy="sequoia", shape=shape), TableModel(50, seed=5))
-    draft = d.propose([1, 2, 3], 3)
+    draft = draft_tree(d, [1, 2, 3], 3)
 
     def rank_paths(parents):  # each node as its path of sibling ranks: order-independent
         kids, out = {}, {0: ()}

@@ -214,9 +214,7 @@ class Engine:
                 for r in live
             }
             proposing = [r for r in live if depths[r.id]]
-            proposed = propose_many(
-                [r.drafter.propose_steps(r.context, depths[r.id]) for r in proposing], True
-            )
+            proposed = propose_many([(r.drafter, r.context, depths[r.id]) for r in proposing], True)
             drafts = {r.id: DraftTree.root_only(r.context[-1]) for r in live if not depths[r.id]}
             for r, draft in zip(proposing, proposed):
                 if isinstance(draft, Exception):

@@ -1,6 +1,6 @@
 """Draft samplers: anything that proposes a token tree for the target to verify."""
 
-from .base import Drafter, DraftForward, check_draft, propose_many
+from .base import Drafter, DraftForward, check_draft, draft_tree, propose_many
 from .counts import BigramDrafter, CountDrafter, UnigramDrafter
 from .factory import DRAFTER_KINDS, DrafterFactory
 from .head import FeatureDrafter
@@ -22,5 +22,6 @@ __all__ = [
     "PromptLookupDrafter",
     "UnigramDrafter",
     "check_draft",
+    "draft_tree",
     "propose_many",
 ]

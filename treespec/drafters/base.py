@@ -24,18 +24,20 @@ class DraftForward:
     hidden: torch.Tensor | None = None  # [n, H], for a runner that `takes_hidden` (a feature head)
 
 
-# propose() one draft forward at a time: yields each DraftForward, is sent its `Scores`
-# (logits [n, V], and a head's output states), returns the tree
+# a drafter with draft forwards proposes one forward at a time: a generator that yields each
+# DraftForward, is sent its `Scores` (logits [n, V], and a head's output states) and returns
+# the tree, so that a batch of requests runs each depth's draft forward once (`propose_many`)
 ProposeSteps = Generator[DraftForward, Scores, DraftTree]
 
 
 class Drafter(ABC):
     """Proposes a `DraftTree` each round.
 
-    The decoder calls `start()` once per sequence, then per round `propose()` followed by
-    `observe()` with the verification walk of that very proposal. Randomness must come from
-    the `Rng` given to `start()`, and every stochastic proposal must carry the exact
-    distribution it was drawn from (after `sampling`), or verification is not lossless.
+    The decoder calls `start()` once per sequence, then per round `propose()` (through
+    `propose_many`) followed by `observe()` with the verification walk of that very proposal.
+    Randomness must come from the `Rng` given to `start()`, and every stochastic proposal must
+    carry the exact distribution it was drawn from (after `sampling`), or verification is not
+    lossless.
 
     A drafter that reads the target's hidden states (a feature head) names the layers in
     `taps`; the target then returns their features with every forward, at no extra forward,
@@ -51,15 +53,11 @@ class Drafter(ABC):
         """Begin a new sequence whose committed tokens are `prompt`."""
 
     @abstractmethod
-    def propose(self, context: Sequence[int], depth: int) -> DraftTree:
-        """A tree rooted at `context[-1]` (the last committed token), at most `depth` deep."""
-
-    def propose_steps(self, context: Sequence[int], depth: int) -> ProposeSteps:
-        """`propose()` as a generator over its draft forwards, so that a batch of requests
-        runs each depth's draft forward once for all of them (`propose_many`). A drafter
-        without a draft model has none to share: by default it proposes at once."""
-        yield from ()
-        return self.propose(context, depth)
+    def propose(self, context: Sequence[int], depth: int) -> DraftTree | ProposeSteps:
+        """A tree rooted at `context[-1]` (the last committed token), at most `depth` deep; or,
+        for a drafter that runs draft forwards, a generator that yields each `DraftForward`,
+        is sent its `Scores` and returns the tree (`ProposeSteps`), so that the requests of a
+        batch share each depth's forward. `draft_tree()` runs either to its tree."""
 
     def observe(self, draft: DraftTree, walk: Walk) -> None:
         """Feedback after verification of `draft` (keep caches in sync). Optional."""
@@ -107,16 +105,27 @@ def check_draft(draft: DraftTree, root: int, vocab_size: int, name: str) -> None
             )
 
 
-def propose_many(steps: Sequence[ProposeSteps], catch: bool = False) -> list[DraftTree | Exception]:
-    """Drive several drafters' `propose_steps` together: each round of their pending draft
-    forwards runs through `extend_many`, so lanes of one batched runner share ONE forward.
-    `catch=True`: a drafter that raises gets its exception in its slot, the others go on."""
-    trees: list[DraftTree | Exception | None] = [None] * len(steps)
-    asks: dict[int, DraftForward] = {}
+def propose_many(
+    asks: Sequence[tuple[Drafter, Sequence[int], int]], catch: bool = False
+) -> list[DraftTree | Exception]:
+    """The trees of several (drafter, context, depth) proposals: drafters that run draft
+    forwards advance together, each round of their pending forwards going through
+    `extend_many`, so lanes of one batched runner share ONE forward. `catch=True`: a drafter
+    that raises gets its exception in its slot, the others go on."""
+    trees: list[DraftTree | Exception | None] = [None] * len(asks)
+    steps: dict[int, ProposeSteps] = {}
+    pending: dict[int, DraftForward] = {}
 
     def advance(i: int, scores: Scores | None) -> None:
         try:
-            asks[i] = steps[i].send(scores)
+            if i not in steps:
+                drafter, context, depth = asks[i]
+                proposal = drafter.propose(context, depth)
+                if isinstance(proposal, DraftTree):
+                    trees[i] = proposal
+                    return
+                steps[i] = proposal
+            pending[i] = steps[i].send(scores)
         except StopIteration as done:
             trees[i] = done.value
         except Exception as e:
@@ -124,11 +133,16 @@ def propose_many(steps: Sequence[ProposeSteps], catch: bool = False) -> list[Dra
                 raise
             trees[i] = e
 
-    for i in range(len(steps)):
+    for i in range(len(asks)):
         advance(i, None)
-    while asks:
-        batch, asks = list(asks.items()), {}
+    while pending:
+        batch, pending = list(pending.items()), {}
         jobs = [(a.runner, a.tokens, a.parents, a.hidden) for _, a in batch]
         for (i, _), scores in zip(batch, extend_many(jobs)):
             advance(i, scores)
     return trees
+
+
+def draft_tree(drafter: Drafter, context: Sequence[int], depth: int) -> DraftTree:
+    """`drafter`'s proposal after `context`, its draft forwards (if any) run alone."""
+    return propose_many([(drafter, context, depth)])[0]

@@ -15,7 +15,7 @@ from ..config import SamplingConfig
 from ..proposal import DraftTree, ProposalGroup, Walk
 from ..rng import Rng
 from ..tree import TreeBuilder
-from .base import Drafter, ProposeSteps, propose_many
+from .base import Drafter, ProposeSteps
 
 
 class MergedDrafter(Drafter):
@@ -28,15 +28,14 @@ class MergedDrafter(Drafter):
         for d in self.drafters:
             d.start(prompt, sampling, rng)
 
-    def propose(self, context: Sequence[int], depth: int) -> DraftTree:
-        return propose_many([self.propose_steps(context, depth)])[0]
-
-    def propose_steps(self, context: Sequence[int], depth: int) -> ProposeSteps:
+    def propose(self, context: Sequence[int], depth: int) -> ProposeSteps:
         builder = TreeBuilder(context[-1])
         groups: list[ProposalGroup] = []
         self._parts: list[tuple[DraftTree, list[int]]] = []
         for drafter in self.drafters:
-            part = yield from drafter.propose_steps(context, depth)
+            part = drafter.propose(context, depth)
+            if not isinstance(part, DraftTree):  # a drafter with draft forwards: run them
+                part = yield from part
             to_merged = [0]  # part node -> merged node
             for i in range(1, len(part.tree)):
                 to_merged.append(builder.add(to_merged[part.tree.parents[i]], part.tree.tokens[i]))

@@ -27,7 +27,7 @@ from ..rng import Rng
 from ..sampling import PenaltyContext, check_finite, penalize, probs, tree_token_counts
 from ..tree import TokenTree
 from ..vocab import fit_logits
-from .base import Drafter, DraftForward, ProposeSteps, propose_many
+from .base import Drafter, DraftForward, ProposeSteps
 
 
 @dataclass
@@ -61,10 +61,7 @@ class ModelDrafter(Drafter):
         kept = self.runner.keep_prefix(prompt[:-1])  # 0 (a reset) unless the runner reuses prefixes
         self.runner.prefill(list(prompt[kept:-1]))
 
-    def propose(self, context: Sequence[int], depth: int) -> DraftTree:
-        return propose_many([self.propose_steps(context, depth)])[0]
-
-    def propose_steps(self, context: Sequence[int], depth: int) -> ProposeSteps:
+    def propose(self, context: Sequence[int], depth: int) -> ProposeSteps:
         run = self.runner
         # 1. catch up on committed tokens the draft never fed; the last one is the root
         ask = self._catch_up(context)
