@@ -447,3 +447,40 @@ def test_from_pretrained_loads_a_head_directory_over_its_target(tmp_path):
     out = dec.generate(prompt, 10, tree=TreeConfig(2, 3), sampling=GREEDY, ignore_eos=True)
     assert out.token_ids == hf_greedy(target, prompt, 10, stop_at_eos=False)
     assert out.stats.draft_forwards > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_chats_next_turn_reuses_the_cached_prefix_with_a_head(temperature, monkeypatch):
+    """`prefix_reuse` on the target and its head (`treespec chat`): the second turn prefills only
+    what the head has no features for (the new tokens and the previous turn's last round), and
+    the output (float64, seeded) equals a decoder that starts from empty caches."""
+    import treespec.backends.base as base
+
+    target = tiny_llama(0)
+    cfg, w = random_head(target, taps=(0, 1), seed=5)
+    fresh, reusing = (
+        SpeculativeDecoder(target, head_runner(target, cfg, w), drafter="head") for _ in range(2)
+    )
+    for runner in (reusing.target_runner, reusing.draft_runner):
+        runner.prefix_reuse = True
+    settings = dict(tree=TreeConfig(1, 3), sampling=SamplingConfig(temperature=temperature), ignore_eos=True)
+    prompt = [5, 6, 7, 8, 9, 10]
+    first = reusing.generate(prompt, 12, seed=0, **settings)
+    second_prompt = prompt + first.token_ids + [5, 9]  # the next turn extends the first
+    fed = []
+    run = base._run
+    monkeypatch.setattr(
+        base,
+        "_run",
+        lambda rs, fs, need_logits: fed.extend(len(f.tokens) for f in fs) or run(rs, fs, need_logits),
+    )
+    got = reusing.generate(second_prompt, 12, seed=1, **settings)
+    target_prefill = fed[0]
+    monkeypatch.undo()
+    want = fresh.generate(second_prompt, 12, seed=1, **settings)
+    assert got.token_ids == want.token_ids
+    new = 2 + 1  # the two new tokens and turn 1's last token, which no forward fed
+    # the head lags the target by the positions of turn 1's last round, whose features it queued
+    assert new < target_prefill <= new + 3 < len(second_prompt) - 1, target_prefill
+    third = reusing.generate([4] + second_prompt[1:], 6, seed=2, **settings)  # another first token
+    assert third.token_ids == fresh.generate([4] + second_prompt[1:], 6, seed=2, **settings).token_ids

@@ -403,10 +403,10 @@ class Engine:
             for r in admitted:
                 r.started = t0
                 r.status, r.context = "live", list(r.request.prompt)
-                target = self.targets[r.lane]
-                if self.taps:  # a feature drafter reads every prompt position's features: no reuse
-                    target.reset()
-                kept.append(target.keep_prefix(r.context[:-1]))  # 0 unless prefix_reuse
+                # 0 unless prefix_reuse; with a feature drafter, no more than the positions whose
+                # features it still holds (the target recomputes the rest, features included)
+                limit = self.drafter.reusable(self.drafts[r.lane], r.context) if self.taps else None
+                kept.append(self.targets[r.lane].keep_prefix(r.context[:-1][:limit]))
             # the target holds all but the last prompt token (the root of the first tree)
             prompt_scores = prefill_many(
                 [(self.targets[r.lane], r.context[k:-1]) for r, k in zip(admitted, kept)]

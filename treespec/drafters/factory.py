@@ -52,6 +52,23 @@ class DrafterFactory:
             return tuple(draft.target_taps)
         return ()
 
+    def reusable(self, draft: Runner | None, prompt) -> int | None:
+        """How many leading positions of `prompt` the target may keep from its cache (prefix
+        reuse) for this factory's drafters; None: as many as it shares. A feature head holds
+        the target's features only for its own kept slots (slot t: position t, read with token
+        t + 1), so the target keeps no more positions than those, and recomputes the rest with
+        their features; a custom drafter that reads features keeps none."""
+        if not self.taps(draft):
+            return None
+        if self.custom or not draft.prefix_reuse:
+            return 0
+        kept = 0
+        for a, b in zip(draft.committed, prompt[1:]):
+            if a != int(b):
+                break
+            kept += 1
+        return kept
+
     @property
     def name(self) -> str:
         return type(self.kind).__name__ if self.custom else repr(self.kind)

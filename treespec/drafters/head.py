@@ -42,7 +42,7 @@ class FeatureDrafter(ModelDrafter):
     def start(self, prompt: Sequence[int], sampling: SamplingConfig, rng: Rng) -> None:
         self.sampling, self.rng = sampling, rng
         self.prompt_len = len(prompt)
-        self.runner.reset()
+        self.runner.keep_prefix(prompt[1:])  # a reset, unless the runner reuses prefixes
         self._features: list[torch.Tensor] = []  # target features of positions the head has not fed
         self._consumed = 0
 
@@ -53,9 +53,11 @@ class FeatureDrafter(ModelDrafter):
 
     def _catch_up(self, context: Sequence[int]) -> DraftForward | None:
         run = self.runner
-        c = run.n_committed  # head slots 0 .. c-1 hold positions 0 .. c-1 (tokens 1 .. c)
         features = torch.cat(self._features) if len(self._features) > 1 else (self._features or [None])[0]
         n = 0 if features is None else features.shape[0]
+        if run.n_committed > len(context) - 1 - n:  # a reused prefix longer than the target kept
+            run.keep_prefix(context[1 : len(context) - n])
+        c = run.n_committed  # head slots 0 .. c-1 hold positions 0 .. c-1 (tokens 1 .. c)
         if c + n != len(context) - 1 or list(context[1 : c + 1]) != run.committed:
             raise RuntimeError(
                 f"feature head out of sync: {c} slots + {n} new features for {len(context)} committed tokens"
