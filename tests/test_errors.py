@@ -98,8 +98,12 @@ def test_max_new_tokens(dec, n):
 
 
 def test_tree_needs_a_draft_model():
+    """A fixed tree without a draft model is an error; the automatic tree decodes plainly."""
+    dec = SpeculativeDecoder(tiny_llama(0))
     with pytest.raises(ValueError, match="needs a draft model"):
-        SpeculativeDecoder(tiny_llama(0)).generate([3, 4], 4, tree=TreeConfig())
+        dec.generate([3, 4], 4, tree=TreeConfig(1, 2))
+    out = dec.generate([3, 4], 4, tree=TreeConfig())
+    assert out.plan == "auto: plain decoding (no draft model)" and out.stats.tree_nodes == 0
 
 
 def test_config_objects_are_type_checked(dec):

@@ -78,18 +78,24 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_decode_args(p: argparse.ArgumentParser, max_new_tokens: int, width: int = TreeConfig.width) -> None:
-    g = p.add_argument_group("speculation and sampling")
-    g.add_argument(
-        "--width", type=int, default=width, help=f"tree width; 1 = linear speculation (default {width})"
+def _add_decode_args(p: argparse.ArgumentParser, max_new_tokens: int, width: int | None = None) -> None:
+    g = p.add_argument_group(
+        "speculation and sampling",
+        "with no --width, --depth, --strategy, --shape or --adaptive the tree is automatic: for each "
+        "request the shape with the most expected tokens/s on this machine, or plain decoding",
     )
     g.add_argument(
-        "--depth",
-        type=int,
-        default=TreeConfig.depth,
-        help=f"draft tokens per branch (default {TreeConfig.depth})",
+        "--width", type=int, default=width, help="tree width; 1 = linear speculation (default: automatic)"
     )
-    g.add_argument("--strategy", default="iid", choices=STRATEGIES, help="tree construction (default iid)")
+    g.add_argument(
+        "--depth", type=int, default=None, help="draft tokens per branch (default: automatic; 6 with --width)"
+    )
+    g.add_argument(
+        "--strategy",
+        default=None,
+        choices=STRATEGIES,
+        help="tree construction (default: auto; iid with --width)",
+    )
     g.add_argument("--budget", type=int, default=None, help="strategy dynamic: draft nodes kept per round")
     g.add_argument(
         "--adaptive",
@@ -400,6 +406,8 @@ def cmd_generate(args) -> None:
             f"tokens {s.tokens} in {s.target_steps} target steps: {s.tokens_per_step:.2f} tokens/step, "
             f"{s.tokens_per_second:.1f} tokens/s ({out.finish_reason})"
         )
+        if out.plan is not None:
+            print(f"tree: {out.plan}")
         if s.tree_nodes:
             print(
                 f"acceptance rate {s.acceptance_rate:.2f} ({s.accepted_tokens} of {s.tree_nodes} "

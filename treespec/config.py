@@ -10,8 +10,12 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-Strategy = Literal["iid", "without_replacement", "topk", "dynamic", "sequoia"]
-STRATEGIES: tuple[str, ...] = ("iid", "without_replacement", "topk", "dynamic", "sequoia")
+Strategy = Literal["auto", "iid", "without_replacement", "topk", "dynamic", "sequoia"]
+STRATEGIES: tuple[str, ...] = ("auto", "iid", "without_replacement", "topk", "dynamic", "sequoia")
+# The automatic tree (`TreeConfig()`, `treespec.autotree`) holds at most this many draft nodes
+# and is at most this deep.
+AUTO_MAX_NODES = 16
+AUTO_MAX_DEPTH = 8
 ADAPTIVE: tuple[str, ...] = ("hf", "entropy", "goodput")
 # who proposes (`treespec.drafters.DrafterFactory`): a draft model, a feature head, n-gram
 # tables, prompt lookup, or a draft model and n-grams merged
@@ -123,13 +127,19 @@ def _is_number(v) -> bool:
 class TreeConfig:
     """Shape of the draft tree proposed each round.
 
+    `TreeConfig()` (no shape given, or `strategy="auto"`) is the automatic tree: for each
+    request, the shape with the most expected tokens per second on this machine, from the
+    drafter's measured acceptance and the target's measured costs, or plain decoding where no
+    shape beats it (`treespec.autotree`). Giving `width`, `depth` or another field fixes the
+    shape: `TreeConfig(width=1, depth=4)` is a chain of 4, whatever the machine.
+
     `width=1` is linear speculative decoding (Leviathan et al. 2023, Algorithm 1) for every
     strategy. Per strategy:
 
-    - "iid": `width` draft sequences of `depth` tokens, each sampled independently from
-      the draft model, merged into a prefix tree. The m sequences through a node are m
-      i.i.d. proposals there (duplicates are kept as separate trials). At most
-      `width * depth` nodes.
+    - "iid" (the default once a shape is given): `width` draft sequences of `depth` tokens,
+      each sampled independently from the draft model, merged into a prefix tree. The m
+      sequences through a node are m i.i.d. proposals there (duplicates are kept as separate
+      trials). At most `width * depth` nodes.
     - "without_replacement": stochastic beam. Each expanded node gets `width` distinct
       children drawn without replacement from q (Gumbel-top-k); at each depth the `width`
       frontier nodes with the highest draft path probability are expanded further.
@@ -144,6 +154,7 @@ class TreeConfig:
       `optimal_shape` or `TreeShape.load`), cut at `depth`: a node with c children in the
       shape draws c distinct tokens without replacement from q (Gumbel-top-k), the k-th draw
       going to the shape's k-th child. `width` is unused.
+    - "auto": see above.
 
     Adaptive depth (`adaptive`), decided by the decode loop after each round, for every
     drafter (`treespec.adaptive.DepthPolicy`):
@@ -164,12 +175,9 @@ class TreeConfig:
     in order (the zero-temperature limit of Gumbel-top-k), "topk" is unchanged.
     """
 
-    # The default (a chain of 6) had the best tokens/s across T=0 and T=1 on the bundled pair
-    # (experiments/pick_default_tree.py; README "Defaults"): trees buy tokens/step but not
-    # tokens/s on a 2-core CPU. Measure your own pair and hardware.
-    width: int = 1  # branching: sequences ("iid") or children per node / beam size
-    depth: int = 6  # draft tokens per branch; a round emits between 1 and depth + 1 tokens
-    strategy: Strategy = "iid"  # see the class docstring
+    width: int | None = None  # branching: sequences ("iid") or children per node / beam size (1)
+    depth: int | None = None  # draft tokens per branch; a round emits 1 .. depth + 1 tokens (6)
+    strategy: Strategy | None = None  # see the class docstring; None: "auto" if no shape is given
     budget: int | None = None  # "dynamic": draft nodes kept per round (default width * depth)
     adaptive: str | None = None  # None (fixed depth), "hf", "entropy" or "goodput"
     depth_min: int = 1  # adaptive depth lower bound
@@ -178,12 +186,26 @@ class TreeConfig:
     shape: object = None  # "sequoia": the TreeShape to draft along
 
     def __post_init__(self) -> None:
-        for name in ("width", "depth", "depth_min", "depth_max", "budget"):
-            check_positive_int(f"TreeConfig.{name}", getattr(self, name), none_ok=name == "budget")
+        given = [n for n in ("width", "depth", "budget", "shape", "adaptive") if getattr(self, n) is not None]
+        if self.strategy is None:
+            object.__setattr__(self, "strategy", "iid" if given else "auto")
         if self.strategy not in STRATEGIES:
             raise ValueError(
                 f"TreeConfig.strategy must be one of {', '.join(STRATEGIES)}; got {self.strategy!r}"
             )
+        if self.strategy == "auto":
+            if given:
+                raise ValueError(
+                    f"TreeConfig(strategy='auto') chooses the shape itself; leave {', '.join(given)} "
+                    "unset, or give a strategy to fix the shape"
+                )
+            return
+        if self.width is None:
+            object.__setattr__(self, "width", 1)
+        if self.depth is None:
+            object.__setattr__(self, "depth", 6)
+        for name in ("width", "depth", "depth_min", "depth_max", "budget"):
+            check_positive_int(f"TreeConfig.{name}", getattr(self, name), none_ok=name == "budget")
         if self.budget is not None and self.strategy != "dynamic":
             raise ValueError("TreeConfig.budget applies to strategy='dynamic' only")
         if (self.strategy == "sequoia") != (self.shape is not None):
@@ -214,14 +236,23 @@ class TreeConfig:
             )
 
     @property
+    def auto(self) -> bool:
+        """The automatic tree: each request's shape is chosen when it is added."""
+        return self.strategy == "auto"
+
+    @property
     def max_depth(self) -> int:
         """The deepest a round can go."""
+        if self.auto:
+            return AUTO_MAX_DEPTH
         return self.depth_max if self.adaptive in DEPTH_ADAPTIVE else self.depth
 
     @property
     def max_nodes(self) -> int:
         """The most draft nodes a round can hold (root excluded); for "dynamic", the nodes
         drafted before the `budget` cut, which the draft model scores."""
+        if self.auto:
+            return AUTO_MAX_NODES
         w, d = self.width, self.max_depth
         if self.strategy == "sequoia":
             return getattr(self.shape, "n_nodes", 0)
@@ -235,6 +266,8 @@ class TreeConfig:
         """How this tree's sibling proposals are drawn (the key of `treespec.request.RULES_FOR`):
         "chain" (width 1, or a Sequoia shape that is a chain), "iid", or "distinct" (drawn
         without replacement or deterministically)."""
+        if self.auto:  # its Sequoia shapes draw distinct siblings (a chain where block is asked)
+            return "distinct"
         if self.strategy == "sequoia":
             chain = all(len(c) <= 1 for c in self.shape.children())
         else:

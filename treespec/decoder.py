@@ -97,6 +97,11 @@ class SpeculativeDecoder:
         self._busy = threading.Lock()  # held while generate() / generate_batch() runs
         self._batch_lanes: tuple[int, list[Runner], list[Runner | None]] | None = None  # see _lanes()
         self._goodput: GoodputSwitch | None = None  # speculate_max_live="auto", kept across engines
+        # the automatic tree (TreeConfig()): what from_pretrained loaded (None: objects) and the
+        # draft's shipped acceptance, read by `planner`
+        self._origin: dict | None = None
+        self._shipped_acceptance = None
+        self._planner = None
 
     @classmethod
     def from_pretrained(
@@ -163,7 +168,16 @@ class SpeculativeDecoder:
         draft_tokenizer = None if draft is None else loading.load_tokenizer(draft)
         tokenizer = loading.load_tokenizer(target)
         drafter = "model" if drafter is None else drafter  # a head drafts as one (see __init__)
-        return cls(runners[0], runners[1], tokenizer, drafter=drafter, draft_tokenizer=draft_tokenizer)
+        dec = cls(runners[0], runners[1], tokenizer, drafter=drafter, draft_tokenizer=draft_tokenizer)
+        from .autotree import files_key, load_acceptance
+
+        dec._origin = {
+            "target": files_key(target), "draft": files_key(draft), "drafter": dec.drafter.name,
+            "dtypes": [str(d) for d in dtypes], "device": str(device), "backend": backend,
+            "compile": compile, "quantize": quantize, "draft_quantize": draft_quantize,
+        }  # fmt: skip
+        dec._shipped_acceptance = load_acceptance(draft) if draft is not None else None
+        return dec
 
     def generate(
         self,
@@ -183,7 +197,10 @@ class SpeculativeDecoder:
         """Generate up to `max_new_tokens` tokens after `prompt`: text, a chat (a list of
         {"role", "content"} messages, rendered with the tokenizer's chat template) or token ids.
 
-        `tree=None` decodes autoregressively with the same runner (the in-library baseline).
+        `tree`: the draft tree; `TreeConfig()` (the default) chooses one for this machine and
+        drafter (`treespec.autotree`; `out.plan` says what and why), `TreeConfig(width, depth,
+        ...)` fixes it, and `tree=None` decodes autoregressively with the same runner (the
+        in-library baseline).
         The output is distributed exactly as the target's own sampling under `sampling`
         (at temperature 0: exactly its greedy output). `on_tokens(ids, sources)` is called
         with each round's new tokens, for streaming. `rng` replaces the seeded `TorchRng`
@@ -336,6 +353,16 @@ class SpeculativeDecoder:
                 lane.batch_invariant = bool(deterministic)
         return self._engine(targets, drafts, max_kv_tokens, speculate_max_live)
 
+    @property
+    def planner(self):
+        """The `treespec.autotree.Planner` of this decoder's automatic trees (`TreeConfig()`):
+        its costs are measured (or read from the cache) at the first automatic request."""
+        if self._planner is None:
+            from .autotree import planner_for
+
+            self._planner = planner_for(self, self._origin, self._shipped_acceptance)
+        return self._planner
+
     def rules(self, tree: TreeConfig | None) -> tuple[str, ...]:
         """The verification rules that apply to `tree` with this decoder's drafter, worst to
         best (`treespec.request.RULES_FOR`; docs/verification.md says why)."""
@@ -371,6 +398,7 @@ class SpeculativeDecoder:
             max_kv_tokens,
             speculate_max_live,
             switch,
+            self.planner,
         )
 
     @contextmanager

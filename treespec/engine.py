@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .adaptive import DepthPolicy, GoodputSwitch
+from .autotree import AutoDepth, Plan, Planner
 from .backends.base import Runner, Scores, prefill_many, score_many
+from .config import TreeConfig
 from .drafters import Drafter, DrafterFactory, check_draft, propose_many
 from .output import GenerationOutput, OutputBuilder, StopMatcher, TokenLogprobs
 from .proposal import DraftTree
@@ -48,9 +50,11 @@ class RequestState:
 
     id: int
     request: Request
+    tree: TreeConfig | None  # the tree it drafts (an automatic tree: the planned shape, or None)
     rule: str  # the verification rule it runs
     rng: Rng
     builder: OutputBuilder  # length limit, EOS, stops, streaming
+    plan: Plan | None = None  # an automatic tree: what was chosen and why
     status: Status = "waiting"
     stats: GenerationStats = field(default_factory=GenerationStats)
     lane: int | None = None  # index of its target (and draft) lane while live
@@ -75,7 +79,8 @@ class Engine:
     `targets[i]` and `drafts[i]` are lane i of the target and draft models (`Runner.lanes`);
     `drafts` may hold None where no draft model is loaded. `speculate_max_live`: with more
     live requests, rounds draft nothing (plain decoding); `switch` decides each round instead
-    (`GoodputSwitch`).
+    (`GoodputSwitch`). `planner` plans the requests whose tree is automatic (`TreeConfig()`,
+    `treespec.autotree`).
     """
 
     def __init__(
@@ -88,6 +93,7 @@ class Engine:
         max_kv_tokens: int | None = None,
         speculate_max_live: int | None = None,
         switch: GoodputSwitch | None = None,
+        planner: Planner | None = None,
     ):
         if len(targets) != len(drafts) or not targets:
             raise ValueError(
@@ -103,7 +109,7 @@ class Engine:
         self.vocab_size = targets[0].vocab_size
         self.max_live, self.max_kv_tokens = len(self.targets), max_kv_tokens
         self.speculate_max_live = speculate_max_live
-        self.switch = switch
+        self.switch, self.planner = switch, planner
         self.requests: dict[int, RequestState] = {}
         self.waiting: list[RequestState] = []  # admission order
         self.live: dict[int, RequestState] = {}  # lane -> request
@@ -353,8 +359,11 @@ class Engine:
                 "stop strings need a tokenizer to decode the output; pass tokenizer=... or stop token ids"
             )
         tree = request.tree
+        auto = tree is not None and tree.auto  # planned at admission, where forwards may run
         uses_draft = tree is not None and self.drafter.needs_draft_model
-        if uses_draft and self.drafts[0] is None:
+        if auto:  # with nothing to draft with, an automatic tree decodes plainly
+            uses_draft = uses_draft and self.drafts[0] is not None
+        elif uses_draft and self.drafts[0] is None:
             raise ValueError(
                 f"drafter={self.drafter.name} needs a draft model; pass draft=..., use drafter='ngram' or "
                 f"'lookup', or tree=None for plain decoding"
@@ -373,17 +382,36 @@ class Engine:
                 f"max_new_tokens {request.max_new_tokens} + tree depth), more than max_kv_tokens="
                 f"{self.max_kv_tokens}; raise max_kv_tokens or shorten the request"
             )
-        # plain decoding verifies no draft: every rule is the same there
         if request.logprobs is not None and request.logprobs > V:
             raise ValueError(f"logprobs={request.logprobs} asks for more tokens than the vocabulary's {V}")
-        rule = choose_rule("custom" if tree is None else self.drafter.siblings(tree), request.verification)
+        if tree is None:
+            siblings = "custom"  # plain decoding verifies no draft: every rule is the same there
+        elif auto:  # Sequoia shapes draw distinct siblings; a chain for drafters of chains or block
+            chain = request.verification == "block" or not self.drafter.follows_shapes
+            siblings = self.drafter.siblings(TreeConfig(1, 1)) if chain else "distinct"
+        else:
+            siblings = self.drafter.siblings(tree)
+        rule = choose_rule(siblings, request.verification)
         stop = None
         if request.stop_strings or request.stop_token_ids:
             stop = StopMatcher(list(request.stop_strings), set(request.stop_token_ids), self.tokenizer)
         eos = frozenset() if request.ignore_eos else self.eos_token_ids
         builder = OutputBuilder(request.max_new_tokens, eos, stop)
         rng = TorchRng(request.seed, self.targets[0].device) if request.rng is None else request.rng
-        return RequestState(self._next_id, request, rule, rng, builder, rounds=[] if request.trace else None)
+        rounds = [] if request.trace else None
+        return RequestState(self._next_id, request, tree, rule, rng, builder, rounds=rounds)
+
+    def _plan(self, request: Request) -> Plan:
+        """An automatic tree's plan for `request`: plain decoding where there is nothing to
+        draft with; a chain for drafters of chains and for the block rule."""
+        if self.drafter.needs_draft_model and self.drafts[0] is None:
+            return Plan(None, (), 1.0, 1.0, None, "no draft model")
+        if self.planner is None:
+            raise ValueError(
+                "an automatic tree (TreeConfig()) needs the engine's planner; give a shape instead"
+            )
+        chain = request.verification == "block" or not self.drafter.follows_shapes
+        return self.planner.plan(request.sampling, chain_only=chain)
 
     def _admit(self) -> None:
         admitted = []
@@ -417,12 +445,19 @@ class Engine:
             self._unadmit(admitted)
             raise
         for r, prompt in zip(admitted, prompt_scores):
-            tree = r.request.tree
+            try:
+                if r.tree is not None and r.tree.auto:
+                    r.plan = self._plan(r.request)
+                    r.tree = r.plan.tree
+            except Exception as e:  # noqa: BLE001 - its plan failed (the costs' measurement): it ends alone
+                self._fail(r, e)
+                continue
+            tree = r.tree
             if tree is None:
                 continue
             try:
                 r.drafter = self.drafter.make(tree, self.drafts[r.lane])
-                r.depth_policy = DepthPolicy(tree)
+                r.depth_policy = DepthPolicy(tree) if r.plan is None else AutoDepth(r.plan)
                 r.drafter.start(r.request.prompt, r.request.sampling, r.rng)
                 if r.drafter.taps and prompt is not None:
                     r.drafter.read_target(prompt)
@@ -486,7 +521,10 @@ class Engine:
         state.output = GenerationOutput(
             ids, builder.sources, stats, text, reason, builder.stop_match, state.rule, state.rounds,
             logprobs=None if k is None else TokenLogprobs.cat(state.logprobs, k),
+            plan=None if state.plan is None else state.plan.describe(),
         )  # fmt: skip
+        if isinstance(state.depth_policy, AutoDepth) and self.planner is not None:
+            self.planner.remember(state.request.sampling, state.depth_policy.counts)
         if state.status == "live":
             del self.live[state.lane]  # the lane's cache is reset when the next request takes it
         state.status = "finished" if reason != "cancelled" else "cancelled"

@@ -36,6 +36,12 @@ class DrafterFactory:
         return isinstance(self.kind, Drafter)
 
     @property
+    def follows_shapes(self) -> bool:
+        """Whether its drafters draft along any tree shape (a draft model's, a head's); the
+        others propose chains of their own making, so an automatic tree plans a chain for them."""
+        return self.kind in ("model", "head")
+
+    @property
     def needs_draft_model(self) -> bool:
         return self.kind in ("model", "head", "merged")
 

@@ -119,7 +119,9 @@ class Server:
                     tree = None
                 else:
                     given = body.tree.model_dump(exclude_none=True)
-                    tree = dataclasses.replace(tree or TreeConfig(), **given)
+                    # fields on top of the server's fixed tree; on an automatic one, a tree of their own
+                    fixed = tree is not None and not tree.auto
+                    tree = dataclasses.replace(tree, **given) if fixed else TreeConfig(**given)
             if max_tokens is None:  # as much as the context (and the KV budget) leaves
                 max_tokens = self.room(len(ids), tree)
             given = "verification" in body.model_fields_set

@@ -83,13 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
     d = p.add_argument_group("defaults for requests that do not say (body fields tree, verification)")
-    d.add_argument(
-        "--width", type=int, default=TreeConfig.width, help=f"tree width (default {TreeConfig.width})"
-    )
-    d.add_argument(
-        "--depth", type=int, default=TreeConfig.depth, help=f"tree depth (default {TreeConfig.depth})"
-    )
-    d.add_argument("--strategy", default=TreeConfig.strategy, choices=STRATEGIES)
+    d.add_argument("--width", type=int, default=None, help="tree width (default: the automatic tree)")
+    d.add_argument("--depth", type=int, default=None, help="tree depth (default: automatic; 6 with --width)")
+    d.add_argument("--strategy", default=None, choices=STRATEGIES, help="default: auto (iid with --width)")
     d.add_argument("--plain", action="store_true", help="no speculation unless a request asks for a tree")
     d.add_argument(
         "--verification", default="auto", help="auto (the best that applies), token, block, traversal"

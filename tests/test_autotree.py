@@ -1,0 +1,230 @@
+"""The automatic tree (`TreeConfig()`): what it plans from costs and acceptance, how a request
+moves its depth, that it stays lossless, and the measured costs' cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
+from treespec.autotree import (
+    PROBE_EVERY,
+    AcceptanceCounts,
+    AutoDepth,
+    CostCache,
+    Costs,
+    Planner,
+    measure_acceptance,
+    planner_for,
+)
+from treespec.config import AUTO_MAX_DEPTH, AUTO_MAX_NODES
+from treespec.proposal import DraftTree, Draw, ProposalGroup, Walk
+from treespec.tree import TokenTree
+
+from .conftest import tiny_llama
+from .toy import PROMPT, SAMPLINGS, K, TableRunner, enumerate_decoder, max_abs_diff, pair
+
+GREEDY, T1 = SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)
+
+
+def costs(verify_slope: float = 0.05, draft: float = 0.05) -> Costs:
+    """A machine where n tokens cost 1 + slope * (n - 1) forwards of one and c = `draft`."""
+    return Costs(tuple(1 + verify_slope * n for n in range(AUTO_MAX_NODES + 1)), draft, 0.01)
+
+
+def planner(acc0=(0.6, 0.15, 0.05), acc1=(0.5, 0.15, 0.05), **kw) -> Planner:
+    return Planner(costs(**kw), {"T0": acc0, "T1": acc1}, "shipped")
+
+
+def test_the_default_tree_is_automatic_and_a_given_field_fixes_it():
+    assert TreeConfig().auto and TreeConfig(strategy="auto").auto
+    fixed = TreeConfig(width=2)
+    assert not fixed.auto and (fixed.width, fixed.depth, fixed.strategy) == (2, 6, "iid")
+    assert TreeConfig(depth=3).width == 1 and not TreeConfig(adaptive="hf").auto
+    assert TreeConfig().max_depth == AUTO_MAX_DEPTH and TreeConfig().max_nodes == AUTO_MAX_NODES
+    with pytest.raises(ValueError, match="chooses the shape itself; leave width unset"):
+        TreeConfig(width=2, strategy="auto")
+
+
+def test_the_plan_follows_the_costs_and_the_acceptance():
+    # cheap verification and drafting: a tree, deeper than one level
+    rich = planner().plan(GREEDY)
+    assert rich.tree is not None and rich.tree.shape.n_nodes > 1 and rich.tree.shape.depth > 1
+    assert rich.speedup > 1 and rich.expected_tokens > 1.5
+    assert rich.describe().startswith(f"auto: {rich.tree.shape.n_nodes} draft nodes, depth")
+    # a draft forward as dear as a target forward: nothing pays
+    dear = planner(draft=1.0).plan(GREEDY)
+    assert dear.tree is None and dear.speedup == 1 and "plain decoding" in dear.describe()
+    # every extra row costs a whole forward (a compute-bound machine): a chain, not a tree
+    chain = planner(verify_slope=0.3, draft=0.02).plan(GREEDY)
+    assert chain.tree is not None and all(len(c) <= 1 for c in chain.tree.shape.children())
+    # the temperature class picks its own vector; chain_only gives a chain whatever the costs
+    assert planner().plan(T1).acceptance[0] == 0.5
+    assert all(len(c) <= 1 for c in planner().plan(GREEDY, chain_only=True).tree.shape.children())
+
+
+def test_counts_are_sequoias_positional_acceptance():
+    """Rank k's count: walks that stood at a node with a child of rank k, and how often it was
+    the accepted one (the k-th drawn child), whatever happened to the ranks before it."""
+    tree = TokenTree([0, 1, 2, 3, 4], [-1, 0, 0, 1, 3])  # root: ranks 0, 1; node 1: rank 0; node 3 ...
+    counts = AcceptanceCounts()
+    counts.count(tree, Walk((0, 2), 9, "bonus"))  # rank 1 of the root; node 2 is a leaf
+    counts.count(tree, Walk((0, 1), 9, "correction"))  # rank 0, then node 1's child rejected
+    counts.count(tree, Walk((0,), 9, "correction"))  # both of the root's children rejected
+    assert counts.visits == [4, 3] and counts.hits == [1, 1]
+    assert counts.vector() == (0.25, 1 / 3)
+    assert counts.vector(prior=(0.5, 0.5), weight=4) == pytest.approx((3 / 8, 3 / 7))
+
+
+def test_a_requests_depth_follows_its_own_acceptance_and_probes_when_plain():
+    plan = planner(acc0=(0.7,)).plan(GREEDY)  # a chain
+    policy = AutoDepth(plan)
+    start = policy.next_depth()
+    assert start == plan.tree.shape.depth
+    chain = DraftTree(
+        TokenTree([0, 1, 2], [-1, 0, 1]),
+        (ProposalGroup(0, Draw.DETERMINISTIC, (1,), (1,)), ProposalGroup(1, Draw.DETERMINISTIC, (2,), (2,))),
+    )
+    for _ in range(200):  # everything rejected: plain rounds
+        policy.update(None, chain, Walk((0,), 5, "correction"), start)
+    assert policy.depth == 0
+    assert [policy.next_depth() for _ in range(PROBE_EVERY)] == [0] * (PROBE_EVERY - 1) + [1]
+    for _ in range(300):  # everything accepted: as deep as the shape goes
+        policy.update(None, chain, Walk((0, 1, 2), 5, "bonus"), 2)
+    assert policy.depth == plan.tree.shape.depth
+
+
+@pytest.mark.parametrize("sampling_name", ["T1", "T0.6-topk2"])
+def test_the_automatic_tree_is_lossless_by_enumeration(sampling_name):
+    """A planned tree (two children at the root, deeper chains) whose depth moves with the
+    request's acceptance: the emitted joint distribution is the target's."""
+    sampling = SAMPLINGS[sampling_name]
+    target, draft = pair()
+    decoder = SpeculativeDecoder(TableRunner(target), TableRunner(draft))
+    decoder._planner = Planner(costs(draft=0.01), {"T0": (0.5, 0.3), "T1": (0.5, 0.3)}, "shipped")
+    shape = decoder.planner.plan(sampling).tree.shape
+    assert shape.n_nodes > shape.depth > 1  # a tree, not a chain
+    got = enumerate_decoder(decoder, TreeConfig(), sampling)
+    assert abs(sum(got.values()) - 1) < 1e-9
+    assert max_abs_diff(got, target.joint(PROMPT, K, sampling)) < 1e-9
+
+
+def test_greedy_automatic_trees_give_the_targets_argmax_and_say_what_they_chose():
+    target, draft = pair()
+    decoder = SpeculativeDecoder(TableRunner(target), TableRunner(draft))
+    decoder._planner = planner()
+    got = enumerate_decoder(decoder, TreeConfig(), GREEDY, k=4)
+    assert got == pytest.approx(target.joint(PROMPT, 4, GREEDY)) and len(got) == 1
+    out = decoder.generate(list(PROMPT), 4, sampling=GREEDY)
+    assert out.plan == decoder.planner.plan(GREEDY).describe() and out.verification == "traversal"
+    assert decoder.generate(list(PROMPT), 4, sampling=GREEDY, verification="block").verification == "block"
+
+
+def test_a_batch_of_automatic_trees_equals_each_request_alone():
+    dec = SpeculativeDecoder(tiny_llama(0), tiny_llama(1, hidden=16, layers=1, heads=2, kv_heads=1))
+    dec._planner = planner()
+    prompts = [[3, 4, 5], [7, 8], [9, 10, 11, 12]]
+    batch = dec.generate_batch(prompts, 12, sampling=T1, seeds=[0, 1, 2])
+    for prompt, seed, out in zip(prompts, [0, 1, 2], batch):
+        assert out.token_ids == dec.generate(prompt, 12, sampling=T1, seed=seed).token_ids
+
+
+def test_costs_are_measured_once_per_key_and_kept_on_disk(tmp_path):
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return costs(draft=0.1 * len(calls))
+
+    cache = CostCache(tmp_path)
+    settings = {"target": ["t", 1], "dtypes": ["bf16"]}
+    first = cache.get(settings, measure)
+    assert cache.get(settings, measure) == first and len(calls) == 1  # memory
+    assert CostCache(tmp_path).get(settings, measure) == first and len(calls) == 1  # disk, a new process
+    other = CostCache(tmp_path).get({**settings, "dtypes": ["fp32"]}, measure)  # other settings
+    assert other != first and len(calls) == 2
+    # another machine: the key changes
+    import treespec.autotree as autotree
+
+    real = autotree.machine_key
+    try:
+        autotree.machine_key = lambda: {**real(), "cpu": "another"}
+        assert CostCache(tmp_path).get(settings, measure) != first and len(calls) == 3
+    finally:
+        autotree.machine_key = real
+    # a corrupt or truncated entry is measured again, never an error
+    path = tmp_path / f"{CostCache.key(settings)}.json"
+    path.write_text("{not json")
+    assert CostCache(tmp_path).get(settings, measure).draft == pytest.approx(0.4) and len(calls) == 4
+    assert json.loads(path.read_text())["draft"] == pytest.approx(0.4)
+    path.write_text(json.dumps({"verify": [1.0], "draft": 0.1, "t1": 0.0}))  # an older layout
+    assert CostCache(tmp_path).get(settings, measure).draft == pytest.approx(0.5)
+    # a cache that cannot be written: measured, and used
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert CostCache(blocked / "sub").get(settings, measure).draft == pytest.approx(0.6)
+
+
+def test_the_first_measurement_written_wins(tmp_path):
+    """Two processes that measure one key at once keep the first one written."""
+    settings = {"target": ["t", 1]}
+    a, b = CostCache(tmp_path), CostCache(tmp_path)
+    first = a.get(settings, lambda: costs(draft=0.1))
+    assert b.get(settings, lambda: costs(draft=0.2)) == first  # read from disk
+
+    c, d = CostCache(tmp_path / "x"), CostCache(tmp_path / "x")
+    path = tmp_path / "x" / f"{CostCache.key(settings)}.json"
+
+    def slow_second():  # d measures while c writes
+        c.get(settings, lambda: costs(draft=0.3))
+        return costs(draft=0.4)
+
+    assert d.get(settings, slow_second).draft == pytest.approx(0.3) and path.is_file()
+
+
+def test_measured_costs_and_acceptance_of_a_real_decoder():
+    dec = SpeculativeDecoder(tiny_llama(0), tiny_llama(1, hidden=16, layers=1, heads=2, kv_heads=1))
+    c = dec.planner.costs
+    assert len(c.verify) == AUTO_MAX_NODES + 1 and c.verify[0] == 1.0
+    assert all(b >= a for a, b in zip(c.verify, c.verify[1:])) and c.draft > 0 and c.t1 > 0
+    counts = measure_acceptance(dec, [[3, 4, 5], [6, 7]], T1, max_new_tokens=12)
+    assert len(counts.visits) == 4 and counts.visits[0] > 0 and all(0 <= a <= 1 for a in counts.vector())
+
+
+def test_acceptance_is_remembered_for_later_processes(tmp_path, monkeypatch):
+    """A pair with no shipped acceptance plans with the prior, and its requests' counts are kept
+    for the next process (this decoder keeps its vectors: a batch equals each request alone)."""
+    import treespec.autotree as autotree
+
+    monkeypatch.setattr(autotree, "COSTS", CostCache(tmp_path))
+    dec = SpeculativeDecoder(tiny_llama(0), tiny_llama(1, hidden=16, layers=1, heads=2, kv_heads=1))
+    settings = {"target": ["a"], "draft": ["b"]}
+    first = planner_for(dec, settings)
+    assert first.sources == {"T0": "prior", "T1": "prior"}
+    first._costs = costs()
+    dec._planner = first
+    dec.generate([3, 4, 5], 24, sampling=GREEDY)
+    assert first.sources["T0"] == "prior"  # unchanged in this process
+    later = planner_for(dec, settings)
+    assert later.sources == {"T0": "measured", "T1": "prior"} and later.vectors["T0"] != first.vectors["T0"]
+    shipped = planner_for(dec, settings, {"T0": (0.9,), "T1": (0.8,)})
+    assert shipped.sources["T1"] == "shipped" and shipped.record is None
+
+
+def test_cli_show_tree_says_which_tree_was_chosen(tmp_path, capsys, monkeypatch):
+    from treespec import cli
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    cli.main(["generate", "def f(x):", "--max-new-tokens", "8", "--show-tree", "--temperature", "0"])
+    assert "\ntree: auto: " in capsys.readouterr().out
+
+
+def test_measurement_leaves_the_decoders_own_caches_alone():
+    dec = SpeculativeDecoder(tiny_llama(0), tiny_llama(1, hidden=16, layers=1, heads=2, kv_heads=1))
+    dec.target_runner.prefill([3, 4, 5])
+    before = (list(dec.target_runner.committed), dec.target_runner.n_slots)
+    dec.planner.costs  # noqa: B018 - measures
+    assert (list(dec.target_runner.committed), dec.target_runner.n_slots) == before
+    assert torch.get_num_threads() >= 1
