@@ -593,16 +593,23 @@ def test_distill_head_trains_a_head_on_a_runs_data_that_loads_and_drafts(distill
 def test_a_head_run_resumed_after_interruptions_equals_the_uninterrupted_one(
     distilled, tiny_target, tmp_path, monkeypatch
 ):
-    """`distill --head --resume`: cut once while computing the features and once in training,
-    the head ends bit for bit as an uninterrupted run's, its evaluations redone once."""
+    """`distill --head --resume`: cut once while computing the features (kept beside the data
+    run's shards) and once in training, the head ends bit for bit as an uninterrupted run's,
+    its evaluations redone once."""
+    import shutil
+
     from treespec.distill import head as head_module
 
     target, _ = tiny_target
+    runs = {}
+    for name in ("whole", "cut"):  # two copies of one data run, so each computes its features
+        runs[name] = tmp_path / f"data_{name}"
+        shutil.copytree(distilled / "work", runs[name] / "work", ignore=shutil.ignore_patterns("features_*"))
     recipe = dict(
         vocab_subset=40, steps=8, evals=2, eval_prompts=2, eval_tokens=4, dtype="float32",
         checkpoint_minutes=0, progress=False, batch_size=4,
     )  # fmt: skip
-    head_module.distill_head(target, tmp_path / "whole", distilled, **recipe)
+    head_module.distill_head(target, tmp_path / "whole", runs["whole"], **recipe)
 
     def failing_after(n, real):
         calls = [0]
@@ -619,27 +626,28 @@ def test_a_head_run_resumed_after_interruptions_equals_the_uninterrupted_one(
     monkeypatch.setattr(head_module, "FEATURE_CHUNK_TOKENS", 64)  # several chunks, one of them cut
     monkeypatch.setattr(head_module, "prefill_many", failing_after(2, head_module.prefill_many))
     with pytest.raises(KeyboardInterrupt):
-        head_module.distill_head(target, out, distilled, **recipe)
-    assert json.loads((out / "work" / "features.json").read_text())["done"] > 0
+        head_module.distill_head(target, out, runs["cut"], **recipe)
+    state = runs["cut"] / "work" / "data" / "features_0_float32.json"
+    assert 0 < json.loads(state.read_text())["done"] < 40
     monkeypatch.undo()
     monkeypatch.setattr(head_module, "head_loss", failing_after(5, head_module.head_loss))
     with pytest.raises(KeyboardInterrupt):
-        head_module.distill_head(target, out, distilled, resume=True, **recipe)
+        head_module.distill_head(target, out, runs["cut"], resume=True, **recipe)
     assert torch.load(out / "work" / "head.pt", weights_only=False)["step"] == 5
     monkeypatch.undo()
-    head_module.distill_head(target, out, distilled, resume=True, **recipe)
+    head_module.distill_head(target, out, runs["cut"], resume=True, **recipe)
 
     for name in ("model.safetensors", "config.json"):
         assert (tmp_path / "whole" / name).read_bytes() == (out / name).read_bytes(), name
     np.testing.assert_array_equal(
-        np.load(tmp_path / "whole" / "work" / "features.npy"), np.load(out / "work" / "features.npy")
+        *(np.load(runs[n] / "work" / "data" / "features_0_float32.npy") for n in ("whole", "cut"))
     )
     curve = json.loads((out / "head.json").read_text())["curve"]
     assert [r["step"] for r in curve] == [0, 4, 8] and all("top1" in r["proxy"] for r in curve)
     with pytest.raises(ValueError, match="resume cannot change lr"):
-        head_module.distill_head(target, out, distilled, resume=True, **{**recipe, "lr": 0.5})
+        head_module.distill_head(target, out, runs["cut"], resume=True, **{**recipe, "lr": 0.5})
     with pytest.raises(ValueError, match="not empty"):
-        head_module.distill_head(target, out, distilled, **recipe)
+        head_module.distill_head(target, out, runs["cut"], **recipe)
 
 
 def test_cli_trains_a_head_with_its_own_recipe_flags(distilled, tiny_target, tmp_path, monkeypatch):

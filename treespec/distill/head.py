@@ -3,9 +3,9 @@
     treespec distill --head --target T --out DIR --data-from RUN [RUN ...] --minutes M [--resume]
 
     features   one teacher-forced pass of the target over every stored sequence, its taps (the
-               inputs of layers {2, N/2, N-3}) kept in bf16 in a memory-mapped file
-               (out/work/features.npy), resumable chunk by chunk: the only target forwards of
-               training
+               inputs of layers {2, N/2, N-3}) kept in bf16 in a memory-mapped file beside each
+               data run's shards (computed once, resumable chunk by chunk, read by every head
+               trained on that run with those taps): the only target forwards of training
     train      the head reads (f_t, token t+1) and learns the target's distribution of token t+2
                (forward KL on the stored top-k and its tail, as a draft model learns it:
                `losses.buckets`), then again on its OWN output states for `unroll` more steps
@@ -126,9 +126,9 @@ class HeadRecipe:
 
 # ---- the target's features --------------------------------------------------------------------
 class Features:
-    """The target's tapped features at every stored token, [T, F] bf16, aligned with the data's
-    `tokens`, in a memory-mapped .npy file (bf16 bits as uint16): 3 x 576 x 2 bytes a token for
-    SmolLM2's three taps, so millions of tokens stay on disk and in the page cache."""
+    """The target's tapped features at every stored token of one data run, [T, F] bf16, aligned
+    with its `tokens`, in a memory-mapped .npy file (bf16 bits as uint16): 3 x 576 x 2 bytes a
+    token for SmolLM2's three taps, so millions of tokens stay on disk and in the page cache."""
 
     def __init__(self, path: Path, shape: tuple[int, int] | None = None):
         mode = "r+" if shape is None else "w+"
@@ -142,6 +142,20 @@ class Features:
 
     def flush(self) -> None:
         self.array.flush()
+
+
+class FeatureSet:
+    """Several runs' `Features` as one [T, F] array over their concatenated tokens (a slice
+    never crosses from one run into the next: it is one sequence's)."""
+
+    def __init__(self, parts: list[Features]):
+        self.parts = parts
+        self.starts = np.cumsum([0] + [len(f.array) for f in parts])
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        i = int(np.searchsorted(self.starts, rows.start, side="right")) - 1
+        a = self.starts[i]
+        return self.parts[i][rows.start - a : rows.stop - a]
 
 
 def compute_features(target, data: Dataset, taps, store, done: int = 0, on_chunk=None) -> None:
@@ -436,12 +450,14 @@ class _HeadRun:
         rec, t_start = self.rec, time.time()
         if rec.threads is not None:
             torch.set_num_threads(rec.threads)
-        shards = []
+        run_data = []
         for run in self.runs:
             meta = json.loads((run / "work" / "data" / "meta.json").read_text())
             data_dir = run / "work" / "data"
-            shards += [load_shard(data_dir / f"shard_{i:05d}.safetensors") for i in range(meta["shards"])]
-        data = Dataset(shards)
+            run_data.append(
+                [load_shard(data_dir / f"shard_{i:05d}.safetensors") for i in range(meta["shards"])]
+            )
+        data = Dataset([shard for shards in run_data for shard in shards])
         held = Dataset([load_shard(self.runs[0] / "work" / "data" / "heldout.safetensors")])
         device = loading.resolve_device(None)
         self.target_runner = loading.load_runner(
@@ -452,7 +468,8 @@ class _HeadRun:
         taps = default_taps(s.layers) if rec.taps is None else rec.taps
         if max(taps) > s.layers:
             raise ValueError(f"taps {list(taps)} name layers beyond the target's {s.layers}")
-        features, feature_seconds = self._features(data, taps)
+        parts = [self._features(run, Dataset(shards), taps) for run, shards in zip(self.runs, run_data)]
+        features, feature_seconds = FeatureSet([f for f, _ in parts]), round(sum(t for _, t in parts), 1)
         held_features = _InMemory(len(held.tokens), len(taps) * s.hidden)
         compute_features(self.target_runner, held, taps, held_features)
         vocab_ids = choose_subset(
@@ -505,19 +522,21 @@ class _HeadRun:
         (self.out / "head.json").write_text(json.dumps(head, indent=1) + "\n")
         return self.out
 
-    def _features(self, data: Dataset, taps) -> tuple[Features, float]:
-        """The data's features on disk: computed (or continued) once, then read."""
-        path, state_path = self.work / "features.npy", self.work / "features.json"
+    def _features(self, run: Path, data: Dataset, taps) -> tuple[Features, float]:
+        """A data run's features, computed (or continued) once and kept beside its shards
+        (`features_<taps>_<dtype>.npy`): every head trained on the run with these taps reads them."""
+        name = f"features_{'-'.join(map(str, taps))}_{self.rec.dtype}"
+        path, state_path = run / "work" / "data" / f"{name}.npy", run / "work" / "data" / f"{name}.json"
         width = len(taps) * self.target_runner.shape.hidden
         state = json.loads(state_path.read_text()) if state_path.is_file() else None
-        if state is None or state["taps"] != list(taps) or state["tokens"] != len(data.tokens):
+        if state is None or state["tokens"] != len(data.tokens) or not path.is_file():
             state = {"taps": list(taps), "tokens": len(data.tokens), "done": 0, "seconds": 0.0}
             store = Features(path, (len(data.tokens), width))
         else:
             store = Features(path)
         if state["done"] < len(data):
             bar = (
-                self._bar(total=len(data), initial=state["done"], desc="features", unit="seq")
+                self._bar(total=len(data), initial=state["done"], desc=f"features of {run.name}", unit="seq")
                 if self.rec.progress
                 else None
             )
