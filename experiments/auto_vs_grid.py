@@ -103,9 +103,8 @@ def main() -> None:
         }
         print(f"\rT={temperature}: {plan}", file=sys.stderr)
         for name, r in sorted(run.items(), key=lambda kv: -kv[1]["tokens_per_second"]):
-            print(
-                f"  {name:16s} {r['tokens_per_second']:7.1f} tok/s ({r['vs_plain']:.2f}x plain)  tau {r['tokens_per_step']}"
-            )
+            speed = f"{r['tokens_per_second']:7.1f} tok/s ({r['vs_plain']:.2f}x plain)"
+            print(f"  {name:16s} {speed}  tau {r['tokens_per_step']}")
         print(f"  auto: {auto / best[0]:.3f}x the best ({best[1]}), {auto / plain:.3f}x plain")
     path = RESULTS / f"auto_vs_grid_{args.pair}_{args.tag}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
