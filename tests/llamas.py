@@ -56,3 +56,19 @@ def assert_cache_equals_prefill(runner, model) -> None:
     fresh.prefill(runner.committed)
     for got, want in zip(committed_kv(runner), committed_kv(fresh), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=tol(model) / 10)
+
+
+def record_feeds(monkeypatch) -> list[int]:
+    """From now on (until `monkeypatch.undo()`), every runner's feed of every forward appends its
+    token count to the returned list, in the order the forwards run."""
+    import treespec.backends.base as base
+
+    fed: list[int] = []
+    run = base._run
+
+    def counting(runners, feeds, need_logits):
+        fed.extend(len(f.tokens) for f in feeds)
+        return run(runners, feeds, need_logits)
+
+    monkeypatch.setattr(base, "_run", counting)
+    return fed

@@ -294,23 +294,25 @@ def test_data_from_several_runs_trains_on_their_samples_together(
         distill(target, tmp_path / "mixed", prompts=changed, data_from=[before, after], **TINY)
 
 
+def failing_after(n, real):
+    """`real`, raising KeyboardInterrupt from its (n+1)-th call on: a run cut at that point."""
+    calls = [0]
+
+    def wrapped(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] > n:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    return wrapped
+
+
 def test_resume_after_interruptions_reproduces_the_uninterrupted_run(tiny_target, tmp_path, monkeypatch):
     target, prompt_file = tiny_target
     recipe = {**TINY, "steps": 12, "evals": 2, "checkpoint_minutes": 0}
     distill(target, tmp_path / "whole", prompts=prompt_file, **recipe)
 
     from treespec.distill import data as data_module
-
-    def failing_after(n, real):
-        calls = [0]
-
-        def wrapped(*args, **kwargs):
-            calls[0] += 1
-            if calls[0] > n:
-                raise KeyboardInterrupt
-            return real(*args, **kwargs)
-
-        return wrapped
 
     out = tmp_path / "cut"
     monkeypatch.setattr(data_module, "make_shard", failing_after(2, data_module.make_shard))  # 2 of 4 shards
@@ -610,17 +612,6 @@ def test_a_head_run_resumed_after_interruptions_equals_the_uninterrupted_one(
         checkpoint_minutes=0, progress=False, batch_size=4,
     )  # fmt: skip
     head_module.distill_head(target, tmp_path / "whole", runs["whole"], **recipe)
-
-    def failing_after(n, real):
-        calls = [0]
-
-        def wrapped(*args, **kwargs):
-            calls[0] += 1
-            if calls[0] > n:
-                raise KeyboardInterrupt
-            return real(*args, **kwargs)
-
-        return wrapped
 
     out = tmp_path / "cut"
     monkeypatch.setattr(head_module, "FEATURE_CHUNK_TOKENS", 64)  # several chunks, one of them cut

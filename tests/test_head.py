@@ -30,7 +30,7 @@ from treespec.backends.native import NativeRunner
 from treespec.sequoia import TreeShape
 
 from .conftest import tiny_llama
-from .llamas import GREEDY, PROMPTS, hf_greedy
+from .llamas import GREEDY, PROMPTS, hf_greedy, record_feeds
 from .mc import PROMPT as MC_PROMPT
 from .mc import K as MC_K
 from .mc import N as MC_N
@@ -454,8 +454,6 @@ def test_a_chats_next_turn_reuses_the_cached_prefix_with_a_head(temperature, mon
     """`prefix_reuse` on the target and its head (`treespec chat`): the second turn prefills only
     what the head has no features for (the new tokens and the previous turn's last round), and
     the output (float64, seeded) equals a decoder that starts from empty caches."""
-    import treespec.backends.base as base
-
     target = tiny_llama(0)
     cfg, w = random_head(target, taps=(0, 1), seed=5)
     fresh, reusing = (
@@ -467,13 +465,7 @@ def test_a_chats_next_turn_reuses_the_cached_prefix_with_a_head(temperature, mon
     prompt = [5, 6, 7, 8, 9, 10]
     first = reusing.generate(prompt, 12, seed=0, **settings)
     second_prompt = prompt + first.token_ids + [5, 9]  # the next turn extends the first
-    fed = []
-    run = base._run
-    monkeypatch.setattr(
-        base,
-        "_run",
-        lambda rs, fs, need_logits: fed.extend(len(f.tokens) for f in fs) or run(rs, fs, need_logits),
-    )
+    fed = record_feeds(monkeypatch)
     got = reusing.generate(second_prompt, 12, seed=1, **settings)
     target_prefill = fed[0]
     monkeypatch.undo()

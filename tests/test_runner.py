@@ -15,7 +15,7 @@ from treespec.backends.hf import HFRunner
 from treespec.backends.native import NativeRunner
 
 from .conftest import VOCAB, tiny_llama
-from .llamas import assert_cache_equals_prefill, tol
+from .llamas import assert_cache_equals_prefill, record_feeds, tol
 from .toy import trees
 
 PREFIX = [3, 17, 42, 8, 25, 60, 11]
@@ -221,8 +221,6 @@ def test_prefix_reuse_prefills_only_what_is_new_and_changes_no_output(backend, t
     """A chat's second turn with `prefix_reuse` on both runners: the target and the draft feed
     only the tokens after what their caches share with the new prompt, and the output (float64,
     seeded) equals a decoder that starts from empty caches."""
-    import treespec.backends.base as base
-
     target = tiny_llama(0).double()
     fresh, reusing = (SpeculativeDecoder(target, tiny_llama(1).double(), backend=backend) for _ in range(2))
     for runner in (reusing.target_runner, reusing.draft_runner):
@@ -230,13 +228,7 @@ def test_prefix_reuse_prefills_only_what_is_new_and_changes_no_output(backend, t
     settings = dict(tree=TreeConfig(2, 3), sampling=SamplingConfig(temperature=temperature), ignore_eos=True)
     first = reusing.generate(PREFIX, 12, seed=0, **settings)
     second_prompt = PREFIX + first.token_ids + [5, 9]  # the next turn extends the first
-    fed = []
-    run = base._run
-    monkeypatch.setattr(
-        base,
-        "_run",
-        lambda rs, fs, need_logits: fed.extend(len(f.tokens) for f in fs) or run(rs, fs, need_logits),
-    )
+    fed = record_feeds(monkeypatch)
     got = reusing.generate(second_prompt, 12, seed=1, **settings)
     prefill = fed[:2]  # the target's prefill, then the draft's
     monkeypatch.undo()

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +42,7 @@ from ..backends.head import HeadConfig, default_taps, head_weight_shapes
 from .data import Dataset, load_shard
 from .evaluate import read_jsonl
 from .losses import alpha_lower_bound, buckets, divergence
+from .recipe import check_known
 from .train import Clock, Job, train_model
 
 DECAY = 0.8  # EAGLE-3: step j of the unrolled test weighs DECAY ** j
@@ -113,12 +114,7 @@ class HeadRecipe:
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> HeadRecipe:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown head recipe option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
-            )
+        check_known(cls, kwargs, "head recipe")
         if kwargs.get("taps") is not None:
             kwargs = {**kwargs, "taps": tuple(kwargs["taps"])}
         return cls(**kwargs)

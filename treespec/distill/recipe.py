@@ -143,10 +143,13 @@ class Recipe:
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> Recipe:
         """A recipe from `distill(**recipe)` keywords; an unknown name is a ValueError."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown recipe option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
-            )
+        check_known(cls, kwargs, "recipe")
         return cls(**kwargs)
+
+
+def check_known(recipe_class, kwargs: dict, what: str) -> None:
+    """ValueError naming the keywords that are not fields of the dataclass `recipe_class`."""
+    known = {f.name for f in fields(recipe_class)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(f"unknown {what} option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
