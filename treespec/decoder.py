@@ -122,8 +122,9 @@ class SpeculativeDecoder:
         With no arguments, loads the bundled pair (see `treespec.zoo`), drafting with its feature
         head where it ships one (`drafter=None`; "model" for its draft model). `dtype="auto"` is
         bf16 on CUDA; on a CPU, bf16 for the target where the CPU has AMX or AVX512-BF16 and
-        bf16 products measure faster, fp32 for the draft (`treespec.backends.auto_dtype`).
-        `draft_dtype` overrides the draft's (default: `dtype`). `device` defaults to the CPU.
+        bf16 products measure faster, fp32 for the draft (`treespec.backends.auto_dtype`); a
+        feature head runs in the target's dtype (bf16 made SmolLM2's head forward 0.89 -> 0.64 ms
+        on a 2-core Zen 5). `draft_dtype` overrides the draft's (default: `dtype`). `device` defaults to the CPU.
         The native backend reads the weights straight from safetensors; `compile=True` runs its
         forwards as inductor graphs (minutes of compilation on first use; docs/performance.md).
         `quantize` / `draft_quantize` ("int8"; native backend): weight-only int8 for the target /
@@ -158,7 +159,9 @@ class SpeculativeDecoder:
         from .backends.head import load_head_runner
 
         target_runner = loading.load_runner(target, dtypes[0], device, backend, compile, quantize)
-        head = None if draft is None else load_head_runner(draft, target_runner, dtypes[1], device)
+        # a feature head computes with its target's features: in the target's dtype unless told
+        head_dtype = dtypes[0] if draft_dtype is None else dtypes[1]
+        head = None if draft is None else load_head_runner(draft, target_runner, head_dtype, device)
         runners = [
             target_runner,
             head
