@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import subprocess
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from treespec.cli import main
+from treespec.cli import build_parser, main
 from treespec.sequoia import TreeShape
 
 
@@ -352,3 +353,30 @@ def test_ctrl_c_while_loading_is_exit_130_not_a_traceback():
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "Traceback" not in err, err
+
+
+def test_every_front_end_takes_every_load_option():
+    """generate, chat, bench and serve take a flag for each of from_pretrained's options (one
+    argparse group, `treespec.options`), so none of them lags behind (the server lacked
+    --quantize)."""
+    import inspect
+
+    from treespec.decoder import SpeculativeDecoder
+    from treespec.serve.cli import add_arguments as serve_arguments
+
+    options = set(inspect.signature(SpeculativeDecoder.from_pretrained).parameters)
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    serve = argparse.ArgumentParser()
+    serve_arguments(serve)
+    for name, p in [(c, commands[c]) for c in ("generate", "chat", "bench")] + [("serve", serve)]:
+        flags = {a.dest for a in p._actions}
+        assert options <= flags, (name, options - flags)
+
+
+def test_a_bad_verification_name_fails_before_loading(capsys, monkeypatch):
+    import treespec.options
+
+    monkeypatch.setattr(treespec.options, "load_decoder", lambda *a, **k: pytest.fail("loaded"))
+    assert main(["generate", "x", "--verification", "blok"]) == 2
+    assert "verification must be one of token, block, traversal or 'auto'" in capsys.readouterr().err

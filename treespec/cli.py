@@ -18,7 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .config import ADAPTIVE, DRAFTER_KINDS, STRATEGIES, SamplingConfig, TreeConfig
+from .config import ADAPTIVE, STRATEGIES, SamplingConfig, TreeConfig
+from .options import add_model_arguments
+from .verify import rule_name
 
 COLOURS = {"accepted": "\033[32m", "correction": "\033[33m", "bonus": "\033[36m"}  # green, yellow, cyan
 RESET = "\033[0m"
@@ -26,56 +28,6 @@ RESET = "\033[0m"
 
 class CliError(Exception):
     """A user error: printed as one line, exit code 2."""
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    from .zoo import PAIRS, default_pair_name
-
-    default = default_pair_name()
-    g = p.add_argument_group(f"models (default: the {default} pair)")
-    g.add_argument(
-        "--pair", choices=PAIRS, default=None, help=f"a named pair (default {default}; TREESPEC_PAIR sets it)"
-    )
-    g.add_argument("--target", help="target model: HF id, local directory or GGUF file")
-    g.add_argument(
-        "--draft",
-        help="draft model: HF id, local directory or GGUF file, or an EAGLE-3 head directory "
-        "(not needed for --drafter ngram/lookup)",
-    )
-    g.add_argument(
-        "--dtype",
-        default="auto",
-        help="auto (default: bf16 on CUDA; on CPU bf16 target with AMX/AVX512-BF16 and fp32 "
-        "draft), float32, bfloat16",
-    )
-    g.add_argument("--draft-dtype", default=None, help="the draft's dtype (default: as --dtype)")
-    g.add_argument("--device", default=None, help="torch device (default: cpu)")
-    g.add_argument(
-        "--backend",
-        default="auto",
-        choices=("auto", "native", "hf"),
-        help="auto (default): treespec's native forward where supported, else HF; bench: both",
-    )
-    g.add_argument(
-        "--compile",
-        action="store_true",
-        help="run the native forwards as torch.compile (inductor) graphs: faster on deep models, "
-        "minutes of compilation at start; bench then decodes every prompt once, untimed, first "
-        "(docs/performance.md)",
-    )
-    g.add_argument(
-        "--quantize",
-        choices=("int8",),
-        default=None,
-        help="the target's weights as int8 (native backend): the int8 model's own output, faster "
-        "one-token forwards (docs/performance.md)",
-    )
-    g.add_argument(
-        "--draft-quantize",
-        choices=("int8",),
-        default=None,
-        help="the draft's weights as int8 (native backend; lossless: any draft is)",
-    )
 
 
 def _add_decode_args(p: argparse.ArgumentParser, max_new_tokens: int, width: int | None = None) -> None:
@@ -105,14 +57,6 @@ def _add_decode_args(p: argparse.ArgumentParser, max_new_tokens: int, width: int
     )
     g.add_argument("--depth-max", type=int, default=8, help="adaptive depth upper bound (default 8)")
     g.add_argument("--shape", type=Path, default=None, help="draft along a saved Sequoia TreeShape (JSON)")
-    g.add_argument(
-        "--drafter",
-        default=None,
-        choices=DRAFTER_KINDS,
-        help="who proposes: the draft model, a feature head (EAGLE-3; the default when --draft is one, "
-        "and a named pair's own head where it ships one), n-gram tables, prompt lookup, or model+n-gram "
-        "merged (default: the pair's, else model)",
-    )
     g.add_argument(
         "--verification",
         default="auto",
@@ -186,13 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="OpenAI/vLLM: logit -= it if the token occurs in the output; 0 = off",
     )
     _add_decode_args(gen, max_new_tokens=128)
-    _add_model_args(gen)
+    add_model_arguments(gen)
 
     chat = sub.add_parser("chat", help="talk to a chat model, turn by turn (an empty line or Ctrl-D ends)")
     chat.add_argument("--system", default=None, help="a system message to start the chat with")
     chat.add_argument("--plain", action="store_true", help="no speculation: plain autoregressive decoding")
     _add_decode_args(chat, max_new_tokens=256)
-    _add_model_args(chat)
+    add_model_arguments(chat)
 
     from .serve.cli import add_arguments as add_serve_arguments
 
@@ -238,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         "experiments/build_llama_cpp.sh builds them",
     )
     _add_decode_args(bench, max_new_tokens=64, width=2)
-    _add_model_args(bench)
+    add_model_arguments(bench)
     return parser
 
 
@@ -274,36 +218,19 @@ def _configs(args) -> tuple[TreeConfig, SamplingConfig]:
 
 def _paths(args) -> tuple:
     """(target, draft) from --pair / --target / --draft."""
-    from .zoo import pair, pair_draft
+    from .options import model_paths
 
-    if args.pair is not None and (args.target or args.draft):
-        raise CliError("give --pair or --target/--draft, not both")
-    if args.target is None:
-        if args.draft is not None:
-            raise CliError("--draft needs --target")
-        return pair(args.pair)[0], pair_draft(args.pair, args.drafter)
-    model_free = getattr(args, "plain", False) or args.drafter in ("ngram", "lookup")
-    if args.draft is None and not model_free:
-        raise CliError("--target needs --draft (or --drafter ngram / lookup, or --plain)")
-    return args.target, args.draft
+    try:
+        return model_paths(args, getattr(args, "plain", False))
+    except ValueError as e:
+        raise CliError(str(e)) from None
 
 
 def _load(args):
-    from .decoder import SpeculativeDecoder
+    from .options import load_decoder
 
-    target, draft = _paths(args)
-    return SpeculativeDecoder.from_pretrained(
-        target=target,
-        draft=draft,
-        dtype=args.dtype,
-        device=args.device,
-        backend=args.backend,
-        draft_dtype=args.draft_dtype,
-        drafter=args.drafter or "model",
-        compile=args.compile,
-        quantize=args.quantize,
-        draft_quantize=args.draft_quantize,
-    )
+    _paths(args)  # flags that do not go together fail as a CLI error
+    return load_decoder(args, getattr(args, "plain", False))
 
 
 def use_colour(choice: str = "auto", stream=None) -> bool:
@@ -343,6 +270,7 @@ def _unescape(text: str) -> str:
 
 def cmd_generate(args) -> None:
     tree, sampling = _configs(args)
+    verification = rule_name(args.verification)  # a bad name fails before the models load
     try:
         sampling = dataclasses.replace(
             sampling,
@@ -380,7 +308,7 @@ def cmd_generate(args) -> None:
         ignore_eos=args.ignore_eos,
         on_tokens=on_tokens,
         stop=[_unescape(x) for x in args.stop] + args.stop_id or None,
-        verification=None if args.verification == "auto" else args.verification,
+        verification=verification,
         trace=args.trace,
     )
     sys.stdout.write(stream.finish(out.token_ids))  # what was held back

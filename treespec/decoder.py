@@ -124,9 +124,10 @@ class SpeculativeDecoder:
         bf16 on CUDA; on a CPU, bf16 for the target where the CPU has AMX or AVX512-BF16 and
         bf16 products measure faster, fp32 for the draft (`treespec.backends.auto_dtype`); a
         feature head runs in the target's dtype (bf16 made SmolLM2's head forward 0.89 -> 0.64 ms
-        on a 2-core Zen 5). `draft_dtype` overrides the draft's (default: `dtype`). `device` defaults to the CPU.
-        The native backend reads the weights straight from safetensors; `compile=True` runs its
-        forwards as inductor graphs (minutes of compilation on first use; docs/performance.md).
+        on a 2-core Zen 5). `draft_dtype` overrides the draft's (default: `dtype`). `device`
+        defaults to the CPU. The native backend reads the weights straight from safetensors;
+        `compile=True` runs its forwards as inductor graphs (minutes of compilation on first use;
+        docs/performance.md).
         `quantize` / `draft_quantize` ("int8"; native backend): weight-only int8 for the target /
         the draft. A quantized draft is still lossless; a quantized target is another model, and
         the output is distributed exactly as that int8 model's (as llama.cpp's is its GGUF's).

@@ -384,13 +384,8 @@ class Engine:
             )
         if request.logprobs is not None and request.logprobs > V:
             raise ValueError(f"logprobs={request.logprobs} asks for more tokens than the vocabulary's {V}")
-        if tree is None:
-            siblings = "custom"  # plain decoding verifies no draft: every rule is the same there
-        elif auto:  # Sequoia shapes draw distinct siblings; a chain for drafters of chains or block
-            chain = request.verification == "block" or not self.drafter.follows_shapes
-            siblings = self.drafter.siblings(TreeConfig(1, 1)) if chain else "distinct"
-        else:
-            siblings = self.drafter.siblings(tree)
+        # plain decoding verifies no draft: every rule is the same there
+        siblings = "custom" if tree is None else self.drafter.siblings(tree, request.verification)
         rule = choose_rule(siblings, request.verification)
         stop = None
         if request.stop_strings or request.stop_token_ids:
@@ -410,7 +405,7 @@ class Engine:
             raise ValueError(
                 "an automatic tree (TreeConfig()) needs the engine's planner; give a shape instead"
             )
-        chain = request.verification == "block" or not self.drafter.follows_shapes
+        chain = self.drafter.siblings(request.tree, request.verification) != "distinct"
         return self.planner.plan(request.sampling, chain_only=chain)
 
     def _admit(self) -> None:

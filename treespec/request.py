@@ -23,7 +23,7 @@ import torch
 from .config import SamplingConfig, TreeConfig, check_positive_int
 from .output import OnTokens
 from .rng import Rng
-from .verify import RULES
+from .verify import RULES, rule_name
 
 # How a round's sibling proposals are drawn:
 #   chain     no siblings: one proposal per node (width 1)
@@ -47,15 +47,11 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 def choose_rule(siblings: str, verification: str | None) -> str:
-    """The rule a request runs: `verification`, or the best that applies when None."""
+    """The rule a request runs: `verification`, or the best that applies when None or "auto"."""
     fits = RULES_FOR[siblings]
+    verification = rule_name(verification)
     if verification is None:
         return "token" if siblings == "custom" else fits[-1]
-    if verification not in RULES:
-        raise ValueError(
-            f"verification must be one of {', '.join(RULES)} or None (the best that applies), got "
-            f"{verification!r}"
-        )
     if verification not in fits:
         raise ValueError(
             f"verification={verification!r} does not apply to a tree whose siblings are "
@@ -78,7 +74,7 @@ class Request:
     seed: int | None = None  # in [0, 2**64); None = a random seed
     stop_strings: tuple[str, ...] = ()  # end after the token that completes one (kept)
     stop_token_ids: tuple[int, ...] = ()  # end at one of these tokens (kept), like EOS
-    verification: str | None = None  # "token", "block", "traversal"; None = the best that applies
+    verification: str | None = None  # "token", "block", "traversal"; None or "auto" = the best that applies
     ignore_eos: bool = False  # generate past EOS, up to max_new_tokens
     trace: bool = False  # record every round (GenerationOutput.trace)
     logprobs: int | None = None  # the target's log p of each generated token and its top-k (None: none)
@@ -99,11 +95,7 @@ class Request:
             raise ValueError(f"stop strings must be non-empty str, got {self.stop_strings!r}")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop token ids must be ints >= 0, got {self.stop_token_ids!r}")
-        if self.verification is not None and self.verification not in RULES:
-            raise ValueError(
-                f"verification must be one of {', '.join(RULES)} or None (the best that applies), "
-                f"got {self.verification!r}"
-            )
+        object.__setattr__(self, "verification", rule_name(self.verification))  # "auto" is None
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(
                 f"logprobs must be None or an integer >= 0 (how many of the most likely tokens to "

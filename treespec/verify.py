@@ -75,6 +75,20 @@ from .sampling import (
 
 Rule = Literal["token", "block", "traversal"]
 RULES: tuple[str, ...] = ("token", "block", "traversal")
+AUTO = "auto"  # `verification="auto"` (or None): the best rule that applies (`treespec.request.RULES_FOR`)
+
+
+def rule_name(verification: str | None) -> str | None:
+    """A verification setting checked once for every front end: a rule of `RULES`, or None for
+    "auto" / None (the best that applies); ValueError naming the choices otherwise."""
+    if verification is None or verification == AUTO:
+        return None
+    if verification not in RULES:
+        raise ValueError(
+            f"verification must be one of {', '.join(RULES)} or 'auto' (the best that applies), "
+            f"got {verification!r}"
+        )
+    return verification
 
 
 def verify(
@@ -124,8 +138,8 @@ def verify(
 
 def check_rule(draft: DraftTree, rule: str) -> None:
     """The structure `rule` needs, checked on this round's tree (ValueError if missing)."""
-    if rule not in RULES:
-        raise ValueError(f"verification must be one of {', '.join(RULES)}, got {rule!r}")
+    if rule_name(rule) is None:
+        raise ValueError(f"verify() runs one rule of {', '.join(RULES)}, got {rule!r}")
     tree = draft.tree
     if rule == "block" and any(sum(len(g.tokens) for g in draft.groups_at(u)) > 1 for u in range(len(tree))):
         raise ValueError(

@@ -79,13 +79,19 @@ class DrafterFactory:
     def name(self) -> str:
         return type(self.kind).__name__ if self.custom else repr(self.kind)
 
-    def siblings(self, tree: TreeConfig) -> str:
+    def siblings(self, tree: TreeConfig, verification: str | None = None) -> str:
         """How the drafter's trees for `tree` draw siblings ("chain", "distinct", "iid",
-        "merged" or "custom")."""
+        "merged" or "custom"): the key of `treespec.request.RULES_FOR`. An automatic tree is
+        planned when its request is admitted: a Sequoia shape ("distinct") for drafters that
+        follow shapes, a chain for the others and where `verification` is "block"."""
         if self.custom:
             return "custom"
         if self.kind == "merged":
             return "merged"
+        if tree.auto:
+            if self.follows_shapes and verification != "block":
+                return "distinct"
+            tree = TreeConfig(width=1, depth=1)
         if self.kind in ("ngram", "lookup"):  # deterministic proposals
             return "chain" if tree.width == 1 else "distinct"
         return tree.siblings

@@ -18,33 +18,17 @@ import signal
 import sys
 from pathlib import Path
 
-from ..config import DRAFTER_KINDS, STRATEGIES, TreeConfig
+from ..config import STRATEGIES, TreeConfig
+from ..options import add_model_arguments, load_decoder, model_paths
+from ..verify import rule_name
 
 DEFAULT_MAX_LIVE = 8
 DEFAULT_MAX_QUEUE = 64
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("models (default: the bundled pair)")
-    g.add_argument("--pair", default=None, help="a bundled pair by name (e.g. pycode)")
-    g.add_argument("--target", help="target model: HF id, local directory or GGUF file")
-    g.add_argument("--draft", help="draft model: HF id, local directory or GGUF file")
-    g.add_argument("--dtype", default="auto", help="auto (default), float32, bfloat16")
-    g.add_argument("--draft-dtype", default=None, help="the draft's dtype (default: as --dtype)")
-    g.add_argument("--device", default=None, help="torch device (default: cpu)")
-    g.add_argument("--backend", default="auto", choices=("auto", "native", "hf"))
-    g.add_argument(
-        "--compile",
-        action="store_true",
-        help="native forwards as inductor graphs (one live request at a time gains; minutes to compile)",
-    )
-    g.add_argument(
-        "--drafter",
-        default=None,
-        choices=DRAFTER_KINDS,
-        help="who proposes (default: a named pair's own feature head where it ships one, else model)",
-    )
-    g.add_argument("--served-model-name", default=None, help="the model id clients name (default: the pair)")
+    add_model_arguments(p)
+    p.add_argument("--served-model-name", default=None, help="the model id clients name (default: the pair)")
 
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -103,18 +87,12 @@ def _speculate_max_live(value: str | None):
 
 def build(args):
     """The app for `args` (loads the models); ValueError for bad flags."""
-    from ..decoder import SpeculativeDecoder
-
     try:
         from .app import ServeSettings, create_app
     except ImportError as e:
         missing = f"treespec serve needs its extra ({e.name} is missing)"
         raise ValueError(f"{missing}: pip install 'treespec[serve]'") from None
 
-    if (args.target is None) != (args.draft is None):
-        raise ValueError("give --target and --draft together (or --pair, or neither for the bundled pair)")
-    if args.pair is not None and args.target is not None:
-        raise ValueError("give --pair or --target/--draft, not both")
     for flag in ("max_live", "max_queue"):
         if getattr(args, flag) < 1 and not (flag == "max_queue" and getattr(args, flag) == 0):
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -124,34 +102,21 @@ def build(args):
         tree = None if args.plain else TreeConfig(width=args.width, depth=args.depth, strategy=args.strategy)
     except ValueError as e:
         raise ValueError(str(e).replace("TreeConfig.", "--")) from None
-    target, draft, name = args.target, args.draft, args.served_model_name
-    if args.pair is not None:
-        from ..zoo import pair, pair_draft
-
-        target, draft = pair(args.pair)[0], pair_draft(args.pair, args.drafter)
-    elif target is None:  # the bundled default pair, named after its directory
-        from ..zoo import default_pair, pair_draft
-
-        target, draft = default_pair()[0], pair_draft(None, args.drafter)
-        name = name or Path(target).parent.name
-    if name is None:
-        name = args.pair or Path(str(target)).name
+    verification = rule_name(args.verification)  # bad flags fail before the models load
+    target, _ = model_paths(args, args.plain)
+    name = (
+        args.served_model_name
+        or args.pair
+        or (Path(str(target)).parent.name if args.target is None else None)
+    )
+    name = name or Path(str(target)).name
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         import torch
 
         torch.set_num_threads(args.threads)
-    dec = SpeculativeDecoder.from_pretrained(
-        target=target,
-        draft=draft,
-        dtype=args.dtype,
-        device=args.device,
-        backend=args.backend,
-        draft_dtype=args.draft_dtype,
-        drafter=args.drafter or "model",
-        compile=args.compile,
-    )
+    dec = load_decoder(args, args.plain)
     engine = dec.engine(
         max_live=args.max_live,
         max_kv_tokens=args.max_kv_tokens,
@@ -161,13 +126,14 @@ def build(args):
     settings = ServeSettings(
         max_queue=args.max_queue,
         tree=tree,
-        verification=None if args.verification == "auto" else args.verification,
+        verification=verification,
         faults=os.environ.get("TREESPEC_SERVE_FAULTS") == "1",
     )
     if settings.verification is not None and tree is not None:
         from ..request import choose_rule
 
-        choose_rule(dec.drafter.siblings(tree), settings.verification)  # a rule that cannot apply fails now
+        siblings = dec.drafter.siblings(tree, settings.verification)
+        choose_rule(siblings, settings.verification)  # a rule that cannot apply fails now
     return create_app(engine, dec.tokenizer, name, settings, grace_period=args.grace_period), dec
 
 
