@@ -210,3 +210,26 @@ def test_custom_drafters_are_checked(drafter, match):
     dec = SpeculativeDecoder(tiny_llama(0), drafter=drafter)
     with pytest.raises(ValueError, match=match):
         dec.generate([3, 4, 5], 8, tree=TreeConfig(1, 1), sampling=SamplingConfig(temperature=1.0), seed=0)
+
+
+def test_a_pair_loads_one_tokenizer_and_generic_ones_skip_autotokenizer(monkeypatch):
+    """A draft holding its target's tokenizer files shares the target's tokenizer (one load),
+    a feature head has none to load, and a tokenizer.json of the generic class is the object
+    AutoTokenizer gives, loaded without reading the model's config (issue 39: start-up)."""
+    from transformers import AutoTokenizer
+
+    from treespec.backends import hf
+    from treespec.zoo import ZOO
+
+    calls = []
+    real = hf.load_tokenizer
+    monkeypatch.setattr(hf, "load_tokenizer", lambda path: calls.append(path) or real(path))
+    dec = SpeculativeDecoder.from_pretrained(target=ZOO / "pycode" / "target", draft=ZOO / "pycode" / "draft")
+    assert len(calls) == 1 and dec.tokenizer is not None
+    monkeypatch.undo()
+    path = ZOO / "pycode" / "target"
+    ours, theirs = hf.load_tokenizer(path), AutoTokenizer.from_pretrained(str(path))
+    text = "def f(x):\n    return [x ** 2 for x in range(10)]  # é\n"
+    assert type(ours) is type(theirs) and ours(text)["input_ids"] == theirs(text)["input_ids"]
+    assert ours.decode(theirs(text)["input_ids"]) == theirs.decode(theirs(text)["input_ids"])
+    assert (ours.eos_token_id, ours.bos_token_id) == (theirs.eos_token_id, theirs.bos_token_id)

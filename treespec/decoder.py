@@ -169,8 +169,11 @@ class SpeculativeDecoder:
             if head is not None or draft is None
             else loading.load_runner(draft, dtypes[1], device, backend, compile, draft_quantize),
         ]
-        draft_tokenizer = None if draft is None else loading.load_tokenizer(draft)
         tokenizer = loading.load_tokenizer(target)
+        # a head shares its target's tokenizer; a draft loads its own unless it holds the same files
+        draft_tokenizer = None
+        if draft is not None and head is None:
+            draft_tokenizer = loading.load_tokenizer(draft, same_as=(target, tokenizer))
         drafter = "model" if drafter is None else drafter  # a head drafts as one (see __init__)
         dec = cls(runners[0], runners[1], tokenizer, drafter=drafter, draft_tokenizer=draft_tokenizer)
         from .autotree import files_key, load_acceptance

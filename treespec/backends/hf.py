@@ -6,6 +6,7 @@ native backend works from safetensors without it.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -292,12 +293,24 @@ def load_model(path, dtype: torch.dtype, device, attn_implementation: str = "sdp
     return model.eval()
 
 
+# tokenizer_config.json classes that are tokenizer.json alone: loaded without AutoTokenizer,
+# which reads the model's config first (1.4 s more of imports for SmolLM2, the same object)
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(path):
     """The tokenizer saved with a model, or None (token-id prompts still work)."""
-    from transformers import AutoTokenizer
-
+    where = resolve_path(path)
     try:
-        return AutoTokenizer.from_pretrained(str(resolve_path(path)))
+        config = where / "tokenizer_config.json" if isinstance(where, Path) else None
+        if config is not None and config.is_file() and (where / "tokenizer.json").is_file():
+            if json.loads(config.read_text()).get("tokenizer_class") in GENERIC_TOKENIZERS:
+                from transformers import PreTrainedTokenizerFast
+
+                return PreTrainedTokenizerFast.from_pretrained(str(where))
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(where))
     except (OSError, ValueError):
         return None
 

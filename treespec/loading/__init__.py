@@ -126,8 +126,30 @@ def load_runner(
     return subset.wrap(runner, vocab_map)
 
 
-def load_tokenizer(path):
-    """The tokenizer saved with the model at `path` (`checkpoint`), or None."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(path, same_as=None):
+    """The tokenizer saved with the model at `path` (`checkpoint`), or None (a local directory
+    holding no tokenizer file: None at once, without asking transformers). `same_as`: (a path,
+    its loaded tokenizer), returned as it is where both directories hold the same tokenizer files
+    (a draft distilled for its target carries the target's): one load, not two."""
     from ..backends import hf
 
-    return hf.load_tokenizer(checkpoint(path))
+    where = checkpoint(path)
+    if isinstance(where, Path) and not any((where / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    if same_as is not None:
+        other = checkpoint(same_as[0])
+        if isinstance(other, Path) and _same_files(where, other, TOKENIZER_FILES):
+            return same_as[1]
+    return hf.load_tokenizer(where)
+
+
+def _same_files(a: Path, b: Path, names) -> bool:
+    """Whether directories `a` and `b` hold the same files `names` (absent in both counts)."""
+    for name in names:
+        fa, fb = a / name, b / name
+        if fa.is_file() != fb.is_file() or (fa.is_file() and fa.read_bytes() != fb.read_bytes()):
+            return False
+    return True
