@@ -4,10 +4,13 @@ Held-out chats, every method run on the same prompt one after another (interleav
 untimed warm-up first; per temperature: tokens/s (median over prompts), tokens/step and
 acceptance by depth (pooled over prompts), the cost ratio c (a draft forward against a target
 forward, from the rounds' own timings), against treespec's plain decoding with the same target
-runner and Hugging Face `generate()` on the same weights.
+runner, the automatic tree (`TreeConfig()`), Hugging Face `generate()` on the same weights and,
+with `--llama-cpp DIR`, llama.cpp's plain decoding of the same GGUF file and its own EAGLE-3
+speculation with the head (converted by `treespec.llamacpp.head_to_gguf`).
 
     python experiments/head_bench.py --head treespec/zoo/smollm2/head --n-prompts 6 \
-        --max-new-tokens 128 --head-trees 1x1 1x2 1x3 2x2 2x3 --draft-trees 1x1 1x2 --tag amx
+        --max-new-tokens 128 --head-trees 1x1 1x2 1x3 2x2 2x3 --draft-trees 1x1 1x2 --tag amx \
+        [--llama-cpp DIR] [--quantize int8] [--compile]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.backends.head import load_head_runner
 from treespec.bench import machine_info
+from treespec.llamacpp import LlamaCpp, LlamaCppBench, head_to_gguf
 from treespec.loading import load_runner, load_tokenizer, resolve_device, resolve_dtype
 from treespec.loading.gguf import smollm2_gguf
 from treespec.request import encode_prompt
@@ -68,8 +72,11 @@ def main() -> None:
     ap.add_argument("--head", type=Path, default=ZOO / "smollm2" / "head")
     ap.add_argument("--draft", type=Path, default=None, help="the independent draft (default: the pair's)")
     ap.add_argument("--dtype", default="auto", help="the target's dtype (auto: as from_pretrained picks)")
-    ap.add_argument("--head-dtype", default="float32", help="the head's dtype (the draft's stays float32)")
+    ap.add_argument("--head-dtype", default=None, help="the head's dtype (default: the target's)")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--quantize", choices=("int8",), default=None, help="the target's weights")
+    ap.add_argument("--llama-cpp", type=Path, default=None, metavar="DIR", help="llama.cpp's build dir")
+    ap.add_argument("--llama-draft-max", type=int, default=3, help="llama.cpp's EAGLE-3 chain length")
     ap.add_argument("--n-prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
@@ -83,8 +90,9 @@ def main() -> None:
     dtype = resolve_dtype(args.dtype, device, "target")
     gguf = smollm2_gguf()
     tokenizer = load_tokenizer(gguf)
-    target = load_runner(gguf, dtype, device, "native", args.compile)
-    head = load_head_runner(args.head, target, getattr(torch, args.head_dtype), device)
+    target = load_runner(gguf, dtype, device, "native", args.compile, args.quantize)
+    head_dtype = dtype if args.head_dtype is None else getattr(torch, args.head_dtype)
+    head = load_head_runner(args.head, target, head_dtype, device)
     if head is None:
         raise SystemExit(f"no EAGLE-3 head in {args.head}")
     draft = load_runner(args.draft or pair("smollm2")[1], torch.float32, device, "native", args.compile)
@@ -97,7 +105,15 @@ def main() -> None:
 
         hf_model = hf.load_model(checkpoint(gguf), dtype, device)
     prompts = [list(encode_prompt(chat, tokenizer)) for chat in heldout_chats(args.n_prompts)]
-    methods: dict[str, tuple] = {"plain": (with_head, None)}
+    llama = None
+    if args.llama_cpp is not None:
+        found = LlamaCpp.find(args.llama_cpp)
+        work = RESULTS.parent / "work" / "head_bench"
+        work.mkdir(parents=True, exist_ok=True)
+        llama = LlamaCppBench(
+            found, gguf, head_gguf=head_to_gguf(args.head, checkpoint(gguf), work, found.convert_script)
+        )
+    methods: dict[str, tuple] = {"plain": (with_head, None), "head auto": (with_head, TreeConfig())}
     methods.update({f"draft {t}": (with_draft, shape(t)) for t in args.draft_trees})
     methods.update({f"head {t}": (with_head, shape(t)) for t in args.head_trees})
     out = {
@@ -106,8 +122,9 @@ def main() -> None:
         "head": str(args.head),
         "draft": str(args.draft or pair("smollm2")[1]),
         "dtype": str(dtype),
-        "head_dtype": args.head_dtype,
+        "head_dtype": str(head_dtype),
         "compile": args.compile,
+        "quantize": args.quantize,
         "machine": machine_info("cpu"),
         "runs": {},
     }
@@ -116,6 +133,7 @@ def main() -> None:
         outs = {name: [] for name in methods}
         secs = {name: [] for name in methods}
         hf_secs, hf_tokens = [], []
+        llama_runs = {m: [] for m in (llama.methods if llama else [])}
         for dec, tree in methods.values():  # warm-up: every method once, untimed
             dec.generate(prompts[0], 16, tree=tree, sampling=sampling, seed=99)
         for i, prompt in enumerate(prompts):
@@ -141,11 +159,23 @@ def main() -> None:
                     )
                 hf_secs.append(time.perf_counter() - t0)
                 hf_tokens.append(g.shape[1] - len(prompt))
+            for m in llama_runs:
+                text = tokenizer.decode(prompt, skip_special_tokens=False)
+                llama_runs[m].append(
+                    llama.run(m, text, args.max_new_tokens, temperature, i, args.llama_draft_max)
+                )
             print(f"\rT={temperature} prompt {i + 1}/{len(prompts)}", end="", file=sys.stderr, flush=True)
         run = {name: summarise(outs[name], secs[name]) for name in methods}
         if hf_secs:
             run["hf generate"] = {
                 "tokens_per_second": round(statistics.median(t / s for t, s in zip(hf_tokens, hf_secs)), 2)
+            }
+        for m, rs in llama_runs.items():
+            drafted = sum(r.drafted or 0 for r in rs)
+            run[m] = {
+                "tokens_per_second": round(statistics.median(r.tokens_per_second for r in rs), 2),
+                "acceptance_rate": round(sum(r.accepted or 0 for r in rs) / drafted, 3) if drafted else None,
+                "prompt_tokens_mismatch": sum(r.prompt_tokens != len(p) for r, p in zip(rs, prompts)),
             }
         plain = run["plain"]["tokens_per_second"]
         for r in run.values():

@@ -8,6 +8,8 @@ the same prompts.
                               linear speculative decoding
     draft_to_gguf(...)        a treespec draft (a subset-vocabulary one included) as a GGUF
                               file, through the source tree's convert_hf_to_gguf.py
+    head_to_gguf(...)         a feature head (EAGLE-3) as a GGUF file, for llama.cpp's own
+                              EAGLE-3 speculation (`--spec-type draft-eagle3`)
 
 Each run is one subprocess, so the model loads every time; the rates come from llama.cpp's own
 timers, which start after loading: a run's seconds are its prompt evaluation plus its decoding
@@ -147,11 +149,12 @@ class LlamaCpp:
         draft_max: int,
         temperature: float = 0.0,
         seed: int = 0,
+        spec_type: str = "draft-simple",
     ) -> LlamaCppRun:
-        """llama.cpp's speculative decoding (`--spec-type draft-simple`): the draft proposes
-        `draft_max` tokens greedily (llama.cpp's defaults otherwise: no minimum probability),
-        the target checks the chain in one batch and keeps the prefix its own samples agree
-        with."""
+        """llama.cpp's speculative decoding (`--spec-type draft-simple`, or "draft-eagle3" with a
+        feature head converted by `head_to_gguf`): the draft proposes `draft_max` tokens
+        greedily (llama.cpp's defaults otherwise: no minimum probability), the target checks the
+        chain in one batch and keeps the prefix its own samples agree with."""
         if self.speculative_binary is None:
             raise ValueError(
                 f"{SPECULATIVE_BINARY} is not beside {self.decode_binary}; build that target too"
@@ -159,7 +162,7 @@ class LlamaCpp:
         args = [str(self.speculative_binary), *self._common(gguf, prompt, max_new_tokens, temperature, seed)]
         args += [
             "--spec-type",
-            "draft-simple",
+            spec_type,
             "-md",
             str(draft_gguf),
             "--spec-draft-n-max",
@@ -210,6 +213,16 @@ def draft_to_gguf(draft, tokenizer, out_dir: Path, convert_script: Path, vocab_m
     return gguf
 
 
+def head_to_gguf(head_dir: Path, target_dir: Path, out_dir: Path, convert_script: Path) -> Path:
+    """A feature head (an EAGLE-3 checkpoint) as out_dir/head.gguf (f16) for llama.cpp's
+    `--spec-type draft-eagle3`: its converter reads the taps, the target's tokenizer and sizes
+    from `target_dir` (the target's HF directory: `treespec.loading.checkpoint` of its GGUF)."""
+    gguf = out_dir / "head.gguf"
+    args = [sys.executable, str(convert_script), str(head_dir), "--target-model-dir", str(target_dir)]
+    _run(args + ["--outfile", str(gguf), "--outtype", "f16"])
+    return gguf
+
+
 @dataclass
 class LlamaCppBench:
     """What `treespec.bench.run_bench` times llama.cpp with: the binaries, the target's GGUF
@@ -218,16 +231,23 @@ class LlamaCppBench:
     llama: LlamaCpp
     gguf: Path
     draft_gguf: Path | None = None
+    head_gguf: Path | None = None  # a feature head's (`head_to_gguf`): llama.cpp's EAGLE-3
 
     @property
     def methods(self) -> list[str]:
-        return ["llama.cpp"] + (["llama.cpp-spec"] if self.draft_gguf is not None else [])
+        return (
+            ["llama.cpp"]
+            + (["llama.cpp-spec"] if self.draft_gguf is not None else [])
+            + (["llama.cpp-eagle3"] if self.head_gguf is not None else [])
+        )
 
     def run(
         self, method: str, prompt: str, max_new_tokens: int, temperature: float, seed: int, draft_max: int
     ) -> LlamaCppRun:
         if method == "llama.cpp":
             return self.llama.decode(self.gguf, prompt, max_new_tokens, temperature, seed)
+        eagle = method == "llama.cpp-eagle3"
         return self.llama.speculative(
-            self.gguf, self.draft_gguf, prompt, max_new_tokens, draft_max, temperature, seed
-        )
+            self.gguf, self.head_gguf if eagle else self.draft_gguf, prompt, max_new_tokens, draft_max,
+            temperature, seed, "draft-eagle3" if eagle else "draft-simple",
+        )  # fmt: skip
