@@ -302,6 +302,7 @@ class Planner:
         self.vectors = {cls: acceptance.get(cls) or PRIOR[cls] for cls in PRIOR}  # {"T0": a, "T1": a}
         self.sources = {cls: source if acceptance.get(cls) else "prior" for cls in PRIOR}
         self.record = record
+        self._plans: dict[tuple[str, bool], Plan] = {}  # fixed inputs: each plan made once
 
     @property
     def costs(self) -> Costs:
@@ -313,6 +314,11 @@ class Planner:
         """The shape with the most expected tokens per unit of cost for `sampling`, or plain
         decoding; `chain_only`: width 1 (a drafter of chains, or the block rule)."""
         cls = temperature_class(sampling)
+        if (cls, chain_only) not in self._plans:
+            self._plans[cls, chain_only] = self._plan(cls, chain_only)
+        return self._plans[cls, chain_only]
+
+    def _plan(self, cls: str, chain_only: bool) -> Plan:
         acc, costs = self.vectors[cls], self.costs
         vector = _check_vector(acc[:1] if chain_only else acc)
         shape = optimal_shape(vector, AUTO_MAX_NODES, AUTO_MAX_DEPTH, list(costs.verify), costs.draft)
