@@ -198,6 +198,8 @@ def test_distill_learns_and_its_output_loads_in_treespec_and_hf(distilled, tiny_
     assert d["loss_last_10pct"] < 0.7 * d["loss_first"]
     assert trained["proxy"]["alpha"] > init["proxy"]["alpha"] + 0.05
     assert trained["T0"]["acceptance_by_depth"][0] > init["T0"]["acceptance_by_depth"][0] + 0.1
+    shipped = json.loads((distilled / "acceptance.json").read_text())  # the automatic tree's input
+    assert shipped["T0"]["acceptance"][0] > 0.2 and shipped["prompts"] == TINY["eval_prompts"]
     assert (
         summary["data"]["train_prompts"] == TINY["max_prompts"]
         and summary["recipe"]["steps"] == TINY["steps"]
@@ -581,6 +583,8 @@ def test_distill_head_trains_a_head_on_a_runs_data_that_loads_and_drafts(distill
     )  # fmt: skip
     summary = json.loads((out / "head.json").read_text())
     assert summary["steps"] > 0 and [p["step"] for p in summary["curve"]] == [0, summary["steps"]]
+    shipped = json.loads((out / "acceptance.json").read_text())  # what the automatic tree plans with
+    assert shipped["T0"]["visits"][0] > 0 and 0 <= shipped["T1"]["acceptance"][0] <= 1
     assert summary["recipe"]["taps"] == [0] and summary["data"]["response_positions"] > 0
     dec = SpeculativeDecoder.from_pretrained(target=target, draft=out, dtype="float32")
     assert isinstance(dec.draft_runner, HeadRunner) and dec.draft_runner.cfg.draft_vocab_size == 40

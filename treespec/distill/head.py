@@ -501,6 +501,7 @@ class _HeadRun:
             cfg,
             {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in model.state().items()},
         )
+        self._write_acceptance()
         head = {
             "target": str(self.target),
             "data_from": [str(r) for r in self.runs],
@@ -576,6 +577,19 @@ class _HeadRun:
                 flush=True,
             )
         return record
+
+    def _write_acceptance(self) -> None:
+        """The saved head's positional acceptance on the held-out prompts, beside it
+        (acceptance.json: what the automatic tree plans with)."""
+        from ..autotree import write_acceptance
+        from ..backends.head import load_head_runner
+        from ..decoder import SpeculativeDecoder
+
+        target = self.target_runner
+        head = load_head_runner(self.out, target, target.dtype, target.device)
+        write_acceptance(
+            SpeculativeDecoder(target, head, self.tokenizer), self.eval_ids, self.out, self.rec.eval_tokens
+        )
 
     def _prune_eval_log(self) -> None:
         """Drop evaluations a resumed run will redo: past the last checkpoint."""
