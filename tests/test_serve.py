@@ -467,3 +467,19 @@ def test_a_server_drafting_with_a_feature_head_serves_what_generate_gives(tmp_pa
                 assert got.choices[0].text == want.text and want.stats.draft_forwards > 0
     finally:
         next(gen, None)
+
+
+def test_serve_without_its_packages_is_one_line_not_a_traceback(monkeypatch, capsys):
+    """Installed with --no-deps, `treespec serve` says what to install (the packages are in the
+    base install: `pip install .` serves)."""
+    import sys
+
+    from treespec.cli import main
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # import uvicorn raises ImportError
+    assert main(["serve", "--pair", "pycode"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == "treespec: error: treespec serve needs uvicorn: pip install fastapi uvicorn prometheus_client\n"
+    )

@@ -85,13 +85,16 @@ def _speculate_max_live(value: str | None):
         raise ValueError(f"--speculate-max-live must be an integer >= 1 or 'auto', got {value!r}") from None
 
 
+def _missing(error: ImportError) -> str:
+    return f"treespec serve needs {error.name}: pip install fastapi uvicorn prometheus_client"
+
+
 def build(args):
     """The app for `args` (loads the models); ValueError for bad flags."""
     try:
         from .app import ServeSettings, create_app
     except ImportError as e:
-        missing = f"treespec serve needs its extra ({e.name} is missing)"
-        raise ValueError(f"{missing}: pip install 'treespec[serve]'") from None
+        raise ValueError(_missing(e)) from None
 
     for flag in ("max_live", "max_queue"):
         if getattr(args, flag) < 1 and not (flag == "max_queue" and getattr(args, flag) == 0):
@@ -139,8 +142,11 @@ def build(args):
 
 def run(args) -> int:
     """Serve until SIGTERM / Ctrl-C; the exit code."""
-    import uvicorn
-
+    try:
+        import uvicorn
+    except ImportError as e:  # installed with --no-deps: say what is missing, not a traceback
+        print(f"treespec: error: {_missing(e)}", file=sys.stderr)
+        return 2
     from ..backends.hf import quiet_transformers
 
     quiet_transformers()
