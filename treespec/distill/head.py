@@ -74,8 +74,9 @@ class HeadRecipe:
     checkpoint_minutes: float = 2.0  # minutes between checkpoints (0: after every step)
     threads: int | None = None  # torch CPU threads (None: torch's default)
     progress: bool = True  # a tqdm progress bar
+    acceptance: bool = True  # measure acceptance.json beside the saved head (the automatic tree's input)
 
-    MACHINE = ("progress", "threads", "checkpoint_minutes")
+    MACHINE = ("progress", "threads", "checkpoint_minutes", "acceptance")
 
     def __post_init__(self) -> None:
         for name in (
@@ -501,7 +502,8 @@ class _HeadRun:
             cfg,
             {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in model.state().items()},
         )
-        self._write_acceptance()
+        if rec.acceptance:
+            self._write_acceptance()
         head = {
             "target": str(self.target),
             "data_from": [str(r) for r in self.runs],
