@@ -201,3 +201,24 @@ def test_a_pairs_heldout_prompt_ids():
     for f in (heldout_prompt_ids, counts_file):
         with pytest.raises(ValueError, match="unknown pair 'x'"):
             f("x", *((tok,) if f is heldout_prompt_ids else ()))
+
+
+def test_the_shipped_head_is_hf_generates_greedy_output_on_the_real_target():
+    """SmolLM2-135M-Instruct (its GGUF) drafted by the shipped feature head, in float64 (no
+    near-tie can flip an argmax): greedy output == HF `generate(do_sample=False)` of the same
+    weights on a held-out chat, with a chain and a tree."""
+    from treespec.backends.hf import load_model
+    from treespec.loading import checkpoint
+    from treespec.zoo import head, heldout_prompt_ids
+
+    target = pair("smollm2")[0]
+    dec = SpeculativeDecoder.from_pretrained(target=target, draft=head("smollm2"), dtype="float64")
+    hf = load_model(checkpoint(target), torch.float64, None)
+    for ids in heldout_prompt_ids("smollm2", dec.tokenizer, 2):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[
+                0, len(ids) :
+            ].tolist()
+        for tree in (TreeConfig(1, 3), TreeConfig(2, 2, "topk"), TreeConfig()):
+            out = dec.generate(ids, 16, tree=tree, sampling=GREEDY, ignore_eos=True)
+            assert out.token_ids == want[: len(out.token_ids)] and len(out.token_ids) == len(want)
