@@ -355,6 +355,13 @@ def test_ctrl_c_while_loading_is_exit_130_not_a_traceback():
     assert proc.returncode == 130 and "Traceback" not in err, err
 
 
+def test_the_command_module_imports_without_torch():
+    """`python -m treespec.cli` and the `treespec` script import treespec.cli before main()'s
+    KeyboardInterrupt guard: torch loading there made an early Ctrl-C a traceback (exit -2)."""
+    code = "import sys, treespec.cli; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
 def test_every_front_end_takes_every_load_option():
     """generate, chat, bench and serve take a flag for each of from_pretrained's options (one
     argparse group, `treespec.options`), so none of them lags behind (the server lacked

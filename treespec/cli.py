@@ -20,7 +20,6 @@ from pathlib import Path
 
 from .config import ADAPTIVE, STRATEGIES, SamplingConfig, TreeConfig
 from .options import add_model_arguments
-from .verify import rule_name
 
 COLOURS = {"accepted": "\033[32m", "correction": "\033[33m", "bonus": "\033[36m"}  # green, yellow, cyan
 RESET = "\033[0m"
@@ -270,6 +269,8 @@ def _unescape(text: str) -> str:
 
 def cmd_generate(args) -> None:
     tree, sampling = _configs(args)
+    from .verify import rule_name
+
     verification = rule_name(args.verification)  # a bad name fails before the models load
     try:
         sampling = dataclasses.replace(
