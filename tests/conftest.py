@@ -13,6 +13,13 @@ VOCAB = 96
 # Tiny models: threads only add synchronisation cost (8x slower on 2 busy cores).
 torch.set_num_threads(1)
 
+# Run as on an AVX2 core (tests/test_cpu_kinds.py, docs/testing.md): inductor vectorises for
+# the real CPU unless told, and its AVX512 code beside torch's AVX2 kernels is no CPU's mix.
+if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2":
+    import torch._inductor.config
+
+    torch._inductor.config.cpp.simdlen = 256
+
 # Tests that load "the default pair" (CLI runs without --pair, from_pretrained() with no
 # models) use the small pycode pair; test_bundled.py checks the real default on its own.
 os.environ.setdefault("TREESPEC_PAIR", "pycode")
