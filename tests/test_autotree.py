@@ -4,6 +4,7 @@ moves its depth, that it stays lossless, and the measured costs' cache."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -228,3 +229,22 @@ def test_measurement_leaves_the_decoders_own_caches_alone():
     dec.planner.costs  # noqa: B018 - measures
     assert (list(dec.target_runner.committed), dec.target_runner.n_slots) == before
     assert torch.get_num_threads() >= 1
+
+
+def test_a_measurement_is_announced_once_and_the_cli_shows_it(tmp_path, caplog, capsys):
+    from treespec.autotree import CostCache, Costs
+    from treespec.cli import show_progress
+
+    settings = {"target": "t"}
+    measure = lambda: Costs(verify=(1.0,) * (AUTO_MAX_NODES + 1), draft=0.1, t1=0.01)  # noqa: E731
+    with caplog.at_level("INFO", logger="treespec"):
+        CostCache(tmp_path).get(settings, measure)
+        CostCache(tmp_path).get(settings, measure)  # a later process: read from disk, silent
+    assert [r.getMessage() for r in caplog.records] == [
+        f"measuring this machine's costs for the automatic tree (once; kept in {tmp_path})"
+    ]
+    capsys.readouterr()  # (an earlier test's main() may have shown them already)
+    show_progress()
+    show_progress()  # main() twice in one process: still one line a message
+    logging.getLogger("treespec.autotree").info("measuring")
+    assert capsys.readouterr().err == "treespec: measuring\n"

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import statistics
 import tempfile
@@ -55,6 +56,8 @@ PRIOR = {"T0": (0.5, 0.1, 0.05), "T1": (0.4, 0.1, 0.05)}  # a drafter nothing is
 PRIOR_WEIGHT = 16.0  # a request's own visits weigh against the plan's vector as this many
 PROBE_EVERY = 8  # a request that decodes plainly drafts one depth-1 round this often
 ACCEPTANCE_FILE = "acceptance.json"  # beside a draft: its measured positional acceptance
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,9 @@ class CostCache:
             costs = self._read(path)
             if costs is None:
                 stale = path.exists()  # corrupt, or another version's: replaced
+                log.info(
+                    "measuring this machine's costs for the automatic tree (once; kept in %s)", self.root
+                )
                 costs = measure()
                 record = {**costs.to_json(), "settings": settings, "machine": machine_key()}
                 if _write_json(path, record, replace=stale):

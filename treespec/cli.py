@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import re
 import sys
@@ -548,6 +549,26 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+class _Stderr(logging.Handler):
+    """One line per record on whatever sys.stderr is when it is written."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(f"treespec: {record.getMessage()}", file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 - logging's convention: a failed write is reported, not raised
+            self.handleError(record)
+
+
+def show_progress() -> None:
+    """What takes more than a moment (a GGUF file's conversion, measuring this machine's costs,
+    compiling a forward) as one line each on stderr, from treespec's loggers (once however often
+    main() runs in a process)."""
+    logger = logging.getLogger("treespec")
+    if not any(isinstance(h, _Stderr) for h in logger.handlers):
+        logger.addHandler(_Stderr())
+    logger.setLevel(logging.INFO)
+
+
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # usage errors exit 2 with argparse's one-line message
@@ -558,6 +579,7 @@ def _main(argv: list[str] | None) -> int:
         from .serve.cli import run
 
         return run(args)
+    show_progress()  # the server logs through its own --log-level
     try:
         if args.command == "distill":
             from .distill.cli import run as cmd_distill

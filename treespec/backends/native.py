@@ -39,6 +39,7 @@ float64 models) and the weight applied in the input dtype; logits in the model d
 from __future__ import annotations
 
 import copy
+import logging
 import types
 import warnings
 from dataclasses import dataclass
@@ -61,6 +62,8 @@ from .linear import Projection, QuantizedProjection, check_quantize, int8_produc
 INITIAL_CAPACITY = 256  # cache slots allocated before the first growth
 COMPILE_MAX_TOKENS = 64  # feeds of up to this many tokens run through the compiled graphs (compile=True)
 COMPILE_STATIC_MAX = 8  # feeds of 1..this many tokens get a graph of their own size (tuned products)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -637,6 +640,10 @@ class CompiledForward:
             torch._dynamo.mark_dynamic(mask, 1)
             for t, dim in ((pool.kv, 4), (pool.cos, 0), (pool.sin_signed, 0)):
                 torch._dynamo.mark_dynamic(t, dim)
+            log.info(
+                "compiling the forward for %s (once per process; seconds to minutes)",
+                f"{graph} tokens" if static else "longer feeds",
+            )
             with (
                 torch._inductor.config.patch(self.config["static" if static else "dynamic"]),
                 torch._dynamo.config.patch(self.dynamo),

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import re
 import shutil
@@ -53,6 +54,8 @@ LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
 }
 ROPE_FREQS = "rope_freqs.weight"
+
+log = logging.getLogger(__name__)
 
 
 # ---- finding files ---------------------------------------------------------------------------
@@ -117,6 +120,7 @@ def convert(path, cache_dir=None) -> Path:
     out = root / f"{src.stem}-{_content_key(src)}"
     if out.is_dir():
         return out
+    log.info("converting %s to a model directory (once; kept in %s)", src.name, root)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
