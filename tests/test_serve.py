@@ -353,6 +353,9 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "tree": {"width": 2}, "verification": "block"}, 400, "verification"),
     ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
     ("/v1/completions", {"prompt": [99999]}, 400, "prompt"),
+    # over the server's --max-tree-nodes (64 by default): one client's tree slows every round
+    ("/v1/completions", {"prompt": "x", "tree": {"width": 16, "depth": 8}}, 400, "tree"),
+    ("/v1/completions", b'{"prompt": "' + b"x" * (5 << 20) + b'"}', 413, None),  # over --max-body-mb
 ]
 
 

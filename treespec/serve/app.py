@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.requests import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -32,6 +33,7 @@ from ..config import SamplingConfig, TreeConfig
 from ..engine import Engine
 from ..output import GenerationOutput, TextStream
 from ..request import ROLES, Request, encode_prompt, make_request
+from .guard import Guard
 from .loop import EngineLoop, Job
 from .metrics import Metrics
 from .protocol import (
@@ -60,6 +62,10 @@ from .protocol import (
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CONTEXT = 4096  # the context assumed for a model that does not state its positions
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+# A request's tree costs every live request its round: t(n)/t(1) grows with the nodes (on a
+# 2-core CPU ~2-5x at 64 nodes), and a 1024-node tree made a 64-token request take 39 s.
+DEFAULT_MAX_TREE_NODES = 64
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # a 128k-token prompt is ~0.5 MB of text, ~1 MB of token ids
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,10 @@ class ServeSettings:
     verification: str | None = None  # the default rule; None = the best that applies
     max_positions: int | None = None  # the context length (default: the target runner's)
     faults: bool = False  # honour `treespec_fault` (tests); default from TREESPEC_SERVE_FAULTS=1
+    max_tree_nodes: int = DEFAULT_MAX_TREE_NODES  # the largest tree a request may ask for (draft nodes)
+    api_keys: tuple[str, ...] = ()  # Bearer keys the /v1 routes want; () = open (treespec.serve.guard)
+    max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES  # larger bodies are answered 413; None: no limit
+    allowed_origins: tuple[str, ...] = ()  # origins browsers may call from (CORS); () = none
 
 
 class Server:
@@ -122,6 +132,13 @@ class Server:
                     # fields on top of the server's fixed tree; on an automatic one, a tree of their own
                     fixed = tree is not None and not tree.auto
                     tree = dataclasses.replace(tree, **given) if fixed else TreeConfig(**given)
+                    if tree.max_nodes > self.settings.max_tree_nodes:
+                        raise ServeError(
+                            400,
+                            f"tree: up to {tree.max_nodes} draft nodes a round; this server allows "
+                            f"{self.settings.max_tree_nodes} (--max-tree-nodes): lower width or depth",
+                            param="tree",
+                        )
             if max_tokens is None:  # as much as the context (and the KV budget) leaves
                 max_tokens = self.room(len(ids), tree)
             given = "verification" in body.model_fields_set
@@ -367,6 +384,14 @@ def create_app(
 
     app = FastAPI(title="treespec", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = srv
+    app.add_middleware(Guard, api_keys=settings.api_keys, max_body_bytes=settings.max_body_bytes)
+    if settings.allowed_origins:  # outside the guard: a browser's preflight carries no key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["authorization", "content-type"],
+        )
 
     # ---- errors: always OpenAI's body ------------------------------------------------------
     @app.exception_handler(ServeError)

@@ -24,6 +24,7 @@ from ..verify import rule_name
 
 DEFAULT_MAX_LIVE = 8
 DEFAULT_MAX_QUEUE = 64
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,6 +65,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="on SIGTERM, seconds in-flight requests may run before they are cancelled (default 30)",
     )
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    s.add_argument(
+        "--max-tree-nodes",
+        type=int,
+        default=None,
+        help="the largest draft tree a request may ask for, in nodes (default 64)",
+    )
+    s.add_argument("--max-body-mb", type=float, default=4.0, help="larger request bodies get 413 (default 4)")
+
+    a = p.add_argument_group("access")
+    a.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="a key /v1 requests must send as 'Authorization: Bearer KEY' (repeatable; or $TREESPEC_API_KEY)",
+    )
+    a.add_argument("--api-key-file", default=None, help="a file of keys, one per line")
+    a.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=(),
+        metavar="ORIGIN",
+        help="origins a browser page may call the API from (CORS; default: none)",
+    )
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
     d = p.add_argument_group("defaults for requests that do not say (body fields tree, verification)")
@@ -74,6 +98,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument(
         "--verification", default="auto", help="auto (the best that applies), token, block, traversal"
     )
+
+
+def access(args) -> tuple[str, ...]:
+    """The API keys of `args` (--api-key, $TREESPEC_API_KEY, --api-key-file); a warning where
+    the server binds beyond loopback with none."""
+    from .guard import API_KEY_ENV, read_api_keys
+
+    keys = read_api_keys(args.api_key, args.api_key_file)
+    if not keys and args.host not in LOOPBACK:
+        logging.getLogger("treespec.serve").warning(
+            "serving on %s with no API key: anyone who reaches the port may use the model "
+            "(--api-key, $%s or --api-key-file)",
+            args.host,
+            API_KEY_ENV,
+        )
+    return keys
 
 
 def _speculate_max_live(value: str | None):
@@ -92,7 +132,7 @@ def _missing(error: ImportError) -> str:
 def build(args):
     """The app for `args` (loads the models); ValueError for bad flags."""
     try:
-        from .app import ServeSettings, create_app
+        from .app import DEFAULT_MAX_TREE_NODES, ServeSettings, create_app
     except ImportError as e:
         raise ValueError(_missing(e)) from None
 
@@ -101,10 +141,20 @@ def build(args):
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    max_tree_nodes = DEFAULT_MAX_TREE_NODES if args.max_tree_nodes is None else args.max_tree_nodes
+    if max_tree_nodes < 1:
+        raise ValueError(f"--max-tree-nodes must be >= 1, got {max_tree_nodes}")
+    if not args.max_body_mb > 0:
+        raise ValueError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
+    api_keys = access(args)
     try:
         tree = None if args.plain else TreeConfig(width=args.width, depth=args.depth, strategy=args.strategy)
     except ValueError as e:
         raise ValueError(str(e).replace("TreeConfig.", "--")) from None
+    if tree is not None and tree.max_nodes > max_tree_nodes:
+        raise ValueError(
+            f"the default tree drafts {tree.max_nodes} nodes, over --max-tree-nodes {max_tree_nodes}"
+        )
     verification = rule_name(args.verification)  # bad flags fail before the models load
     target, _ = model_paths(args, args.plain)
     name = (
@@ -131,6 +181,10 @@ def build(args):
         tree=tree,
         verification=verification,
         faults=os.environ.get("TREESPEC_SERVE_FAULTS") == "1",
+        max_tree_nodes=max_tree_nodes,
+        api_keys=api_keys,
+        max_body_bytes=int(args.max_body_mb * (1 << 20)),
+        allowed_origins=tuple(args.allowed_origins),
     )
     if settings.verification is not None and tree is not None:
         from ..request import choose_rule

@@ -1,0 +1,124 @@
+"""The server's guard (treespec.serve.guard), in process over ASGI: API keys on the /v1 routes,
+compared in constant time, /health and /metrics open; bodies over the limit answered 413,
+declared or chunked; where the keys come from; the warning for an open server beyond loopback.
+The guarded server end to end: tests/test_serve.py (413, --max-tree-nodes)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from treespec.serve.cli import access  # noqa: E402
+from treespec.serve.guard import API_KEY_ENV, Guard, read_api_keys  # noqa: E402
+
+
+async def echo(scope, receive, send):
+    """The app behind the guard: answers with the body it read (an OpenAI model list on GET)."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    data = body or json.dumps({"object": "list", "data": []}).encode()
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
+    )
+    await send({"type": "http.response.body", "body": data})
+
+
+def call(guard, method, path, **kw):
+    async def go():
+        transport = httpx.ASGITransport(app=guard)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return await c.request(method, path, **kw)
+
+    return asyncio.run(go())
+
+
+def test_v1_routes_want_a_key_and_health_and_metrics_do_not():
+    guard = Guard(echo, api_keys=("k1", "k2"))
+    for headers in (
+        {},
+        {"authorization": "Bearer wrong"},
+        {"authorization": "k1"},
+        {"authorization": "Basic k1"},
+    ):
+        r = call(guard, "POST", "/v1/completions", headers=headers, content=b"{}")
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", headers
+        assert r.json()["error"]["code"] == "invalid_api_key" and "Bearer" in r.json()["error"]["message"]
+    for key in ("k1", "k2"):
+        assert (
+            call(guard, "POST", "/v1/completions", headers={"authorization": f"Bearer {key}"}).status_code
+            == 200
+        )
+    assert call(guard, "GET", "/health").status_code == 200
+    assert call(guard, "GET", "/metrics").status_code == 200
+    assert call(Guard(echo), "GET", "/v1/models").status_code == 200  # no keys: open
+
+
+def test_the_openai_client_sees_an_authentication_error():
+    guard = Guard(echo, api_keys=("secret",))
+
+    async def models(key):
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=guard))
+        async with openai.AsyncOpenAI(
+            base_url="http://t/v1", api_key=key, http_client=http, max_retries=0
+        ) as c:
+            return await c.models.list()
+
+    with pytest.raises(openai.AuthenticationError):
+        asyncio.run(models("wrong"))
+    assert asyncio.run(models("secret")).data == []
+
+
+def test_bodies_over_the_limit_are_413_declared_or_chunked():
+    guard = Guard(echo, max_body_bytes=100)
+    r = call(guard, "POST", "/v1/completions", content=b"x" * 101)
+    assert r.status_code == 413 and "100 bytes" in r.json()["error"]["message"]
+    assert call(guard, "POST", "/v1/completions", content=b"x" * 100).text == "x" * 100
+
+    def chunks(n):
+        async def gen():
+            for _ in range(n):
+                yield b"y" * 30
+
+        return gen()
+
+    assert call(guard, "POST", "/v1/completions", content=chunks(4)).status_code == 413  # 120 bytes
+    r = call(guard, "POST", "/v1/completions", content=chunks(3))  # 90: handed on whole
+    assert r.status_code == 200 and r.text == "y" * 90
+
+
+def test_keys_come_from_flags_the_environment_and_a_file(tmp_path, monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    f = tmp_path / "keys"
+    f.write_text("# ops\nalpha\n\n beta \n")
+    assert read_api_keys(["k"], str(f)) == ("k", "alpha", "beta")
+    monkeypatch.setenv(API_KEY_ENV, "env")
+    assert read_api_keys(None, None) == ("env",)
+    f.write_text("# none\n")
+    with pytest.raises(ValueError, match="no key in it"):
+        read_api_keys(None, str(f))
+    with pytest.raises(ValueError, match="cannot read"):
+        read_api_keys(None, str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="empty"):
+        read_api_keys([" "], None)
+
+
+def test_an_open_server_beyond_loopback_is_warned_about(monkeypatch, caplog):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    args = argparse.Namespace(api_key=None, api_key_file=None, host="0.0.0.0")
+    with caplog.at_level(logging.WARNING, logger="treespec.serve"):
+        assert access(args) == ()
+        access(argparse.Namespace(api_key=None, api_key_file=None, host="127.0.0.1"))
+        access(argparse.Namespace(api_key=["k"], api_key_file=None, host="0.0.0.0"))
+    assert len(caplog.records) == 1 and "no API key" in caplog.records[0].getMessage()
