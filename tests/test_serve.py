@@ -383,6 +383,33 @@ def test_bad_requests_answer_4xx_with_an_openai_error_body(server, client):
     assert httpx.get(server["base"] + "/health").status_code == 200
 
 
+def test_a_huge_prompt_is_refused_before_tokenizing_and_stalls_no_one(server):
+    """3.6 MB of text (under the body limit) for a 512-position model: refused from its size
+    alone, without seconds of tokenizing on the event loop (before: 6.4 s, /health waiting)."""
+    lat, done = [], {}
+
+    def big():
+        t0 = time.perf_counter()
+        r = httpx.post(
+            server["base"] + "/v1/completions", json={"prompt": "def f(x): return x\n" * 190_000}, timeout=60
+        )
+        done["status"], done["s"], done["param"] = (
+            r.status_code,
+            time.perf_counter() - t0,
+            r.json()["error"]["param"],
+        )
+
+    t = threading.Thread(target=big)
+    t.start()
+    while t.is_alive():
+        t0 = time.perf_counter()
+        httpx.get(server["base"] + "/health", timeout=60)
+        lat.append(time.perf_counter() - t0)
+    t.join()
+    assert done["status"] == 400 and done["param"] == "prompt" and done["s"] < 3.0, done
+    assert max(lat) < 1.0, lat
+
+
 def test_a_request_failing_in_the_engine_fails_alone(server, client, ref):
     want = solo(ref, PROMPTS[1], 40, ignore_eos=True)
     result = {}

@@ -19,6 +19,7 @@ import json
 import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -65,6 +66,7 @@ DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its cli
 # A request's tree costs every live request its round: t(n)/t(1) grows with the nodes (on a
 # 2-core CPU ~2-5x at 64 nodes), and a 1024-node tree made a 64-token request take 39 s.
 DEFAULT_MAX_TREE_NODES = 64
+TEXT_SLACK = 2  # a normalizer may shorten a text before it is split: refuse only twice past the bound
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # a 128k-token prompt is ~0.5 MB of text, ~1 MB of token ids
 
 
@@ -96,6 +98,16 @@ class Server:
         self.draining = False
         positions = settings.max_positions or getattr(engine.targets[0], "max_positions", None)
         self.max_positions: int | None = positions
+        # requests are tokenized and checked here, one at a time, never on the event loop: a
+        # long prompt takes seconds to tokenize, and /health and every stream would wait
+        self.prepare = ThreadPoolExecutor(1, thread_name_prefix="treespec-prepare")
+        # no token spells more than this many bytes of text: a longer text than
+        # TEXT_SLACK x this x the context cannot fit, and is refused before it is tokenized
+        self.token_bytes = max((len(t.encode()) for t in tokenizer.get_vocab()), default=1)
+
+    async def off_loop(self, fn, *args):
+        """`fn(*args)` on the preparing thread; its exceptions (ServeError) raise here."""
+        return await asyncio.get_running_loop().run_in_executor(self.prepare, fn, *args)
 
     # ---- building a treespec Request from a body --------------------------------------------
     def check_common(self, body: _Common) -> None:
@@ -113,6 +125,7 @@ class Server:
 
     def build(self, body: _Common, prompt, max_tokens: int | None, field: str) -> Request:
         """A treespec `Request` from a body; bad values raise ServeError 400 naming the field."""
+        self.check_text_size(prompt, field)
         try:
             ids = encode_prompt(prompt, self.tokenizer)
             sampling = SamplingConfig(
@@ -157,6 +170,24 @@ class Server:
             )
         except ValueError as e:
             raise bad_request(e, field) from None
+
+    def check_text_size(self, prompt, field: str) -> None:
+        """Refuse a text (or chat) far beyond the context before tokenizing it: its bytes over
+        the longest token's are fewer tokens than it has, whatever the tokenizer does."""
+        if self.max_positions is None:
+            return
+        texts = (
+            [prompt] if isinstance(prompt, str) else [m.get("content") for m in prompt if isinstance(m, dict)]
+        )
+        size = sum(len(t.encode("utf-8", "replace")) for t in texts if isinstance(t, str))
+        most = TEXT_SLACK * self.token_bytes * self.max_positions
+        if size > most:
+            raise ServeError(
+                400,
+                f"the {field} is {size} bytes of text, more than the model's {self.max_positions} "
+                f"positions can hold (at most {most} bytes); shorten it",
+                param=field,
+            )
 
     def room(self, prompt_len: int, tree: TreeConfig | None) -> int:
         """The default max_tokens: what the context and `max_kv_tokens` leave after the prompt."""
@@ -381,6 +412,7 @@ def create_app(
         finally:
             srv.draining = True
             await asyncio.to_thread(srv.loop.stop, grace_period)
+            srv.prepare.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="treespec", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = srv
@@ -460,7 +492,7 @@ def create_app(
         if isinstance(prompt, list) and not prompt:
             raise ServeError(400, "the prompt is empty; give at least one token", param="prompt")
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        request = srv.build(body, prompt, max_tokens, "prompt")
+        request = await srv.off_loop(srv.build, body, prompt, max_tokens, "prompt")
         job = await srv.submit(request, arrival, body, "prompt")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -491,8 +523,7 @@ def create_app(
         if body.top_logprobs:
             raise ServeError(400, "logprobs are not supported", param="top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        prompt = srv.chat_prompt(body)
-        request = srv.build(body, prompt, max_tokens, "messages")
+        request = await srv.off_loop(lambda: srv.build(body, srv.chat_prompt(body), max_tokens, "messages"))
         job = await srv.submit(request, arrival, body, "messages")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
