@@ -12,6 +12,7 @@ test runs last and stops it.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -459,6 +460,37 @@ def test_sigterm_finishes_in_flight_streams_and_exits_0(server, client, ref):
     assert server["proc"].wait(30) == 0, server["log"].read_text()
     with pytest.raises(httpx.TransportError):
         httpx.get(server["base"] + "/health", timeout=2)
+
+
+def test_past_the_grace_period_each_request_is_answered_and_ctrl_c_exits_0(tmp_path_factory):
+    """--grace-period 0.5 and Ctrl-C while a stream and a non-streaming request run far longer:
+    the stream ends with finish_reason "cancelled" and [DONE], the other gets a 503 body, the log
+    has no traceback, the exit code is 0 (before: cut streams, a plain-text 500, CancelledError
+    tracebacks, exit 130)."""
+    gen = start_server(tmp_path_factory, "float32", "--grace-period", "0.5")
+    srv = next(gen)
+    body = {"prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, **GREEDY}
+    answers = {}
+
+    def plain():
+        r = httpx.post(srv["base"] + "/v1/completions", json=body, timeout=60)
+        answers["plain"] = (r.status_code, r.json()["error"]["code"])
+
+    t = threading.Thread(target=plain)
+    t.start()
+    with httpx.stream(
+        "POST", srv["base"] + "/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # running
+        srv["proc"].send_signal(signal.SIGINT)
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+    t.join(60)
+    assert events[-1] == "[DONE]", events[-3:]
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "cancelled"
+    assert answers["plain"] == (503, "shutting_down")
+    assert srv["proc"].wait(30) == 0
+    assert "Traceback" not in srv["log"].read_text(), srv["log"].read_text()
 
 
 def test_a_server_drafting_with_a_feature_head_serves_what_generate_gives(tmp_path_factory):

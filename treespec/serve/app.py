@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -104,6 +105,17 @@ class Server:
         # no token spells more than this many bytes of text: a longer text than
         # TEXT_SLACK x this x the context cannot fit, and is refused before it is tokenized
         self.token_bytes = max((len(t.encode()) for t in tokenizer.get_vocab()), default=1)
+
+    def shut_down(self, grace_period: float) -> None:
+        """A shutdown began (SIGTERM, Ctrl-C): new requests get 503; after `grace_period`
+        seconds whatever still runs is cancelled, so that each open request is answered (streams:
+        finish_reason "cancelled" and [DONE]; others: a 503 body) before the server stops."""
+        if self.draining:
+            return
+        self.draining = True
+        timer = threading.Timer(grace_period, self.loop.cancel_all)
+        timer.daemon = True
+        timer.start()
 
     async def off_loop(self, fn, *args):
         """`fn(*args)` on the preparing thread; its exceptions (ServeError) raise here."""
@@ -271,6 +283,13 @@ class Server:
                     self.loop.cancel(job)
                     return None, "the client disconnected"
                 next_check = time.monotonic() + DISCONNECT_POLL_S
+
+    def failed(self, error: str | None) -> JSONResponse:
+        """The answer to a non-streaming request that failed (`error`) or that a shutdown cut."""
+        if error is not None:
+            return JSONResponse(error_body(error, "server_error", None, "engine_error"), status_code=500)
+        message = "the server shut down before the request finished; retry"
+        return JSONResponse(error_body(message, "unavailable", None, "shutting_down"), status_code=503)
 
     def stats(self, out: GenerationOutput) -> TreespecStats:
         s = out.stats
@@ -498,8 +517,8 @@ def create_app(
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(srv.stream(job, False, include_usage), media_type="text/event-stream")
         out, error = await srv.wait(job, http)
-        if error is not None:
-            return JSONResponse(error_body(error, "server_error", None, "engine_error"), status_code=500)
+        if error is not None or (srv.draining and out.finish_reason == "cancelled"):
+            return srv.failed(error)
         return CompletionResponse(
             id="cmpl-" + uuid.uuid4().hex,
             created=int(time.time()),
@@ -529,8 +548,8 @@ def create_app(
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(srv.stream(job, True, include_usage), media_type="text/event-stream")
         out, error = await srv.wait(job, http)
-        if error is not None:
-            return JSONResponse(error_body(error, "server_error", None, "engine_error"), status_code=500)
+        if error is not None or (srv.draining and out.finish_reason == "cancelled"):
+            return srv.failed(error)
         text = TextStream(tokenizer, request.stop_strings).finish(out.token_ids)
         return ChatCompletionResponse(
             id="chatcmpl-" + uuid.uuid4().hex,

@@ -25,6 +25,7 @@ from ..verify import rule_name
 DEFAULT_MAX_LIVE = 8
 DEFAULT_MAX_QUEUE = 64
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+SHUTDOWN_SLACK_S = 5.0  # after the grace period: time for cancelled requests to send their last chunk
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -210,24 +211,35 @@ def run(args) -> int:
     except ValueError as e:
         print(f"treespec: error: {e}", file=sys.stderr)
         return 2
+    srv = app.state.server
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            srv.shut_down(args.grace_period)  # the app's own clock: at the grace period, cancel
+            super().handle_exit(sig, frame)
+
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=args.grace_period,
+        # uvicorn's own cut (tasks cancelled mid-response) only past the app's: by then every
+        # request has been cancelled and answered
+        timeout_graceful_shutdown=args.grace_period + SHUTDOWN_SLACK_S,
         lifespan="on",
     )
-    server = uvicorn.Server(config)
+    server = Server(config)
     # uvicorn re-raises the signal that stopped it once it has shut down; with the default
-    # handler that would kill the process with SIGTERM's status, so the graceful exit is 0
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    # handlers that would kill the process with SIGTERM's status or raise KeyboardInterrupt,
+    # so a graceful exit is 0 whichever signal asked for it
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.run()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a second Ctrl-C: uvicorn's forced exit
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if getattr(server, "started", True) is False:
         return 1  # could not bind (uvicorn logged why)
     return 0

@@ -104,6 +104,13 @@ class EngineLoop:
             self._commands.append(("cancel", job))
             self._cond.notify()
 
+    def cancel_all(self) -> None:
+        """Stop every request the engine holds or is about to add, at the next round boundary
+        (the grace period of a shutdown is over): each ends with finish_reason "cancelled"."""
+        with self._cond:
+            self._commands.append(("cancel_all", None))
+            self._cond.notify()
+
     def stop(self, timeout: float | None = None) -> None:
         """Cancel whatever the engine still holds and end the thread."""
         with self._cond:
@@ -143,7 +150,7 @@ class EngineLoop:
                     commands, self._commands = self._commands, deque()
                     stopping = self._stopping
                 for kind, job in commands:
-                    self._add(job) if kind == "add" else self._cancel(job)
+                    {"add": self._add, "cancel": self._cancel, "cancel_all": self._cancel_all}[kind](job)
                 if stopping:
                     for rid in list(self._jobs):
                         self.engine.cancel(rid)
@@ -185,6 +192,11 @@ class EngineLoop:
         if job.id is not None and job.id in self._jobs:
             self.engine.cancel(job.id)
             self._sweep()
+
+    def _cancel_all(self, _=None) -> None:
+        for rid in list(self._jobs):
+            self.engine.cancel(rid)
+        self._sweep()
 
     def _step(self) -> None:
         try:
