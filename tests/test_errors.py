@@ -84,6 +84,8 @@ def test_text_prompt_needs_a_tokenizer(dec):
 def test_prompt_plus_new_tokens_beyond_positions(dec):
     with pytest.raises(ValueError, match="exceeds the target model's 64 positions"):
         dec.generate([3] * 60, 10)
+    with pytest.raises(ValueError, match=r"the prompt \(64 tokens\) fills the target model's 64 positions"):
+        dec.generate([3] * 64, 1)
 
 
 def test_token_ids_outside_vocabulary(dec):

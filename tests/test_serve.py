@@ -354,6 +354,18 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "tree": {"width": 2}, "verification": "block"}, 400, "verification"),
     ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
     ("/v1/completions", {"prompt": [99999]}, 400, "prompt"),
+    ("/v1/completions", b"", 400, None),  # "the request body must be a JSON object", not "None is required"
+    ("/v1/completions", b"[]", 400, None),
+    # a prompt with no room left for one token is the prompt's fault, not max_tokens'
+    ("/v1/completions", {"prompt": list(range(3, 515))}, 400, "prompt"),
+    # wrong JSON types are refused, never converted
+    ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 4.0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": True}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": [1.0, 2.0]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [True]}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "seed": "1"}, 400, "seed"),
     # over the server's --max-tree-nodes (64 by default): one client's tree slows every round
     ("/v1/completions", {"prompt": "x", "tree": {"width": 16, "depth": 8}}, 400, "tree"),
     ("/v1/completions", b'{"prompt": "' + b"x" * (5 << 20) + b'"}', 413, None),  # over --max-body-mb
@@ -372,6 +384,8 @@ def test_bad_requests_answer_4xx_with_an_openai_error_body(server, client):
             assert set(error) == {"message", "type", "param", "code"} and error["message"], (body, error)
             assert error["param"] == param, (body, error)
         assert http.get("/v1/nowhere").status_code == 404 and "error" in http.get("/v1/nowhere").json()
+        empty = http.post("/v1/completions", content=b"", headers={"content-type": "application/json"})
+        assert "must be a JSON object" in empty.json()["error"]["message"]  # not "None is required"
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model=MODEL, prompt="x", temperature=-0.5)
     with pytest.raises(openai.NotFoundError):

@@ -370,6 +370,13 @@ class Engine:
             )
         for name, runner in (("target", self.targets[0]), ("draft", self.drafts[0] if uses_draft else None)):
             limit = getattr(runner, "max_positions", None)
+            if (
+                limit is not None and len(request.prompt) >= limit
+            ):  # no room for one token: the prompt's fault
+                raise ValueError(
+                    f"the prompt ({len(request.prompt)} tokens) fills the {name} model's {limit} "
+                    f"positions; shorten it"
+                )
             if limit is not None and len(request.prompt) + request.max_new_tokens > limit:
                 raise ValueError(
                     f"prompt ({len(request.prompt)} tokens) + max_new_tokens "

@@ -196,7 +196,7 @@ class Server:
         if size > most:
             raise ServeError(
                 400,
-                f"the {field} is {size} bytes of text, more than the model's {self.max_positions} "
+                f"{field}: {size} bytes of text, more than the model's {self.max_positions} "
                 f"positions can hold (at most {most} bytes); shorten it",
                 param=field,
             )
@@ -465,6 +465,8 @@ def create_app(
         )
         if first.get("type") == "missing":
             message = f"{param} is required"
+        if not param:  # about the body itself: empty, or JSON that is not an object
+            message = "the request body must be a JSON object (Content-Type: application/json)"
         return error_response(ServeError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)

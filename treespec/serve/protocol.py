@@ -48,21 +48,22 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 class TreeSpec(BaseModel):
     """The draft tree of one request (treespec.TreeConfig); missing fields take the server's."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     width: int | None = None
     depth: int | None = None
     strategy: str | None = None
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    """Fields both endpoints take."""
+    """Fields both endpoints take. Strict: a wrong JSON type is a 400 naming the field, never
+    converted ("5", 4.0 or true for an integer; "yes" for a boolean)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -94,7 +95,7 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
