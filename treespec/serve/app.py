@@ -46,6 +46,7 @@ from .protocol import (
     ChatCompletionResponse,
     ChatDelta,
     ChatResponseMessage,
+    CommonFields,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -54,7 +55,6 @@ from .protocol import (
     ServeError,
     TreespecStats,
     Usage,
-    _Common,
     client_message,
     error_body,
     error_param,
@@ -122,7 +122,7 @@ class Server:
         return await asyncio.get_running_loop().run_in_executor(self.prepare, fn, *args)
 
     # ---- building a treespec Request from a body --------------------------------------------
-    def check_common(self, body: _Common) -> None:
+    def check_common(self, body: CommonFields) -> None:
         if body.model is not None and body.model != self.model_name:
             raise ServeError(
                 404,
@@ -135,7 +135,7 @@ class Server:
         if body.logprobs not in (None, False, 0):
             raise ServeError(400, "logprobs are not supported", param="logprobs")
 
-    def build(self, body: _Common, prompt, max_tokens: int | None, field: str) -> Request:
+    def build(self, body: CommonFields, prompt, max_tokens: int | None, field: str) -> Request:
         """A treespec `Request` from a body; bad values raise ServeError 400 naming the field."""
         self.check_text_size(prompt, field)
         try:
@@ -243,7 +243,7 @@ class Server:
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
     # ---- running a request -----------------------------------------------------------------
-    async def submit(self, request: Request, arrival: float, body: _Common, field: str) -> Job:
+    async def submit(self, request: Request, arrival: float, body: CommonFields, field: str) -> Job:
         if self.draining or not self.loop.alive:
             self.metrics.reject(503)
             raise ServeError(503, "the server is shutting down", type="unavailable", code="shutting_down")

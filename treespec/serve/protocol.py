@@ -59,7 +59,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class CommonFields(BaseModel):
     """Fields both endpoints take. Strict: a wrong JSON type is a 400 naming the field, never
     converted ("5", 4.0 or true for an integer; "yes" for a boolean)."""
 
@@ -87,7 +87,7 @@ class _Common(BaseModel):
     treespec_fault: str | None = None
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(CommonFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     best_of: int | None = None
@@ -101,7 +101,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(CommonFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     top_logprobs: int | None = None
