@@ -609,6 +609,9 @@ def test_kv_budget_makes_requests_wait_not_fail(models):
     ids = [eng.add(PROMPTS[5], max_new_tokens=20, tree=tree, sampling=sampling, seed=s) for s in range(3)]
     eng.step()
     assert len(eng.live) == 1 and len(eng.waiting) == 2 and eng.kv_tokens == need
+    status = eng.status()  # what a front end reads (the server's metrics and queue limit)
+    assert (status.live, status.waiting, status.kv_tokens) == ((ids[0],), 2, need)
+    assert (status.max_live, status.max_kv_tokens) == (4, need + 5)
     outs = eng.run()
     for s, i in enumerate(ids):
         assert_same(outs[i], dec.generate(PROMPTS[5], 20, tree=tree, sampling=sampling, seed=s))

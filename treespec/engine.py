@@ -69,6 +69,18 @@ class RequestState:
     started: float = 0.0  # perf_counter at admission
 
 
+@dataclass(frozen=True)
+class EngineStatus:
+    """A snapshot of an engine (`Engine.status()`)."""
+
+    live: tuple[int, ...]  # ids of the requests decoding now
+    waiting: int  # requests queued for a lane
+    kv_tokens: int  # cache slots the live requests reserve
+    max_live: int  # lanes
+    max_kv_tokens: int | None  # the engine's slot budget (None: no budget)
+    max_positions: int | None  # the target's context length (None: unstated)
+
+
 class Engine:
     """Continuous batching over lanes: requests are added, stepped, streamed and cancelled
     between rounds. Admission is limited by free lanes and by `max_kv_tokens`, the cache slots
@@ -197,6 +209,18 @@ class Engine:
     def kv_tokens(self) -> int:
         """Cache slots reserved by live requests."""
         return sum(r.request.slots for r in self.live.values())
+
+    def status(self) -> EngineStatus:
+        """What a front end may know of the engine (a server's metrics, its queue limit)."""
+        with self._lock:
+            return EngineStatus(
+                live=tuple(r.id for r in self.live.values()),
+                waiting=len(self.waiting),
+                kv_tokens=self.kv_tokens,
+                max_live=self.max_live,
+                max_kv_tokens=self.max_kv_tokens,
+                max_positions=getattr(self.targets[0], "max_positions", None),
+            )
 
     # ---- a round ---------------------------------------------------------------------------
     def _round(self) -> dict[int, list[int]]:

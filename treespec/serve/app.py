@@ -97,7 +97,7 @@ class Server:
         self.loop = EngineLoop(engine, self.metrics)
         self.created = int(time.time())
         self.draining = False
-        positions = settings.max_positions or getattr(engine.targets[0], "max_positions", None)
+        positions = settings.max_positions or engine.status().max_positions
         self.max_positions: int | None = positions
         # requests are tokenized and checked here, one at a time, never on the event loop: a
         # long prompt takes seconds to tokenize, and /health and every stream would wait
@@ -205,7 +205,7 @@ class Server:
         """The default max_tokens: what the context and `max_kv_tokens` leave after the prompt."""
         context = self.max_positions or DEFAULT_CONTEXT
         room = context - prompt_len
-        budget = self.engine.max_kv_tokens
+        budget = self.engine.status().max_kv_tokens
         if budget is not None:  # a request reserves prompt + max_tokens + its deepest tree
             room = min(room, budget - prompt_len - (0 if tree is None else tree.max_depth))
         if room < 1:
@@ -247,12 +247,12 @@ class Server:
         if self.draining or not self.loop.alive:
             self.metrics.reject(503)
             raise ServeError(503, "the server is shutting down", type="unavailable", code="shutting_down")
-        limit = self.settings.max_queue
-        if limit is not None and self.loop.outstanding >= self.engine.max_live + limit:
+        limit, lanes = self.settings.max_queue, self.engine.status().max_live
+        if limit is not None and self.loop.outstanding >= lanes + limit:
             self.metrics.reject(429)
             raise ServeError(
                 429,
-                f"the queue is full ({limit} requests waiting for {self.engine.max_live} lanes); retry later",
+                f"the queue is full ({limit} requests waiting for {lanes} lanes); retry later",
                 type="rate_limit_exceeded",
                 code="queue_full",
             )

@@ -138,7 +138,8 @@ class EngineLoop:
         return on_tokens
 
     def _busy(self) -> bool:
-        return bool(self.engine.live or self.engine.waiting)
+        status = self.engine.status()
+        return bool(status.live or status.waiting)
 
     def _run(self) -> None:
         try:
@@ -204,12 +205,13 @@ class EngineLoop:
         except Exception as e:
             # the engine did not isolate the failure: every request live in this round fails
             message = f"{type(e).__name__}: {e}"
-            log.error("a round failed; failing its %d live request(s): %s", len(self.engine.live), message)
-            for state in list(self.engine.live.values()):
-                job = self._jobs.get(state.id)
+            live = self.engine.status().live
+            log.error("a round failed; failing its %d live request(s): %s", len(live), message)
+            for rid in live:
+                job = self._jobs.get(rid)
                 if job is not None:
                     job.error = message
-                self.engine.cancel(state.id)
+                self.engine.cancel(rid)
         self._sweep()
 
     def _sweep(self) -> None:
@@ -234,7 +236,5 @@ class EngineLoop:
             job.push(("done", out, error))
 
     def _publish(self) -> None:
-        engine = self.engine
-        self.metrics.engine_state(
-            len(engine.live), len(engine.waiting) + self._pending_adds, engine.kv_tokens
-        )
+        status = self.engine.status()
+        self.metrics.engine_state(len(status.live), status.waiting + self._pending_adds, status.kv_tokens)
