@@ -84,3 +84,23 @@ def test_bad_logprobs_are_one_line_errors(target64, bad):
     dec = SpeculativeDecoder(target64, None)
     with pytest.raises(ValueError, match="logprobs"):
         dec.generate(PROMPT, 4, tree=None, logprobs=bad)
+
+
+def test_on_logprobs_streams_each_rounds_rows_after_its_tokens(target64, draft64):
+    """`Request.on_logprobs` gets, after each `on_tokens`, the same tokens' rows: together they
+    are the output's logprobs, a stop's cut included."""
+    dec = SpeculativeDecoder(target64, draft64)
+    eng = dec.engine(max_live=2)
+    events = []
+    sampling = SamplingConfig(temperature=1.0)
+    rid = eng.add(PROMPT, 24, tree=TreeConfig(2, 3), sampling=sampling, seed=3, ignore_eos=True, logprobs=K,
+                  on_tokens=lambda ids, _: events.append(("tokens", len(ids))),
+                  on_logprobs=lambda lp: events.append(("logprobs", lp)))  # fmt: skip
+    out = eng.run()[rid]
+    assert [e[0] for e in events] == ["tokens", "logprobs"] * (len(events) // 2)
+    assert [n for kind, n in events[::2]] == [len(lp.token) for kind, lp in events[1::2]]
+    streamed = TokenLogprobs.cat([lp for _, lp in events[1::2]], K)
+    for f in ("token", "top_ids", "top"):
+        assert torch.equal(getattr(streamed, f), getattr(out.logprobs, f))
+    with pytest.raises(ValueError, match="needs logprobs"):
+        eng.add(PROMPT, 4, on_logprobs=print)

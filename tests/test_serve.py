@@ -190,6 +190,40 @@ def test_chat_streamed_equals_non_streamed_equals_generate(client, ref):
     assert (text, finish) == (want.text, "length")
 
 
+def test_logprobs_are_generates_in_openais_shapes_streamed_or_not(client, ref):
+    """Greedy chat with logprobs + top_logprobs, and a completion with logprobs: the official
+    client parses them, and tokens and values are `generate(logprobs=k)`'s on the same prompt."""
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    want = solo(ref, "user: def add(a, b):\nassistant:", 12, logprobs=3)  # the pair has no template
+    decode = lambda t: ref.tokenizer.decode([t])  # noqa: E731
+
+    def check(entries):
+        assert [e.token for e in entries] == [decode(t) for t in want.token_ids]
+        assert [e.logprob for e in entries] == pytest.approx(want.logprobs.token.tolist(), abs=1e-4)
+        assert [[t.token for t in e.top_logprobs] for e in entries] == [
+            [decode(t) for t in row] for row in want.logprobs.top_ids.tolist()
+        ]
+        assert all(e.bytes == list(e.token.encode()) for e in entries)
+
+    kw = dict(model=MODEL, messages=messages, max_tokens=12, logprobs=True, top_logprobs=3, **GREEDY)
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].message.content == want.text
+    check(r.choices[0].logprobs.content)
+    entries = [
+        e
+        for c in client.chat.completions.create(**kw, stream=True)
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    check(entries)
+    want = solo(ref, PROMPT, 8, logprobs=2)
+    c = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, logprobs=2, **GREEDY).choices[0]
+    assert c.logprobs.tokens == [decode(t) for t in want.token_ids]
+    assert c.logprobs.token_logprobs == pytest.approx(want.logprobs.token.tolist(), abs=1e-4)
+    assert c.logprobs.text_offset == [sum(map(len, c.logprobs.tokens[:i])) for i in range(8)]
+    assert all(len(top) <= 2 for top in c.logprobs.top_logprobs)
+
+
 def test_stop_strings_end_before_the_stop_and_never_stream_it(client, ref):
     full = solo(ref, PROMPT, 24).text
     stop = full[full.index("the") : full.index("the") + 8]  # a stop string inside the greedy text
@@ -352,7 +386,13 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "tree": {"leaves": 3}}, 400, "tree.leaves"),
     ("/v1/completions", {"prompt": "x", "tree": {"width": 2, "strategy": "magic"}}, 400, "tree.strategy"),
     ("/v1/completions", {"prompt": "x", "tree": {"width": 2}, "verification": "block"}, 400, "verification"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        400,
+        "top_logprobs",
+    ),
     ("/v1/completions", {"prompt": [99999]}, 400, "prompt"),
     ("/v1/completions", b"", 400, None),  # "the request body must be a JSON object", not "None is required"
     ("/v1/completions", b"[]", 400, None),

@@ -353,16 +353,20 @@ class Engine:
                 r.rng.restore(snapshots[r.id])
 
     def _stream(self) -> None:
-        """Hand each request's new tokens to its callback. A callback that raises ends its own
-        request ("error"); an interrupt leaves the rest for the next step."""
+        """Hand each request's new tokens to its callbacks (`on_tokens`, then `on_logprobs` with
+        the same tokens' log-probabilities). A callback that raises ends its own request
+        ("error"); an interrupt leaves the rest for the next step."""
         for r in list(self.requests.values()):
-            callback = r.request.on_tokens
-            if not r.unstreamed or callback is None:
+            callback, on_logprobs, n = r.request.on_tokens, r.request.on_logprobs, r.unstreamed
+            if not n or (callback is None and on_logprobs is None):
                 continue
-            ids, sources = r.builder.token_ids[-r.unstreamed :], r.builder.sources[-r.unstreamed :]
+            ids, sources = r.builder.token_ids[-n:], r.builder.sources[-n:]
             r.unstreamed = 0
             try:
-                callback(ids, sources)
+                if callback is not None:
+                    callback(ids, sources)
+                if on_logprobs is not None:
+                    on_logprobs(TokenLogprobs.tail(r.logprobs, n, r.request.logprobs))
             except Exception as e:  # noqa: BLE001 - a client's callback: its failure is its own
                 with self._lock:
                     if r.status == "live":

@@ -129,6 +129,16 @@ class TokenLogprobs:
         return TokenLogprobs(chosen.cpu(), top.indices.cpu(), top.values.cpu())
 
     @staticmethod
+    def tail(parts: Sequence[TokenLogprobs], n: int, k: int) -> TokenLogprobs:
+        """The last `n` rows of `parts` (concatenated), reading only the parts that hold them."""
+        start, rows = len(parts), 0
+        while start > 0 and rows < n:
+            start -= 1
+            rows += len(parts[start].token)
+        whole = TokenLogprobs.cat(parts[start:], k)
+        return TokenLogprobs(whole.token[-n:], whole.top_ids[-n:], whole.top[-n:])
+
+    @staticmethod
     def cat(parts: Sequence[TokenLogprobs], k: int) -> TokenLogprobs:
         if not parts:
             return TokenLogprobs(torch.zeros(0), torch.zeros(0, k, dtype=torch.long), torch.zeros(0, k))

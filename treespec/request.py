@@ -14,14 +14,14 @@ drawn (declared by the tree strategy, `TreeConfig.siblings`, and by the drafter 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from .config import SamplingConfig, TreeConfig, check_positive_int
-from .output import OnTokens
+from .output import OnTokens, TokenLogprobs
 from .rng import Rng
 from .verify import RULES, rule_name
 
@@ -79,6 +79,7 @@ class Request:
     trace: bool = False  # record every round (GenerationOutput.trace)
     logprobs: int | None = None  # the target's log p of each generated token and its top-k (None: none)
     on_tokens: OnTokens | None = None  # called with each round's new tokens and their sources
+    on_logprobs: Callable[[TokenLogprobs], None] | None = None  # then with those tokens' logprobs
     rng: Rng | None = None  # replaces the seeded TorchRng (the enumeration tests drive every coin)
 
     def __post_init__(self) -> None:
@@ -108,6 +109,8 @@ class Request:
             raise ValueError(
                 f"on_tokens must be a function (ids, sources) -> None, got {type(self.on_tokens).__name__}"
             )
+        if self.on_logprobs is not None and (not callable(self.on_logprobs) or self.logprobs is None):
+            raise ValueError("on_logprobs must be a function (TokenLogprobs) -> None, and needs logprobs=k")
         if self.rng is not None and not isinstance(self.rng, Rng):
             raise ValueError(
                 f"rng must be a treespec.rng.Rng, got {type(self.rng).__name__}; pass seed= for a seeded run"

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import SamplingConfig, TreeConfig
 from ..engine import Engine
-from ..output import GenerationOutput, TextStream
+from ..output import GenerationOutput, TextStream, TokenLogprobs
 from ..request import ROLES, Request, encode_prompt, make_request
 from .guard import Guard
 from .loop import EngineLoop, Job
@@ -45,14 +45,18 @@ from .protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
     ChatResponseMessage,
     CommonFields,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ModelCard,
     ModelList,
     ServeError,
+    TokenLogprob,
+    TopLogprob,
     TreespecStats,
     Usage,
     client_message,
@@ -67,6 +71,7 @@ DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its cli
 # A request's tree costs every live request its round: t(n)/t(1) grows with the nodes (on a
 # 2-core CPU ~2-5x at 64 nodes), and a 1024-node tree made a 64-token request take 39 s.
 DEFAULT_MAX_TREE_NODES = 64
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 TEXT_SLACK = 2  # a normalizer may shorten a text before it is split: refuse only twice past the bound
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # a 128k-token prompt is ~0.5 MB of text, ~1 MB of token ids
 
@@ -132,12 +137,24 @@ class Server:
             )
         if body.n is not None and body.n != 1:
             raise ServeError(400, f"n must be 1 (one choice per request), got {body.n}", param="n")
-        if body.logprobs not in (None, False, 0):
-            raise ServeError(400, "logprobs are not supported", param="logprobs")
+
+    @staticmethod
+    def top_k_of(body) -> int | None:
+        """How many likeliest tokens a body asks log-probabilities for; None: none asked."""
+        if isinstance(body, ChatCompletionRequest):
+            if body.top_logprobs is not None and not body.logprobs:
+                raise ServeError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            k, name = (body.top_logprobs or 0) if body.logprobs else None, "top_logprobs"
+        else:
+            k, name = body.logprobs, "logprobs"
+        if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise ServeError(400, f"{name} must be in 0..{MAX_TOP_LOGPROBS}, got {k}", param=name)
+        return k
 
     def build(self, body: CommonFields, prompt, max_tokens: int | None, field: str) -> Request:
         """A treespec `Request` from a body; bad values raise ServeError 400 naming the field."""
         self.check_text_size(prompt, field)
+        logprobs = self.top_k_of(body)
         try:
             ids = encode_prompt(prompt, self.tokenizer)
             sampling = SamplingConfig(
@@ -179,6 +196,7 @@ class Server:
                 seed=body.seed,
                 verification=verification,
                 ignore_eos=body.ignore_eos,
+                logprobs=logprobs,
             )
         except ValueError as e:
             raise bad_request(e, field) from None
@@ -291,6 +309,36 @@ class Server:
         message = "the server shut down before the request finished; retry"
         return JSONResponse(error_body(message, "unavailable", None, "shutting_down"), status_code=503)
 
+    def chat_logprobs(self, ids: list[int], lp: TokenLogprobs) -> ChatLogprobs:
+        """OpenAI's chat logprobs of the tokens `ids` (rows of `lp`)."""
+
+        def entry(tid: int, logprob: float) -> dict:
+            text = self.tokenizer.decode([tid])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = [
+            TokenLogprob(
+                **entry(tid, float(lp.token[i])),
+                top_logprobs=[
+                    TopLogprob(**entry(t, v)) for t, v in zip(lp.top_ids[i].tolist(), lp.top[i].tolist())
+                ],
+            )
+            for i, tid in enumerate(ids)
+        ]
+        return ChatLogprobs(content=content)
+
+    def completion_logprobs(self, ids: list[int], lp: TokenLogprobs, offset: int = 0) -> CompletionLogprobs:
+        """OpenAI's completions logprobs of the tokens `ids`, their text starting at `offset`."""
+        tokens = [self.tokenizer.decode([tid]) for tid in ids]
+        offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        tops = [
+            {self.tokenizer.decode([t]): v for t, v in zip(lp.top_ids[i].tolist(), lp.top[i].tolist())}
+            for i in range(len(ids))
+        ]
+        return CompletionLogprobs(
+            tokens=tokens, token_logprobs=lp.token.tolist(), top_logprobs=tops, text_offset=offsets
+        )
+
     def stats(self, out: GenerationOutput) -> TreespecStats:
         s = out.stats
         return TreespecStats(
@@ -315,15 +363,17 @@ class Server:
         created = int(time.time())
         text = TextStream(self.tokenizer, job.request.stop_strings)
         finished = False
+        # with logprobs, a round's text waits for its log-probabilities (they follow its tokens)
+        pending, offset = None, 0
 
-        def chunk(delta: str | None = None, finish: str | None = None, **extra) -> str:
+        def chunk(delta: str | None = None, finish: str | None = None, logprobs=None, **extra) -> str:
             if chat:
                 d = ChatDelta(content=delta) if delta is not None else ChatDelta()
                 body = ChatCompletionChunk(
                     id=rid,
                     created=created,
                     model=self.model_name,
-                    choices=[ChatChunkChoice(delta=d, finish_reason=finish)],
+                    choices=[ChatChunkChoice(delta=d, logprobs=logprobs, finish_reason=finish)],
                     **extra,
                 )
             else:
@@ -331,7 +381,7 @@ class Server:
                     id=rid,
                     created=created,
                     model=self.model_name,
-                    choices=[CompletionChoice(text=delta or "", finish_reason=finish)],
+                    choices=[CompletionChoice(text=delta or "", logprobs=logprobs, finish_reason=finish)],
                     **extra,
                 )
             return sse(body.model_dump(exclude_none=True))
@@ -349,8 +399,19 @@ class Server:
                 item = await job.queue.get()
                 if item[0] == "tokens":
                     delta = text.feed(item[1])
-                    if delta:
+                    if job.request.logprobs is not None:
+                        pending = (delta, item[1])
+                    elif delta:
                         yield chunk(delta)
+                    continue
+                if item[0] == "logprobs":
+                    (delta, ids), lp = pending, item[1]
+                    if chat:
+                        yield chunk(delta, logprobs=self.chat_logprobs(ids, lp))
+                    else:
+                        logprobs = self.completion_logprobs(ids, lp, offset)
+                        offset += sum(map(len, logprobs.tokens))
+                        yield chunk(delta, logprobs=logprobs)
                     continue
                 finished = True
                 out, error = item[1], item[2]
@@ -528,6 +589,9 @@ def create_app(
             choices=[
                 CompletionChoice(
                     text=TextStream(tokenizer, request.stop_strings).finish(out.token_ids),
+                    logprobs=None
+                    if out.logprobs is None
+                    else srv.completion_logprobs(out.token_ids, out.logprobs),
                     finish_reason=openai_finish_reason(out.finish_reason),
                 )
             ],
@@ -541,8 +605,6 @@ def create_app(
         srv.check_common(body)
         if body.tools:
             raise ServeError(400, "tools are not supported", param="tools")
-        if body.top_logprobs:
-            raise ServeError(400, "logprobs are not supported", param="top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         request = await srv.off_loop(lambda: srv.build(body, srv.chat_prompt(body), max_tokens, "messages"))
         job = await srv.submit(request, arrival, body, "messages")
@@ -560,6 +622,7 @@ def create_app(
             choices=[
                 ChatChoice(
                     message=ChatResponseMessage(content=text),
+                    logprobs=None if out.logprobs is None else srv.chat_logprobs(out.token_ids, out.logprobs),
                     finish_reason=openai_finish_reason(out.finish_reason),
                 )
             ],

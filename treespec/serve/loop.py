@@ -87,7 +87,10 @@ class EngineLoop:
 
     def submit(self, job: Job) -> concurrent.futures.Future:
         """Queue `job` for the engine; the future resolves to its id or the add's exception."""
-        request = dataclasses.replace(job.request, on_tokens=self._on_tokens(job))
+        on_logprobs = None
+        if job.request.logprobs is not None:
+            on_logprobs = lambda lp: job.push(("logprobs", lp))  # noqa: E731 - after its ("tokens", ...)
+        request = dataclasses.replace(job.request, on_tokens=self._on_tokens(job), on_logprobs=on_logprobs)
         job.request = request
         with self._cond:
             if self._stopping:

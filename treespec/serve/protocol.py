@@ -75,7 +75,6 @@ class CommonFields(BaseModel):
     n: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: Any = None
     user: str | None = None
     # treespec's own (extra body fields)
     tree: TreeSpec | None = None  # absent: the server's default tree; null: plain decoding
@@ -89,6 +88,7 @@ class CommonFields(BaseModel):
 
 class CompletionRequest(CommonFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None  # the sampled token's log p and this many of the likeliest
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -104,7 +104,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(CommonFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    top_logprobs: int | None = None
+    logprobs: bool | None = None  # the sampled token's log p ...
+    top_logprobs: int | None = None  # ... and this many of the likeliest (needs logprobs)
     tools: list[Any] | None = None
 
 
@@ -129,10 +130,35 @@ class TreespecStats(BaseModel):
     finish_reason: str  # treespec's own: eos, length, stop, cancelled, error
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """OpenAI's chat `logprobs`: one entry per generated token."""
+
+    content: list[TokenLogprob]
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's (legacy) completions `logprobs`: parallel lists over the generated tokens."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -154,7 +180,7 @@ class ChatResponseMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -176,7 +202,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
