@@ -132,3 +132,33 @@ def test_trace_must_be_a_bool():
     dec = SpeculativeDecoder(TableRunner(target), TableRunner(draft))
     with pytest.raises(ValueError, match="trace must be True or False"):
         dec.generate(PROMPT, 4, trace="yes")
+
+
+@pytest.mark.parametrize("case", ["iid-token", "beam-traversal"])
+def test_rounds_stream_to_on_round_and_as_json(case):
+    """`on_round` gets every round as it ends (the server streams them to its page), and
+    `round_to_json` keeps the tree, the accepted path and each node's p, q and coin."""
+    import json
+
+    from treespec.trace import node_outcome, proposals_by_node, round_to_json
+
+    target, draft = pair()
+    dec = SpeculativeDecoder(TableRunner(target), TableRunner(draft))
+    tree, sampling, verification = CASES[case]
+    eng, got = dec.engine(max_live=1), []
+    rid = eng.add(PROMPT, 12, tree=tree, sampling=sampling, seed=0, ignore_eos=True,
+                  verification=verification, trace=True, on_round=got.append)  # fmt: skip
+    out = eng.run()[rid]
+    assert got == list(out.trace)
+    for r in got:
+        drawn = json.loads(json.dumps(round_to_json(r, lambda t: f"<{t}>")))
+        assert [n["parent"] for n in drawn["nodes"]] == list(r.tree.parents)
+        assert [n["text"] for n in drawn["nodes"]] == [f"<{t}>" for t in r.tree.tokens]
+        assert drawn["path"] == list(r.path) and drawn["emitted"] == len(r.emitted)
+        by_node = proposals_by_node(r)
+        for n in drawn["nodes"][1:]:
+            assert n["p"] == [pt.p for pt in by_node.get(n["id"], [])]
+            assert n["outcome"] == (node_outcome(by_node[n["id"]]) if n["id"] in by_node else "untried")
+        assert all(drawn["nodes"][u]["outcome"] in ("root", "accepted") for u in r.path)
+    with pytest.raises(ValueError, match="needs trace=True"):
+        eng.add(PROMPT, 4, on_round=print)

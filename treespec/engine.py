@@ -64,6 +64,7 @@ class RequestState:
     context: list[int] = field(default_factory=list)  # prompt + emitted tokens
     output: GenerationOutput | None = None  # once finished or cancelled
     unstreamed: int = 0  # emitted tokens not yet handed to the request's on_tokens
+    rounds_streamed: int = 0  # rounds already handed to the request's on_round
     draft_forwards_before: int = 0  # the draft lane's forward count when it was admitted
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per round, when request.logprobs
     started: float = 0.0  # perf_counter at admission
@@ -353,20 +354,26 @@ class Engine:
                 r.rng.restore(snapshots[r.id])
 
     def _stream(self) -> None:
-        """Hand each request's new tokens to its callbacks (`on_tokens`, then `on_logprobs` with
-        the same tokens' log-probabilities). A callback that raises ends its own request
-        ("error"); an interrupt leaves the rest for the next step."""
+        """Hand each request's new tokens to its callbacks: `on_tokens`, then `on_logprobs` with
+        the same tokens' log-probabilities, then `on_round` with the rounds that made them. A
+        callback that raises ends its own request ("error"); an interrupt leaves the rest for
+        the next step."""
         for r in list(self.requests.values()):
-            callback, on_logprobs, n = r.request.on_tokens, r.request.on_logprobs, r.unstreamed
-            if not n or (callback is None and on_logprobs is None):
+            request, n = r.request, r.unstreamed
+            if not n or (
+                request.on_tokens is None and request.on_logprobs is None and request.on_round is None
+            ):
                 continue
             ids, sources = r.builder.token_ids[-n:], r.builder.sources[-n:]
-            r.unstreamed = 0
+            rounds = [] if r.rounds is None else r.rounds[r.rounds_streamed :]
+            r.unstreamed, r.rounds_streamed = 0, r.rounds_streamed + len(rounds)
             try:
-                if callback is not None:
-                    callback(ids, sources)
-                if on_logprobs is not None:
-                    on_logprobs(TokenLogprobs.tail(r.logprobs, n, r.request.logprobs))
+                if request.on_tokens is not None:
+                    request.on_tokens(ids, sources)
+                if request.on_logprobs is not None:
+                    request.on_logprobs(TokenLogprobs.tail(r.logprobs, n, request.logprobs))
+                for round_ in rounds if request.on_round is not None else ():
+                    request.on_round(round_)
             except Exception as e:  # noqa: BLE001 - a client's callback: its failure is its own
                 with self._lock:
                     if r.status == "live":

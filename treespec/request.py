@@ -16,7 +16,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -24,6 +24,9 @@ from .config import SamplingConfig, TreeConfig, check_positive_int
 from .output import OnTokens, TokenLogprobs
 from .rng import Rng
 from .verify import RULES, rule_name
+
+if TYPE_CHECKING:
+    from .trace import RoundTrace
 
 # How a round's sibling proposals are drawn:
 #   chain     no siblings: one proposal per node (width 1)
@@ -80,6 +83,7 @@ class Request:
     logprobs: int | None = None  # the target's log p of each generated token and its top-k (None: none)
     on_tokens: OnTokens | None = None  # called with each round's new tokens and their sources
     on_logprobs: Callable[[TokenLogprobs], None] | None = None  # then with those tokens' logprobs
+    on_round: Callable[[RoundTrace], None] | None = None  # then with each round's trace (needs trace)
     rng: Rng | None = None  # replaces the seeded TorchRng (the enumeration tests drive every coin)
 
     def __post_init__(self) -> None:
@@ -111,6 +115,8 @@ class Request:
             )
         if self.on_logprobs is not None and (not callable(self.on_logprobs) or self.logprobs is None):
             raise ValueError("on_logprobs must be a function (TokenLogprobs) -> None, and needs logprobs=k")
+        if self.on_round is not None and (not callable(self.on_round) or not self.trace):
+            raise ValueError("on_round must be a function (RoundTrace) -> None, and needs trace=True")
         if self.rng is not None and not isinstance(self.rng, Rng):
             raise ValueError(
                 f"rng must be a treespec.rng.Rng, got {type(self.rng).__name__}; pass seed= for a seeded run"

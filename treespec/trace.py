@@ -15,8 +15,8 @@ The coin of a proposal is the probability of the coin the rule flipped for it:
     traversal  before it did not stop (block: leaf back to root; traversal: post-order)
     greedy     1 if x is the target's argmax at the parent, else 0
 
-`render_round` draws a round as text (coloured on a terminal, plain otherwise) and
-`plot_round` as a matplotlib figure (optional import).
+`render_round` draws a round as text (coloured on a terminal, plain otherwise), `plot_round`
+as a matplotlib figure (optional import) and `round_to_json` as JSON (the server's page).
 """
 
 from __future__ import annotations
@@ -108,6 +108,36 @@ def node_outcome(proposals: list[ProposalTrace]) -> Outcome:
     """A node's outcome: accepted if any of its proposals was, else rejected if any was tried."""
     outcomes = {pt.outcome for pt in proposals}
     return "accepted" if "accepted" in outcomes else "rejected" if "rejected" in outcomes else "untried"
+
+
+def round_to_json(round_: RoundTrace, decode: Callable[[int], str] = str) -> dict:
+    """A round as plain JSON (what `treespec serve` streams with `"trace": true`): each node's
+    text, parent, depth, outcome and its proposals' p, q and coin (node 0: the last committed
+    token, outcome "root"), the accepted path, and the token that ended the round."""
+    tree, by_node = round_.tree, proposals_by_node(round_)
+    nodes = []
+    for u, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
+        proposals = by_node.get(u, [])
+        nodes.append(
+            {
+                "id": u,
+                "parent": parent,
+                "depth": tree.depths[u],
+                "text": decode(token),
+                "outcome": "root" if u == 0 else node_outcome(proposals) if proposals else "untried",
+                "p": [pt.p for pt in proposals],
+                "q": [pt.q for pt in proposals],
+                "coin": [pt.coin for pt in proposals],
+            }
+        )
+    return {
+        "index": round_.index,
+        "rule": round_.rule,
+        "nodes": nodes,
+        "path": list(round_.path),
+        "final": {"text": decode(round_.token), "kind": round_.kind, "source": round_.source},
+        "emitted": len(round_.emitted),
+    }
 
 
 def plot_round(round_: RoundTrace, decode: Callable[[int], str] = str, ax=None):

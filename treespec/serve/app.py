@@ -3,6 +3,7 @@
     POST /v1/completions         text (or token ids) in, text out; `stream: true` for SSE
     POST /v1/chat/completions    messages in, an assistant message out; `stream: true` for SSE
     GET  /v1/models              the one model served
+    GET  /                       a chat page that draws each round's draft tree (page.html)
     GET  /health                 200 while the engine thread runs, 503 otherwise
     GET  /metrics                Prometheus text format (treespec.serve.metrics)
 
@@ -23,18 +24,20 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.requests import Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import SamplingConfig, TreeConfig
 from ..engine import Engine
 from ..output import GenerationOutput, TextStream, TokenLogprobs
 from ..request import ROLES, Request, encode_prompt, make_request
+from ..trace import round_to_json
 from .guard import Guard
 from .loop import EngineLoop, Job
 from .metrics import Metrics
@@ -65,6 +68,7 @@ from .protocol import (
     openai_finish_reason,
 )
 
+PAGE = Path(__file__).with_name("page.html")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CONTEXT = 4096  # the context assumed for a model that does not state its positions
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
@@ -197,6 +201,7 @@ class Server:
                 verification=verification,
                 ignore_eos=body.ignore_eos,
                 logprobs=logprobs,
+                trace=body.trace and body.stream,
             )
         except ValueError as e:
             raise bad_request(e, field) from None
@@ -404,6 +409,14 @@ class Server:
                     elif delta:
                         yield chunk(delta)
                     continue
+                if item[0] == "round":
+                    drawn = round_to_json(item[1], lambda t: self.tokenizer.decode([t]))
+                    kind = ChatCompletionChunk if chat else CompletionResponse
+                    body = kind(
+                        id=rid, created=created, model=self.model_name, choices=[], treespec_round=drawn
+                    )
+                    yield sse(body.model_dump(exclude_none=True))
+                    continue
                 if item[0] == "logprobs":
                     (delta, ids), lp = pending, item[1]
                     if chat:
@@ -540,6 +553,12 @@ def create_app(
         return JSONResponse(error_body(f"{type(e).__name__}: {e}", "server_error"), status_code=500)
 
     # ---- endpoints -------------------------------------------------------------------------
+    @app.get("/", response_class=HTMLResponse)
+    async def page():
+        """A chat with the served model, each round's draft tree drawn as it is verified
+        (page.html: the public API with "trace": true, no build step, no CDN)."""
+        return HTMLResponse(PAGE.read_text(encoding="utf-8"))
+
     @app.get("/health")
     async def health():
         if srv.loop.alive and not srv.draining:

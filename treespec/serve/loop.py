@@ -90,7 +90,10 @@ class EngineLoop:
         on_logprobs = None
         if job.request.logprobs is not None:
             on_logprobs = lambda lp: job.push(("logprobs", lp))  # noqa: E731 - after its ("tokens", ...)
-        request = dataclasses.replace(job.request, on_tokens=self._on_tokens(job), on_logprobs=on_logprobs)
+        on_round = (lambda r: job.push(("round", r))) if job.request.trace else None  # noqa: E731
+        request = dataclasses.replace(
+            job.request, on_tokens=self._on_tokens(job), on_logprobs=on_logprobs, on_round=on_round
+        )
         job.request = request
         with self._cond:
             if self._stopping:

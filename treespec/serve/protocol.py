@@ -80,6 +80,7 @@ class CommonFields(BaseModel):
     tree: TreeSpec | None = None  # absent: the server's default tree; null: plain decoding
     verification: str | None = None
     ignore_eos: bool = False
+    trace: bool = False  # streaming: a chunk with each round's draft tree (`treespec_round`)
     top_k: int | None = None
     repetition_penalty: float | None = None
     # tests only, honoured with TREESPEC_SERVE_FAULTS=1: "callback" makes the request fail in the engine
@@ -170,6 +171,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     treespec: TreespecStats | None = None
+    treespec_round: dict | None = None  # a round's tree (treespec.trace.round_to_json), with "trace"
 
 
 class ChatResponseMessage(BaseModel):
@@ -214,6 +216,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     treespec: TreespecStats | None = None
+    treespec_round: dict | None = None  # a round's tree (treespec.trace.round_to_json), with "trace"
 
 
 class ModelCard(BaseModel):
