@@ -175,6 +175,16 @@ def chat_ids(messages: Sequence[Mapping], tokenizer) -> tuple[int, ...]:
         raise ValueError(
             "a chat prompt needs a tokenizer with a chat template; pass the prompt as text instead"
         )
+    check_chat(messages)
+    text = tokenizer.apply_chat_template(
+        [dict(m) for m in messages], add_generation_prompt=True, tokenize=False
+    )
+    return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def check_chat(messages: Sequence[Mapping]) -> None:
+    """Every message a {"role", "content"} mapping with a known role and text content;
+    ValueError naming the first that is not ("message i: ...")."""
     for i, m in enumerate(messages):
         if set(m) - {"role", "content", "name"} or not isinstance(m.get("content"), str):
             raise ValueError(
@@ -182,10 +192,6 @@ def chat_ids(messages: Sequence[Mapping], tokenizer) -> tuple[int, ...]:
             )
         if m.get("role") not in ROLES:
             raise ValueError(f"message {i}: role must be one of {', '.join(ROLES)}, got {m.get('role')!r}")
-    text = tokenizer.apply_chat_template(
-        [dict(m) for m in messages], add_generation_prompt=True, tokenize=False
-    )
-    return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def token_ids(prompt) -> tuple[int, ...]:

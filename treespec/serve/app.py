@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..config import SamplingConfig, TreeConfig
 from ..engine import Engine
 from ..output import GenerationOutput, TextStream, TokenLogprobs
-from ..request import ROLES, Request, encode_prompt, make_request
+from ..request import Request, check_chat, encode_prompt, make_request
 from ..trace import round_to_json
 from .guard import Guard
 from .loop import EngineLoop, Job
@@ -245,12 +245,6 @@ class Server:
             raise ServeError(400, "messages is empty; give at least one message", param="messages")
         messages = []
         for i, m in enumerate(body.messages):
-            if m.role not in ROLES:
-                raise ServeError(
-                    400,
-                    f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.role!r}",
-                    param=f"messages[{i}].role",
-                )
             content = m.content
             if isinstance(content, list):
                 if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
@@ -261,6 +255,10 @@ class Server:
             if not isinstance(content, str):
                 raise ServeError(400, f"messages[{i}].content must be text", param=f"messages[{i}].content")
             messages.append({"role": m.role, "content": content})
+        try:
+            check_chat(messages)  # the roles, as treespec.request checks every chat
+        except ValueError as e:
+            raise bad_request(e, "messages") from None
         if getattr(self.tokenizer, "chat_template", None):
             return messages
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"

@@ -261,6 +261,9 @@ _PARAMS: tuple[tuple[str, str], ...] = (
 
 def error_param(message: str, prompt_field: str = "prompt") -> str | None:
     """The request field a treespec ValueError message is about (None if it names none)."""
+    m = re.search(r"\bmessage (\d+): (role)?", message)  # treespec.request.check_chat
+    if m:
+        return f"messages[{m.group(1)}].{m.group(2) or 'content'}"
     for pattern, param in _PARAMS:
         m = re.search(pattern, message)
         if m:
