@@ -28,7 +28,7 @@ from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.backends.head import load_head_runner
 from treespec.bench import machine_info
 from treespec.llamacpp import LlamaCpp, LlamaCppBench, head_to_gguf
-from treespec.loading import load_runner, load_tokenizer, resolve_device, resolve_dtype
+from treespec.loading import checkpoint, load_runner, load_tokenizer, resolve_device, resolve_dtype
 from treespec.loading.gguf import smollm2_gguf
 from treespec.request import encode_prompt
 from treespec.zoo import ZOO, heldout_chats, pair
@@ -101,7 +101,6 @@ def main() -> None:
     hf_model = None
     if not args.no_hf:
         from treespec.backends import hf
-        from treespec.loading import checkpoint
 
         hf_model = hf.load_model(checkpoint(gguf), dtype, device)
     prompts = [list(encode_prompt(chat, tokenizer)) for chat in heldout_chats(args.n_prompts)]

@@ -1,0 +1,72 @@
+#!/usr/bin/env python
+"""Heads (or drafts) for one target on the same held-out chats: acceptance by depth and tokens/step
+(what each proposes, untimed; experiments/compare_drafters.py times drafters and shapes).
+
+    python experiments/compare_heads.py --pair smollm2 \
+        --drafts "shipped head=treespec/zoo/smollm2/head" "new head=/path/to/head" \
+                 "draft=treespec/zoo/smollm2/draft" --tag zen5
+
+Every drafter decodes the pair's held-out chats with the same chain (depth 4 by default) at
+T=0 and T=1, same seeds; acceptance at depth d is accepted / attempted there, pooled over the
+prompts. No timing: what it compares is what a drafter proposes, not how fast. Writes
+results/compare_heads_<tag>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
+from treespec.zoo import heldout_prompt_ids, pair
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pair", default="smollm2")
+    ap.add_argument("--drafts", nargs="+", required=True, metavar="NAME=PATH")
+    ap.add_argument("--n-prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--tag", default="cpu")
+    args = ap.parse_args()
+
+    target = pair(args.pair)[0]
+    drafts = dict(d.split("=", 1) for d in args.drafts)
+    decs = {
+        name: SpeculativeDecoder.from_pretrained(target=target, draft=path) for name, path in drafts.items()
+    }
+    prompts = heldout_prompt_ids(args.pair, next(iter(decs.values())).tokenizer, args.n_prompts)
+    results = {"pair": args.pair, "drafts": drafts, "prompts": len(prompts), "depth": args.depth, "runs": {}}
+    for temperature in (0.0, 1.0):
+        for name, dec in decs.items():
+            outs = dec.generate_batch(
+                prompts, max_new_tokens=args.max_new_tokens, tree=TreeConfig(1, args.depth),
+                sampling=SamplingConfig(temperature=temperature), seeds=list(range(len(prompts))),
+            )  # fmt: skip
+
+            def pooled(field: str, d: int, outs=outs) -> int:
+                return sum(getattr(o.stats, field)[d] for o in outs if d < len(getattr(o.stats, field)))
+
+            by_depth = [
+                round(pooled("accepted_by_depth", d) / max(1, pooled("attempted_by_depth", d)), 4)
+                for d in range(args.depth)
+            ]
+            steps = sum(o.stats.target_steps for o in outs)
+            record = {
+                "acceptance_by_depth": by_depth,
+                "tokens_per_step": round(sum(len(o.token_ids) for o in outs) / steps, 4),
+            }
+            results["runs"][f"{name}, T={temperature:g}"] = record
+            print(f"{name:>16}  T={temperature:g}  {record}", flush=True)
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"compare_heads_{args.tag}.json"
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
