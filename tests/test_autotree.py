@@ -3,6 +3,7 @@ moves its depth, that it stays lossless, and the measured costs' cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -64,6 +65,23 @@ def test_the_plan_follows_the_costs_and_the_acceptance():
     # the temperature class picks its own vector; chain_only gives a chain whatever the costs
     assert planner().plan(T1).acceptance[0] == 0.5
     assert all(len(c) <= 1 for c in planner().plan(GREEDY, chain_only=True).tree.shape.children())
+
+
+def test_per_node_costs_shrink_the_tree_of_their_class_only():
+    """The T>0 walk over a node (residuals, sampling) and a tree level's extra draft rows are
+    costs of their own: where the T=1 walk is dear, T=1 plans fewer nodes while T=0 keeps its
+    tree, and a chain's round costs what it did (its levels are one row each)."""
+    base = costs()
+    dear = dataclasses.replace(base, walk={"T0": 0.0, "T1": 0.15}, node_draft=0.03)
+    cheap, walked = (
+        Planner(base, {"T0": (0.6, 0.15, 0.05), "T1": (0.6, 0.15, 0.05)}, "shipped"),
+        Planner(dear, {"T0": (0.6, 0.15, 0.05), "T1": (0.6, 0.15, 0.05)}, "shipped"),
+    )
+    assert walked.plan(GREEDY).tree.shape.n_nodes > 1  # T=0's walk is cheap: still a tree
+    n_cheap, n_dear = cheap.plan(T1).tree.shape.n_nodes, walked.plan(T1)
+    assert n_dear.tree is None or n_dear.tree.shape.n_nodes < n_cheap
+    assert dear.round_cost(3, 3, "T0") == pytest.approx(base.verify[3] + 3 * base.draft)  # a chain
+    assert dear.round_cost(6, 2, "T1") == pytest.approx(base.verify[6] + 6 * 0.18 + 2 * (base.draft - 0.03))
 
 
 def test_counts_are_sequoias_positional_acceptance():
@@ -190,6 +208,8 @@ def test_measured_costs_and_acceptance_of_a_real_decoder():
     c = dec.planner.costs
     assert len(c.verify) == AUTO_MAX_NODES + 1 and c.verify[0] == 1.0
     assert all(b >= a for a, b in zip(c.verify, c.verify[1:])) and c.draft > 0 and c.t1 > 0
+    assert set(c.walk) == {"T0", "T1"} and min(c.walk.values()) >= 0 and c.node_draft >= 0
+    assert Costs.from_json(json.loads(json.dumps(c.to_json()))) == c
     counts = measure_acceptance(dec, [[3, 4, 5], [6, 7]], T1, max_new_tokens=12)
     assert len(counts.visits) == 4 and counts.visits[0] > 0 and all(0 <= a <= 1 for a in counts.vector())
 

@@ -51,7 +51,7 @@ from .tree import TokenTree
 
 COST_FEEDS = (1, 2, 3, 4, 5, 6, 8, 10, 13, 17)  # target feed sizes timed (the rest interpolated)
 COST_PREFIX = 128  # committed tokens before the timed feeds
-COST_VERSION = 1  # bump when what is measured changes: older cache entries are ignored
+COST_VERSION = 2  # bump when what is measured changes: older cache entries are ignored
 PRIOR = {"T0": (0.5, 0.1, 0.05), "T1": (0.4, 0.1, 0.05)}  # a drafter nothing is known of
 PRIOR_WEIGHT = 16.0  # a request's own visits weigh against the plan's vector as this many
 PROBE_EVERY = 8  # a request that decodes plainly drafts one depth-1 round this often
@@ -65,22 +65,51 @@ class Costs:
     """What a round costs on this machine, in target forwards of one token."""
 
     verify: tuple[float, ...]  # verify[n] = t(n + 1 tokens) / t(1 token), n = 0 .. AUTO_MAX_NODES
-    draft: float  # c: one draft forward of a few rows / t(1)
+    draft: float  # c: one draft forward of one row (a chain's level) / t(1)
     t1: float  # seconds of one target token, when measured
     measured: str = ""  # what and when: machine, settings, date
+    node_draft: float = 0.0  # each further row of a tree level's draft forward / t(1)
+    walk: dict = field(default_factory=lambda: {"T0": 0.0, "T1": 0.0})  # the walk per node / t(1), per class
 
-    def round_cost(self, nodes: int, depth: int) -> float:
-        return 1.0 if nodes == 0 else self.verify[min(nodes, len(self.verify) - 1)] + depth * self.draft
+    def round_cost(self, nodes: int, depth: int, cls: str = "T1") -> float:
+        """A round of `nodes` draft nodes over `depth` levels, in plain rounds: scoring them,
+        walking them under temperature class `cls`, and drafting each level."""
+        if nodes == 0:
+            return 1.0
+        per_node = self.walk.get(cls, 0.0) + self.node_draft
+        return self.verify[min(nodes, len(self.verify) - 1)] + per_node * nodes + depth * self.level_draft
+
+    @property
+    def level_draft(self) -> float:
+        """A level's draft cost beyond its rows' (`node_draft` each): c less one row."""
+        return max(0.0, self.draft - self.node_draft)
+
+    def verify_with_nodes(self, cls: str) -> list[float]:
+        """verify[n] plus the per-node costs of `cls`: the list Sequoia's DP plans with (beside
+        `level_draft` per level)."""
+        per_node = self.walk.get(cls, 0.0) + self.node_draft
+        return [v + per_node * n for n, v in enumerate(self.verify)]
 
     def to_json(self) -> dict:
-        return {"verify": list(self.verify), "draft": self.draft, "t1": self.t1, "measured": self.measured}
+        return {
+            "verify": list(self.verify), "draft": self.draft, "t1": self.t1, "measured": self.measured,
+            "node_draft": self.node_draft, "walk": dict(self.walk),
+        }  # fmt: skip
 
     @classmethod
     def from_json(cls, d: dict) -> Costs:
         verify = tuple(float(v) for v in d["verify"])
         if len(verify) != AUTO_MAX_NODES + 1 or not all(v > 0 for v in verify) or not float(d["draft"]) >= 0:
             raise ValueError("not a cost record of this version")
-        return cls(verify, float(d["draft"]), float(d["t1"]), str(d.get("measured", "")))
+        walk = {k: float(d["walk"][k]) for k in ("T0", "T1")}
+        return cls(
+            verify,
+            float(d["draft"]),
+            float(d["t1"]),
+            str(d.get("measured", "")),
+            float(d["node_draft"]),
+            walk,
+        )
 
 
 def _seconds(run, repeats: int) -> float:
@@ -135,18 +164,39 @@ def measure_costs(decoder, repeats: int = 5) -> Costs:
         lo = max(s for s in sizes if s <= n)
         t = timed[lo] if hi == lo else timed[lo] + (timed[hi] - timed[lo]) * (n - lo) / (hi - lo)
         verify.append(max(1.0, t / t1, verify[-1] if verify else 1.0))  # more rows never cost less
-    c = 0.0
+    c, node_draft, walk = 0.0, 0.0, {"T0": 0.0, "T1": 0.0}
     if decoder.drafter.needs_draft_model and decoder.draft_runner is not None:
         engine = decoder.engine(max_live=1)  # lanes of its own: the decoder may be mid-generate()
-        for _ in range(2):  # the first pays for allocations
-            i = engine.add(
-                tokens[:8], max(1, min(8 * repeats, room)), tree=TreeConfig(width=1, depth=4),
-                sampling=SamplingConfig(temperature=1.0), seed=0, ignore_eos=True,
-            )  # fmt: skip
-            stats = engine.run()[i].stats
-        if stats.draft_forwards:
-            c = stats.draft_seconds / stats.draft_forwards / t1
-    return Costs(tuple(verify), c, t1)
+
+        def rounds(tree: TreeConfig, temperature: float):
+            for _ in range(2):  # the first pays for allocations
+                i = engine.add(
+                    tokens[:8], max(1, min(8 * repeats, room)), tree=tree,
+                    sampling=SamplingConfig(temperature=temperature), seed=0, ignore_eos=True,
+                )  # fmt: skip
+                stats = engine.run()[i].stats
+            return stats
+
+        chain = rounds(TreeConfig(width=1, depth=4), 1.0)
+        if chain.draft_forwards:
+            c = chain.draft_seconds / chain.draft_forwards / t1
+            # trees: a level of k rows drafts in c + (k - 1) x node_draft; verifying n nodes
+            # costs verify[n] (scoring) + n x walk[class] (the walk, sampling included)
+            for cls, tree, temperature in (
+                ("T1", TreeConfig(width=4, depth=2), 1.0),
+                ("T0", TreeConfig(width=4, depth=2, strategy="topk"), 0.0),
+            ):
+                s = rounds(tree, temperature)
+                if not (s.target_steps and s.draft_forwards and s.tree_nodes):
+                    continue
+                nodes = s.tree_nodes / s.target_steps
+                rows = s.tree_nodes / s.draft_forwards  # per level
+                if cls == "T1" and rows > 1:
+                    level = s.draft_seconds / s.draft_forwards / t1
+                    node_draft = max(0.0, (level - c) / (rows - 1))
+                scoring = verify[min(round(nodes), AUTO_MAX_NODES)]
+                walk[cls] = max(0.0, (s.verify_seconds / s.target_steps / t1 - scoring) / nodes)
+    return Costs(tuple(verify), c, t1, node_draft=node_draft, walk=walk)
 
 
 def machine_key() -> dict:
@@ -278,6 +328,10 @@ class Plan:
     speedup: float  # expected tokens per unit of cost, over plain decoding's 1
     costs: Costs | None  # None: nothing was planned (there is nothing to draft with)
     source: str  # where the acceptance came from: "shipped", "measured" or "prior"
+    cls: str = "T1"  # the temperature class planned for ("T0": greedy)
+
+    def round_cost(self, nodes: int, depth: int) -> float:
+        return self.costs.round_cost(nodes, depth, self.cls)
 
     def describe(self) -> str:
         if self.costs is None:
@@ -285,7 +339,8 @@ class Plan:
         a = ", ".join(f"{x:.2f}" for x in self.acceptance)
         why = (
             f"acceptance [{a}] ({self.source}); t(n)/t(1) {self.costs.verify[1]:.2f} (n=2) .. "
-            f"{self.costs.verify[-1]:.2f} (n={len(self.costs.verify)}), c {self.costs.draft:.3f}"
+            f"{self.costs.verify[-1]:.2f} (n={len(self.costs.verify)}), c {self.costs.draft:.3f}, "
+            f"per node +{self.costs.node_draft + self.costs.walk.get(self.cls, 0.0):.3f}"
         )
         if self.tree is None:
             return f"auto: plain decoding, no shape beats it ({why})"
@@ -327,12 +382,14 @@ class Planner:
     def _plan(self, cls: str, chain_only: bool) -> Plan:
         acc, costs = self.vectors[cls], self.costs
         vector = _check_vector(acc[:1] if chain_only else acc)
-        shape = optimal_shape(vector, AUTO_MAX_NODES, AUTO_MAX_DEPTH, list(costs.verify), costs.draft)
+        shape = optimal_shape(
+            vector, AUTO_MAX_NODES, AUTO_MAX_DEPTH, costs.verify_with_nodes(cls), costs.level_draft
+        )
         if shape.n_nodes == 0:
-            return Plan(None, vector, 1.0, 1.0, costs, self.sources[cls])
-        speedup = shape.expected_tokens / costs.round_cost(shape.n_nodes, shape.depth)
+            return Plan(None, vector, 1.0, 1.0, costs, self.sources[cls], cls)
+        speedup = shape.expected_tokens / costs.round_cost(shape.n_nodes, shape.depth, cls)
         tree = TreeConfig(strategy="sequoia", shape=shape, depth=shape.depth)
-        return Plan(tree, vector, shape.expected_tokens, speedup, costs, self.sources[cls])
+        return Plan(tree, vector, shape.expected_tokens, speedup, costs, self.sources[cls], cls)
 
     def remember(self, sampling: SamplingConfig, counts: AcceptanceCounts) -> None:
         """Add a finished request's counts to `record` (a later process plans with them)."""
@@ -416,7 +473,7 @@ class AutoDepth(DepthPolicy):
         acc = self.counts.vector(self.plan.acceptance, PRIOR_WEIGHT)
         best, best_value = 0, 1.0  # plain decoding: one token for one forward
         for depth, nodes, parents in self.cuts:
-            value = tree_expected_tokens(parents, acc) / self.plan.costs.round_cost(nodes, depth)
+            value = tree_expected_tokens(parents, acc) / self.plan.round_cost(nodes, depth)
             if value > best_value * (1 + 1e-9):
                 best, best_value = depth, value
         return best
