@@ -268,3 +268,19 @@ def test_a_measurement_is_announced_once_and_the_cli_shows_it(tmp_path, caplog, 
     show_progress()  # main() twice in one process: still one line a message
     logging.getLogger("treespec.autotree").info("measuring")
     assert capsys.readouterr().err == "treespec: measuring\n"
+
+
+def test_planning_time_is_not_counted_as_prefill():
+    """The first request of a process may measure the costs (seconds): that is in its total,
+    not in its prefill."""
+    import time
+
+    dec = SpeculativeDecoder(tiny_llama(0), tiny_llama(1, hidden=16, layers=1, heads=2, kv_heads=1))
+
+    def slow():
+        time.sleep(0.4)
+        return costs()
+
+    dec._planner = Planner(slow, {"T0": (0.6, 0.1), "T1": (0.5, 0.1)}, "shipped")
+    out = dec.generate([3, 4, 5], 8, sampling=GREEDY)
+    assert out.stats.prefill_seconds < 0.3 <= out.stats.total_seconds

@@ -481,11 +481,14 @@ class Engine:
         except BaseException:
             self._unadmit(admitted)
             raise
+        planning = {}  # seconds each request's plan took (the first may measure the costs)
         for r, prompt in zip(admitted, prompt_scores):
             try:
                 if r.tree is not None and r.tree.auto:
+                    t_plan = time.perf_counter()
                     r.plan = self._plan(r.request)
                     r.tree = r.plan.tree
+                    planning[r.id] = time.perf_counter() - t_plan
             except Exception as e:  # noqa: BLE001 - its plan failed (the costs' measurement): it ends alone
                 self._fail(r, e)
                 continue
@@ -505,8 +508,8 @@ class Engine:
                 self._unadmit([s for s in admitted if s.status == "live"])
                 raise
         t1 = time.perf_counter()
-        for r in admitted:
-            r.stats.prefill_seconds = t1 - t0
+        for r in admitted:  # planning is not prefill: it counts in the total only
+            r.stats.prefill_seconds = t1 - t0 - planning.get(r.id, 0.0)
 
     def _prefill_alone(self, admitted: list[RequestState]) -> tuple[list[RequestState], list[Scores | None]]:
         """After a packed prefill failed: each request prefilled on its own, so that the one
