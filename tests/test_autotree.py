@@ -271,8 +271,8 @@ def test_a_measurement_is_announced_once_and_the_cli_shows_it(tmp_path, caplog, 
 
 
 def test_planning_time_is_not_counted_as_prefill():
-    """The first request of a process may measure the costs (seconds): that is in its total,
-    not in its prefill."""
+    """The first request of a process may measure the costs (seconds): its own line in the
+    stats (`plan_seconds`), neither prefill nor decode, so tokens/s stays the decode's."""
     import time
 
     dec = SpeculativeDecoder(tiny_llama(0), tiny_llama(1, hidden=16, layers=1, heads=2, kv_heads=1))
@@ -283,4 +283,8 @@ def test_planning_time_is_not_counted_as_prefill():
 
     dec._planner = Planner(slow, {"T0": (0.6, 0.1), "T1": (0.5, 0.1)}, "shipped")
     out = dec.generate([3, 4, 5], 8, sampling=GREEDY)
-    assert out.stats.prefill_seconds < 0.3 <= out.stats.total_seconds
+    s = out.stats
+    assert s.prefill_seconds < 0.3 <= s.plan_seconds < s.total_seconds and s.other_seconds < 0.3
+    assert s.tokens_per_second == pytest.approx(
+        s.tokens / (s.total_seconds - s.prefill_seconds - s.plan_seconds)
+    )

@@ -352,7 +352,8 @@ def cmd_generate(args) -> None:
         print(
             f"time: draft {s.draft_seconds:.2f}s, verify {s.verify_seconds:.2f}s, prefill "
             f"{s.prefill_seconds:.2f}s, "
-            f"other {s.other_seconds:.2f}s; draft forwards {s.draft_forwards}, tree nodes/step "
+            + (f"plan {s.plan_seconds:.2f}s, " if s.plan_seconds >= 0.005 else "")
+            + f"other {s.other_seconds:.2f}s; draft forwards {s.draft_forwards}, tree nodes/step "
             f"{s.tree_nodes / max(1, s.target_steps):.1f}"
         )
 

@@ -508,8 +508,9 @@ class Engine:
                 self._unadmit([s for s in admitted if s.status == "live"])
                 raise
         t1 = time.perf_counter()
-        for r in admitted:  # planning is not prefill: it counts in the total only
-            r.stats.prefill_seconds = t1 - t0 - planning.get(r.id, 0.0)
+        for r in admitted:  # planning is not prefill
+            r.stats.plan_seconds = planning.get(r.id, 0.0)
+            r.stats.prefill_seconds = t1 - t0 - r.stats.plan_seconds
 
     def _prefill_alone(self, admitted: list[RequestState]) -> tuple[list[RequestState], list[Scores | None]]:
         """After a packed prefill failed: each request prefilled on its own, so that the one

@@ -20,6 +20,7 @@ class GenerationStats:
     accepted_by_depth: list[int] = field(default_factory=list)
     attempted_by_depth: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
+    plan_seconds: float = 0.0  # choosing the automatic tree (a process's first may measure the costs)
     draft_seconds: float = 0.0  # building draft trees (draft forwards + sampling)
     verify_seconds: float = 0.0  # target tree forwards + verification walks + cache compaction
     total_seconds: float = 0.0  # the whole generate() call
@@ -54,12 +55,13 @@ class GenerationStats:
 
     @property
     def other_seconds(self) -> float:
-        return max(0.0, self.total_seconds - self.prefill_seconds - self.draft_seconds - self.verify_seconds)
+        spent = self.prefill_seconds + self.plan_seconds + self.draft_seconds + self.verify_seconds
+        return max(0.0, self.total_seconds - spent)
 
     @property
     def tokens_per_second(self) -> float:
-        """Decode throughput: emitted tokens over the time after the prefill."""
-        t = self.total_seconds - self.prefill_seconds
+        """Decode throughput: emitted tokens over the time after the prefill (and the plan)."""
+        t = self.total_seconds - self.prefill_seconds - self.plan_seconds
         return self.tokens / t if t > 0 else 0.0
 
     def record_round(self, draft: DraftTree, walk: Walk, draft_seconds: float, verify_seconds: float) -> None:
