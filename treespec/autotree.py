@@ -76,8 +76,15 @@ class Costs:
         walking them under temperature class `cls`, and drafting each level."""
         if nodes == 0:
             return 1.0
-        per_node = self.walk.get(cls, 0.0) + self.node_draft
-        return self.verify[min(nodes, len(self.verify) - 1)] + per_node * nodes + depth * self.level_draft
+        return (
+            self.verify[min(nodes, len(self.verify) - 1)]
+            + self.per_node(cls) * nodes
+            + depth * self.level_draft
+        )
+
+    def per_node(self, cls: str) -> float:
+        """What each node adds beyond its scoring: its walk under `cls` and its draft row."""
+        return self.walk.get(cls, 0.0) + self.node_draft
 
     @property
     def level_draft(self) -> float:
@@ -87,8 +94,7 @@ class Costs:
     def verify_with_nodes(self, cls: str) -> list[float]:
         """verify[n] plus the per-node costs of `cls`: the list Sequoia's DP plans with (beside
         `level_draft` per level)."""
-        per_node = self.walk.get(cls, 0.0) + self.node_draft
-        return [v + per_node * n for n, v in enumerate(self.verify)]
+        return [v + self.per_node(cls) * n for n, v in enumerate(self.verify)]
 
     def to_json(self) -> dict:
         return {
@@ -132,10 +138,12 @@ def _lane(runner):
 def measure_costs(decoder, repeats: int = 5) -> Costs:
     """This machine's costs for `decoder`: t(n)/t(1) of its target for feeds of n = 1 ..
     AUTO_MAX_NODES + 1 tokens (a root and its children after COST_PREFIX tokens, on a lane of
-    its own; the sizes between COST_FEEDS interpolated), and c, a draft forward's share of a
-    round as its drafter really spends it (the forward, sampling, bookkeeping), from a short
-    chain-drafted generation at temperature 1 (0 where nothing is drafted by a model). About a
-    second on a 2-core CPU for SmolLM2-135M; under a compiler, each feed size compiles once."""
+    its own; the sizes between COST_FEEDS interpolated); c, a draft forward's share of a round
+    as its drafter really spends it (the forward, sampling, bookkeeping), from a short
+    chain-drafted generation at temperature 1; and the per-node costs (a tree level's further
+    draft rows, the walk per node at T=0 and T>0) from two short tree-drafted ones (all 0 where
+    nothing is drafted by a model). About 4 s on a 2-core CPU for SmolLM2-135M with its head;
+    under a compiler, each feed size compiles once."""
     from .tree import TokenTree
 
     target = decoder.target_runner
@@ -340,7 +348,7 @@ class Plan:
         why = (
             f"acceptance [{a}] ({self.source}); t(n)/t(1) {self.costs.verify[1]:.2f} (n=2) .. "
             f"{self.costs.verify[-1]:.2f} (n={len(self.costs.verify)}), c {self.costs.draft:.3f}, "
-            f"per node +{self.costs.node_draft + self.costs.walk.get(self.cls, 0.0):.3f}"
+            f"per node +{self.costs.per_node(self.cls):.3f}"
         )
         if self.tree is None:
             return f"auto: plain decoding, no shape beats it ({why})"

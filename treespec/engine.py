@@ -405,9 +405,8 @@ class Engine:
             )
         for name, runner in (("target", self.targets[0]), ("draft", self.drafts[0] if uses_draft else None)):
             limit = getattr(runner, "max_positions", None)
-            if (
-                limit is not None and len(request.prompt) >= limit
-            ):  # no room for one token: the prompt's fault
+            # no room for one token is the prompt's fault, not max_new_tokens'
+            if limit is not None and len(request.prompt) >= limit:
                 raise ValueError(
                     f"the prompt ({len(request.prompt)} tokens) fills the {name} model's {limit} "
                     f"positions; shorten it"

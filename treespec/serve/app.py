@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import os
 import threading
@@ -305,18 +306,25 @@ class Server:
                     return None, "the client disconnected"
                 next_check = time.monotonic() + DISCONNECT_POLL_S
 
-    def failed(self, error: str | None) -> JSONResponse:
-        """The answer to a non-streaming request that failed (`error`) or that a shutdown cut."""
+    def failure(self, out: GenerationOutput | None, error: str | None) -> JSONResponse | None:
+        """The answer to a non-streaming request that failed (`error`: 500) or that a shutdown
+        cut (503); None when it finished."""
         if error is not None:
             return JSONResponse(error_body(error, "server_error", None, "engine_error"), status_code=500)
-        message = "the server shut down before the request finished; retry"
-        return JSONResponse(error_body(message, "unavailable", None, "shutting_down"), status_code=503)
+        if self.draining and out.finish_reason == "cancelled":
+            message = "the server shut down before the request finished; retry"
+            return JSONResponse(error_body(message, "unavailable", None, "shutting_down"), status_code=503)
+        return None
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as logprobs and the page's trees show it."""
+        return self.tokenizer.decode([token_id])
 
     def chat_logprobs(self, ids: list[int], lp: TokenLogprobs) -> ChatLogprobs:
         """OpenAI's chat logprobs of the tokens `ids` (rows of `lp`)."""
 
         def entry(tid: int, logprob: float) -> dict:
-            text = self.tokenizer.decode([tid])
+            text = self.token_text(tid)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
         content = [
@@ -332,10 +340,10 @@ class Server:
 
     def completion_logprobs(self, ids: list[int], lp: TokenLogprobs, offset: int = 0) -> CompletionLogprobs:
         """OpenAI's completions logprobs of the tokens `ids`, their text starting at `offset`."""
-        tokens = [self.tokenizer.decode([tid]) for tid in ids]
-        offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        tokens = [self.token_text(tid) for tid in ids]
+        offsets = list(itertools.accumulate(map(len, tokens), initial=offset))[: len(tokens)]
         tops = [
-            {self.tokenizer.decode([t]): v for t, v in zip(lp.top_ids[i].tolist(), lp.top[i].tolist())}
+            {self.token_text(t): v for t, v in zip(lp.top_ids[i].tolist(), lp.top[i].tolist())}
             for i in range(len(ids))
         ]
         return CompletionLogprobs(
@@ -408,7 +416,7 @@ class Server:
                         yield chunk(delta)
                     continue
                 if item[0] == "round":
-                    drawn = round_to_json(item[1], lambda t: self.tokenizer.decode([t]))
+                    drawn = round_to_json(item[1], self.token_text)
                     kind = ChatCompletionChunk if chat else CompletionResponse
                     body = kind(
                         id=rid, created=created, model=self.model_name, choices=[], treespec_round=drawn
@@ -494,6 +502,7 @@ def create_app(
     if settings is None:
         settings = ServeSettings(faults=os.environ.get("TREESPEC_SERVE_FAULTS") == "1")
     srv = Server(engine, tokenizer, model_name, settings)
+    page_html = PAGE.read_text(encoding="utf-8")  # read once: every GET / serves the same page
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -555,7 +564,7 @@ def create_app(
     async def page():
         """A chat with the served model, each round's draft tree drawn as it is verified
         (page.html: the public API with "trace": true, no build step, no CDN)."""
-        return HTMLResponse(PAGE.read_text(encoding="utf-8"))
+        return HTMLResponse(page_html)
 
     @app.get("/health")
     async def health():
@@ -597,8 +606,8 @@ def create_app(
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(srv.stream(job, False, include_usage), media_type="text/event-stream")
         out, error = await srv.wait(job, http)
-        if error is not None or (srv.draining and out.finish_reason == "cancelled"):
-            return srv.failed(error)
+        if (failed := srv.failure(out, error)) is not None:
+            return failed
         return CompletionResponse(
             id="cmpl-" + uuid.uuid4().hex,
             created=int(time.time()),
@@ -629,8 +638,8 @@ def create_app(
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(srv.stream(job, True, include_usage), media_type="text/event-stream")
         out, error = await srv.wait(job, http)
-        if error is not None or (srv.draining and out.finish_reason == "cancelled"):
-            return srv.failed(error)
+        if (failed := srv.failure(out, error)) is not None:
+            return failed
         text = TextStream(tokenizer, request.stop_strings).finish(out.token_ids)
         return ChatCompletionResponse(
             id="chatcmpl-" + uuid.uuid4().hex,
