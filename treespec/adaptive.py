@@ -31,6 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from . import parallel
 from .config import DEPTH_ADAPTIVE, TreeConfig
 from .proposal import DepthStep, DraftTree, Walk
 
@@ -136,7 +137,8 @@ class GoodputSwitch:
                 speculative = (speedup >= 1) != ((runs - 2) % every == 0)  # runs 1, 2: warm-up
             left = self.run_rounds
         self.runs[b] = (speculative, left - 1, runs)
-        return speculative
+        # decided from this process's clock: tensor parallel, rank 0 decides for every rank
+        return parallel.agree(speculative)
 
     def record(self, live: int, speculative: bool, tokens: int, seconds: float) -> None:
         """A finished round: `tokens` emitted by all `live` requests in `seconds`."""

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from . import parallel
 from .adaptive import DepthPolicy
 from .config import AUTO_MAX_DEPTH, AUTO_MAX_NODES, SamplingConfig, TreeConfig
 from .proposal import DepthStep, DraftTree, Walk
@@ -258,13 +259,16 @@ class CostCache:
 
     def get(self, settings: dict | None, measure) -> Costs:
         """The costs for `settings` (None: not cacheable on disk, e.g. models given as objects):
-        from memory, from disk, or `measure()`d and stored."""
+        from memory, from disk, or `measure()`d and stored. Tensor parallel, rank 0's cache
+        decides for every rank (`measure` must return the same costs on every rank)."""
         if settings is None:
             return measure()
         key = self.key(settings)
         if key not in self.memory:
             path = self.root / f"{key}.json"
-            costs = self._read(path)
+            # tensor parallel: rank 0's cache decides whether every rank measures (together:
+            # the measurement runs forwards), and rank 0's measurement is every rank's
+            costs = parallel.agree(self._read(path) if parallel.leader() else None)
             if costs is None:
                 stale = path.exists()  # corrupt, or another version's: replaced
                 log.info(
@@ -272,8 +276,9 @@ class CostCache:
                 )
                 costs = measure()
                 record = {**costs.to_json(), "settings": settings, "machine": machine_key()}
-                if _write_json(path, record, replace=stale):
+                if parallel.leader() and _write_json(path, record, replace=stale):
                     costs = self._read(path) or costs  # another process's, if it wrote first
+                costs = parallel.agree(costs)
             self.memory[key] = costs
         return self.memory[key]
 
@@ -313,7 +318,9 @@ def planner_for(decoder, settings: dict | None, shipped=None) -> Planner:
     nothing kept). `shipped`: the draft's acceptance.json vectors."""
 
     def measure() -> Costs:
-        return measure_costs(decoder)
+        # measured from clocks: tensor parallel, every rank measures (the forwards are
+        # collective) and rank 0's numbers plan for all, so every rank draws the same trees
+        return parallel.agree(measure_costs(decoder))
 
     if settings is None:
         return Planner(measure, shipped, "shipped")
@@ -323,7 +330,7 @@ def planner_for(decoder, settings: dict | None, shipped=None) -> Planner:
     # the counts of this pair's requests, for the planners of later processes
     key = hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:20]
     record = COSTS.root / f"acceptance-{key}.json"
-    return Planner(costs, Planner.remembered(record), "measured", record)
+    return Planner(costs, parallel.agree(Planner.remembered(record)), "measured", record)
 
 
 @dataclass
@@ -401,7 +408,7 @@ class Planner:
 
     def remember(self, sampling: SamplingConfig, counts: AcceptanceCounts) -> None:
         """Add a finished request's counts to `record` (a later process plans with them)."""
-        if self.record is None or not counts.visits:
+        if self.record is None or not counts.visits or not parallel.leader():
             return
         cls = temperature_class(sampling)
         try:

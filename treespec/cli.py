@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -517,11 +518,13 @@ def cmd_chat(args) -> None:
     from .output import TextStream
 
     messages = [{"role": "system", "content": args.system}] if args.system else []
+    from . import parallel
+
     while True:
-        try:
-            line = input("> ")
+        try:  # tensor parallel: rank 0 reads the terminal, every rank decodes its line
+            line = parallel.agree(input("> ") if parallel.leader() else None)
         except EOFError:
-            break
+            line = parallel.agree("")  # the others learn of rank 0's end of input
         if not line.strip():
             break
         messages.append({"role": "user", "content": line})
@@ -573,14 +576,58 @@ def show_progress() -> None:
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # usage errors exit 2 with argparse's one-line message
+    rank = _launched_rank()
+    if rank:  # tensor parallel (torchrun): rank 0 prints and serves; the others only compute
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
     from .backends.hf import quiet_transformers  # torch and transformers load here
 
     quiet_transformers()
-    if args.command == "serve":  # the server reports its own errors and exit code
-        from .serve.cli import run
+    if args.command == "bench" and rank is not None:
+        print(
+            "treespec: error: bench runs in one process (it compares Hugging Face's rows); time a "
+            "tensor-parallel target with experiments/tp_bench.py (docs/parallel.md)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        if args.command == "serve":  # the server reports its own errors and exit code
+            from .serve.cli import run
 
-        return run(args)
-    show_progress()  # the server logs through its own --log-level
+            return run(args)
+        if rank is not None:  # torchrun stops the others when one rank fails: say so
+            signal.signal(signal.SIGTERM, _stopped_by_launcher)
+        if not rank:
+            show_progress()  # the server logs through its own --log-level
+        return _run_command(args)
+    finally:
+        if rank is not None:
+            from . import parallel
+
+            parallel.shutdown()
+
+
+def _stopped_by_launcher(signum, frame) -> None:
+    print(
+        f"treespec: rank {_launched_rank()}: stopped by the launcher (another rank failed, or the run "
+        "was interrupted)",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(128 + signum)
+
+
+def _launched_rank() -> int | None:
+    """This process's rank where a launcher (torchrun) started several, else None."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        return None
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def _run_command(args) -> int:
+    from .parallel import ParallelError, lost
+
+    rank = _launched_rank()
+    where = "" if rank is None else f"rank {rank}: "
     try:
         if args.command == "distill":
             from .distill.cli import run as cmd_distill
@@ -589,10 +636,18 @@ def _main(argv: list[str] | None) -> int:
         else:
             {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench}[args.command](args)
     except (CliError, ValueError) as e:
-        print(f"treespec: error: {e}", file=sys.stderr)
+        print(f"treespec: {where}error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except ParallelError as e:
+        print(f"treespec: error: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:  # a collective that failed inside a forward: a rank died or hung
+        if rank is None:
+            raise
+        print(f"treespec: error: {lost(e)}", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # the reader went away (treespec generate --trace | head): stop quietly
         sys.stderr.close()  # nothing more can be said; keep Python's exit from complaining
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -116,6 +116,7 @@ class SpeculativeDecoder:
         compile: bool = False,
         quantize: str | None = None,
         draft_quantize: str | None = None,
+        tp: int | None = None,
     ) -> SpeculativeDecoder:
         """Load target, draft and the target's tokenizer: local directories, GGUF files or HF ids.
 
@@ -131,8 +132,12 @@ class SpeculativeDecoder:
         `quantize` / `draft_quantize` ("int8"; native backend): weight-only int8 for the target /
         the draft. A quantized draft is still lossless; a quantized target is another model, and
         the output is distributed exactly as that int8 model's (as llama.cpp's is its GGUF's).
+        `tp`: tensor parallelism, the target split over this many processes launched by torchrun
+        (`treespec.parallel`, docs/parallel.md; native backend). None: over every process
+        launched (1 without torchrun); 1: each process a whole target. Every rank must make
+        the same calls with the same arguments; only rank 0 should print.
         """
-        from . import loading
+        from . import loading, parallel
         from .backends import check_backend
 
         for name, path in (("target", target), ("draft", draft)):
@@ -153,13 +158,24 @@ class SpeculativeDecoder:
                 "pass target= (an HF id, a local model directory or a GGUF file) along with draft="
             )
         device = loading.resolve_device(device)
-        dtypes = (
-            loading.resolve_dtype(dtype, device, "target"),
-            loading.resolve_dtype(dtype if draft_dtype is None else draft_dtype, device, "draft"),
+        group = parallel.init(tp, device)
+        if group is not None:
+            settings = {
+                "drafter": str(drafter), "dtype": str(dtype), "draft_dtype": str(draft_dtype),
+                "backend": backend, "compile": compile, "quantize": quantize,
+                "draft_quantize": draft_quantize,
+            }  # fmt: skip
+            _prepare_ranks(target, draft, settings)
+        # "auto" measures this machine's products: rank 0's measurement decides for every rank
+        dtypes = parallel.agree(
+            (
+                loading.resolve_dtype(dtype, device, "target"),
+                loading.resolve_dtype(dtype if draft_dtype is None else draft_dtype, device, "draft"),
+            )
         )
         from .backends.head import load_head_runner
 
-        target_runner = loading.load_runner(target, dtypes[0], device, backend, compile, quantize)
+        target_runner = loading.load_runner(target, dtypes[0], device, backend, compile, quantize, group)
         # a feature head computes with its target's features: in the target's dtype unless told
         head_dtype = dtypes[0] if draft_dtype is None else dtypes[1]
         head = None if draft is None else load_head_runner(draft, target_runner, head_dtype, device)
@@ -182,6 +198,7 @@ class SpeculativeDecoder:
             "target": files_key(target), "draft": files_key(draft), "drafter": dec.drafter.name,
             "dtypes": [str(d) for d in dtypes], "device": str(device), "backend": backend,
             "compile": compile, "quantize": quantize, "draft_quantize": draft_quantize,
+            "tp": 1 if group is None else group.world,
         }  # fmt: skip
         dec._shipped_acceptance = load_acceptance(draft) if draft is not None else None
         return dec
@@ -446,3 +463,28 @@ def _per_request(name: str, value, n: int, per_request: bool) -> list:
             f"{name} has {len(value)} entries for {n} prompts; give one per prompt or a single value for all"
         )
     return list(value)
+
+
+def _prepare_ranks(target, draft, settings: dict) -> None:
+    """Tensor parallel, before anything loads: every rank was started with the same models
+    and settings (else every rank fails, naming what differs), and a GGUF target is converted
+    once, by rank 0, while the others wait for its directory."""
+    from . import loading, parallel
+    from .autotree import files_key
+
+    def files(path) -> list:  # names and sizes: paths and times may differ between machines
+        return [f[:2] if isinstance(f, list) else Path(f).name for f in files_key(path) or []]
+
+    parallel.check_same(
+        "models or settings",
+        {"target": files(target), "draft": files(draft), "torch": torch.__version__, **settings},
+    )
+    failed = None
+    if parallel.leader():
+        try:
+            loading.checkpoint(target)
+        except ValueError as e:
+            failed = str(e)
+    failed = parallel.agree(failed)
+    if failed:
+        raise ValueError(failed)

@@ -64,6 +64,15 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "one-token forwards (docs/performance.md)",
     )
     g.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tensor parallelism: the target split over N processes; launch them with "
+        "`torchrun --nproc-per-node N -m treespec ...` (default: every process torchrun launched; "
+        "docs/parallel.md)",
+    )
+    g.add_argument(
         "--draft-quantize",
         choices=QUANTIZE,
         default=None,
@@ -105,5 +114,6 @@ def load_decoder(args, model_free: bool = False, **overrides):
         compile=args.compile,
         quantize=args.quantize,
         draft_quantize=args.draft_quantize,
+        tp=args.tp,
     )
     return SpeculativeDecoder.from_pretrained(**{**kwargs, **overrides})

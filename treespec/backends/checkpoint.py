@@ -137,10 +137,13 @@ def eos_ids(value) -> frozenset[int]:
     return frozenset(int(e) for e in ([value] if isinstance(value, int) else value))
 
 
-def read_checkpoint(path) -> tuple[LlamaShape, dict[str, torch.Tensor], frozenset[int]]:
+def read_checkpoint(path, lazy: bool = False) -> tuple[LlamaShape, dict[str, torch.Tensor], frozenset[int]]:
     """Shape, weights (on the CPU, as stored) and EOS ids of the checkpoint in directory
     `path`: config.json, model.safetensors or a sharded model.safetensors.index.json, and
-    generation_config.json's EOS where present (else config.json's)."""
+    generation_config.json's EOS where present (else config.json's). `lazy`: each weight a
+    safetensors slice instead of a tensor, read from the file when indexed (`w[a:b]`, `w[:, a:b]`,
+    `w[:]`): a tensor-parallel rank reads only its blocks."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     root = Path(path).expanduser()
@@ -158,7 +161,11 @@ def read_checkpoint(path) -> tuple[LlamaShape, dict[str, torch.Tensor], frozense
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         try:
-            weights.update(load_file(str(f), device="cpu"))
+            if lazy:
+                handle = safe_open(str(f), framework="pt", device="cpu")
+                weights.update({name: handle.get_slice(name) for name in handle.keys()})
+            else:
+                weights.update(load_file(str(f), device="cpu"))
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for corrupt files
             raise ValueError(f"cannot read weights from {f}: {e}") from e
     if shape.tied and "model.embed_tokens.weight" not in weights and "lm_head.weight" in weights:

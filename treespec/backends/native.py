@@ -31,6 +31,10 @@ not per layer. With `compile=True` the forwards that need logits run as inductor
 same math (`CompiledForward`); this module holds the model and its cache, attention.py all the
 attention.
 
+Tensor parallel (`tp=`, `treespec.parallel`): each rank holds its block of the query and KV
+heads (and their cache) and of the MLP, and `decoder_stack`, the one layer loop of the eager
+forward and the compiled graph, sums the o and down products over the ranks (docs/parallel.md).
+
 Numerics mirror HF's Llama exactly where it matters for parity: RoPE cos/sin from float32
 inverse frequencies, cast to the compute dtype; RMSNorm statistics in float32 (even for
 float64 models) and the weight applied in the input dtype; logits in the model dtype.
@@ -39,15 +43,19 @@ float64 models) and the weight applied in the input dtype; logits in the model d
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import logging
 import types
 import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..config import check_positive_int
+from ..parallel import TensorParallel
 from .attention import (
     LaneAttention,
     PackedAttention,
@@ -112,6 +120,41 @@ def rope_rows(
         torch.cat((cos.expand(T, qk, D), v_cos), dim=1),
         torch.cat((sin.expand(T, qk, D), torch.zeros_like(v_cos)), dim=1),
     )
+
+
+def decoder_stack(
+    x: torch.Tensor,
+    layers: Iterable[Layer],
+    attend: Callable[[int, torch.Tensor], torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    shape: LlamaShape,
+    taps: tuple[int, ...],
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The decoder layers over the embedded new tokens x [T, hidden]: the last layer's output
+    [T, hidden] (before the final norm) and the tapped features [T, F] (or None). The one
+    layer loop of the eager forward and the compiled graph alike.
+
+    `attend(i, qkv)`: layer i's attention of the rotated q/k/v [T, Hq+2Hkv, D] (writing k and
+    v into the cache) -> [T, Hq D]. `cos`, `sin`: the RoPE rows of the fed positions. `reduce`:
+    tensor parallel, the sum over ranks of a row-parallel product (o and down hold this rank's
+    columns, so each gives a partial sum); None in a single process."""
+    T, F_qkv, D, eps = x.shape[0], shape.heads + 2 * shape.kv_heads, shape.head_dim, shape.eps
+    found: dict[int, torch.Tensor] = {}  # tapped layer -> its input [T, hidden]
+    for i, layer in enumerate(layers):
+        tapped(x, i, taps, found)
+        # attention: fused q/k/v projection, RoPE on all of it at once, k and v into the cache
+        qkv = rotate(layer.qkv(rms_norm(x, layer.attn_norm, eps)).view(T, F_qkv, D), cos, sin)
+        o = layer.o(attend(i, qkv))  # [T, hidden]
+        x = (o if reduce is None else reduce(o)) + x
+
+        # MLP: fused gate/up projection, SiLU gate, down projection
+        gate, up = layer.gate_up(rms_norm(x, layer.mlp_norm, eps)).chunk(2, dim=-1)  # [T, I] each
+        down = layer.down(F.silu(gate) * up)  # [T, hidden]
+        x = (down if reduce is None else reduce(down)) + x
+    tapped(x, shape.layers, taps, found)
+    return x, features_of(taps, found)
 
 
 # ---- the KV cache -----------------------------------------------------------------------------
@@ -210,8 +253,11 @@ class NativeRunner(Runner):
         pack_weights: bool = True,
         compile: bool = False,
         quantize: str | None = None,
+        tp: TensorParallel | None = None,
     ):
-        """`weights`: the HF state dict names (model.layers.{i}.self_attn.q_proj.weight, ...).
+        """`weights`: the HF state dict names (model.layers.{i}.self_attn.q_proj.weight, ...),
+        tensors or lazy safetensors slices (`read_checkpoint(lazy=True)`: only what this rank
+        holds is read).
         `pack_weights`: let each projection take oneDNN's packed layout where it can
         (`linear.Projection`; False: plain BLAS products everywhere, for comparisons).
         `compile`: run forwards of up to COMPILE_MAX_TOKENS tokens that need logits (decoding,
@@ -226,6 +272,26 @@ class NativeRunner(Runner):
         for many rows (docs/performance.md)."""
         if quantize is not None:
             check_quantize(quantize, dtype)  # before any weight is converted
+        self.tp = tp
+        blocks = {}  # tensor parallel: this rank's rows of q, k/v and the MLP
+        if tp is not None:
+            D = shape.head_dim
+            heads, kv_heads, mlp = (
+                tp.block(shape.heads, "the query heads"),
+                tp.block(shape.kv_heads, "the key/value heads"),
+                tp.block(shape.intermediate, "the MLP width"),
+            )
+            blocks = {
+                "q": slice(heads.start * D, heads.stop * D),
+                "kv": slice(kv_heads.start * D, kv_heads.stop * D),
+                "mlp": mlp,
+            }
+            shape = dataclasses.replace(
+                shape,
+                heads=shape.heads // tp.world,
+                kv_heads=shape.kv_heads // tp.world,
+                intermediate=shape.intermediate // tp.world,
+            )
         self.shape = s = shape
         self.vocab_size, self.max_positions, self.n_layers = s.vocab, s.max_positions, s.layers
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -236,13 +302,21 @@ class NativeRunner(Runner):
             compile = False
         pack_weights = pack_weights and not compile
 
-        def get(name: str) -> torch.Tensor:
+        def get(name: str, rows: str | None = None, cols: str | None = None) -> torch.Tensor:
+            """Tensor `name`, or this rank's block `rows` of its rows / `cols` of its columns."""
             if name not in weights:
                 raise ValueError(f"checkpoint lacks the tensor {name!r}")
-            return weights[name].to(device=self.device, dtype=dtype)
+            w = weights[name]
+            if rows in blocks:
+                w = w[blocks[rows]]
+            elif cols in blocks:
+                w = w[:, blocks[cols]]
+            else:
+                w = w[:]  # a lazy slice: read it all
+            return w.to(device=self.device, dtype=dtype)
 
-        def cat(*names: str) -> torch.Tensor:  # [sum of outs, in]
-            return torch.cat([get(n) for n in names])
+        def cat(*parts: tuple[str, str | None]) -> torch.Tensor:  # [sum of outs, in]
+            return torch.cat([get(n, rows) for n, rows in parts])
 
         def proj(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Projection | QuantizedProjection:
             if quantize is not None:
@@ -255,19 +329,24 @@ class NativeRunner(Runner):
         self.lm_head = proj(self.embed if s.tied else get("lm_head.weight"))  # hidden -> V
         self.norm = get("model.norm.weight")  # [hidden]
         self.layers: list[Layer] = []
+        first = tp is None or tp.rank == 0  # a row-parallel product's bias is added once, by rank 0
         for i in range(s.layers):
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            qkv = ((a + "q_proj.", "q"), (a + "k_proj.", "kv"), (a + "v_proj.", "kv"))
             self.layers.append(
                 Layer(
                     attn_norm=get(f"model.layers.{i}.input_layernorm.weight"),
                     qkv=proj(
-                        cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
-                        cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if s.qkv_bias else None,
+                        cat(*((n + "weight", rows) for n, rows in qkv)),
+                        cat(*((n + "bias", rows) for n, rows in qkv)) if s.qkv_bias else None,
                     ),
-                    o=proj(get(a + "o_proj.weight"), get(a + "o_proj.bias") if s.o_bias else None),
+                    o=proj(
+                        get(a + "o_proj.weight", cols="q"),
+                        get(a + "o_proj.bias") if s.o_bias and first else None,
+                    ),
                     mlp_norm=get(f"model.layers.{i}.post_attention_layernorm.weight"),
-                    gate_up=proj(cat(m + "gate_proj.weight", m + "up_proj.weight")),
-                    down=proj(get(m + "down_proj.weight")),
+                    gate_up=proj(cat((m + "gate_proj.weight", "mlp"), (m + "up_proj.weight", "mlp"))),
+                    down=proj(get(m + "down_proj.weight", cols="mlp")),
                 )
             )
         for name, got, want in (
@@ -301,6 +380,7 @@ class NativeRunner(Runner):
         pack_weights: bool = True,
         compile: bool = False,
         quantize: str | None = None,
+        tp: TensorParallel | None = None,
     ) -> NativeRunner:
         """The weights of an HF `LlamaForCausalLM` / `Qwen2ForCausalLM` / `MistralForCausalLM`,
         copied into the runner's layout (norms and biases shared where dtype and device agree;
@@ -318,6 +398,7 @@ class NativeRunner(Runner):
             pack_weights,
             compile,
             quantize,
+            tp,
         )
 
     @classmethod
@@ -329,11 +410,13 @@ class NativeRunner(Runner):
         pack_weights: bool = True,
         compile: bool = False,
         quantize: str | None = None,
+        tp: TensorParallel | None = None,
     ) -> NativeRunner:
         """A local directory with config.json and model.safetensors (or a sharded
-        model.safetensors.index.json); no transformers import (`checkpoint.read_checkpoint`)."""
-        shape, weights, eos_ids = read_checkpoint(path)
-        return cls(shape, weights, eos_ids, dtype, device, pack_weights, compile, quantize)
+        model.safetensors.index.json); no transformers import (`checkpoint.read_checkpoint`).
+        With `tp`, each rank reads only its blocks of the weights from the files."""
+        shape, weights, eos_ids = read_checkpoint(path, lazy=tp is not None)
+        return cls(shape, weights, eos_ids, dtype, device, pack_weights, compile, quantize, tp)
 
     def input_embeddings(self) -> torch.Tensor:
         return self.embed
@@ -426,25 +509,13 @@ class NativeRunner(Runner):
                 self.filled = starts[0] + ns[0]
                 return [scores]
         tokens, positions, attend = self._packed_inputs(lanes, feeds, starts, ns)
-        T, F_qkv, D, eps = tokens.shape[0], s.heads + 2 * s.kv_heads, s.head_dim, s.eps
-
         cos, sin = pool.rope(positions)  # [T, Hq+2Hkv, D] each
-        x = self._embed(tokens)  # [T, hidden]
-        found: dict[int, torch.Tensor] = {}  # tapped layer -> its input [T, hidden]
-        for i, layer in enumerate(self.layers):
-            tapped(x, i, self.taps, found)
-            # attention: fused q/k/v projection, RoPE on all of it at once, k and v into the cache
-            qkv = rotate(layer.qkv(rms_norm(x, layer.attn_norm, eps)).view(T, F_qkv, D), cos, sin)
-            x = layer.o(attend(i, qkv)) + x  # [T, hidden]
-
-            # MLP: fused gate/up projection, SiLU gate, down projection
-            gate, up = layer.gate_up(rms_norm(x, layer.mlp_norm, eps)).chunk(2, dim=-1)  # [T, I] each
-            x = layer.down(F.silu(gate) * up) + x
-        tapped(x, len(self.layers), self.taps, found)
+        reduce = None if self.tp is None else self.tp.reduce
+        x, features = decoder_stack(self._embed(tokens), self.layers, attend, cos, sin, s, self.taps, reduce)
         for lane, S, n in zip(lanes, starts, ns):
             lane.filled = S + n
-        logits = self.lm_head(rms_norm(x, self.norm, eps)) if need_logits else None  # [T, V]
-        return split_scores(logits, features_of(self.taps, found), ns)
+        logits = self.lm_head(rms_norm(x, self.norm, s.eps)) if need_logits else None  # [T, V]
+        return split_scores(logits, features, ns)
 
     def _packed_inputs(self, lanes: list[NativeRunner], feeds: list[Feed], starts: list[int], ns: list[int]):
         """What an eager packed forward over `lanes` (this runner's pool) needs: the cache grown
@@ -502,7 +573,7 @@ class _ForwardGraph(torch.nn.Module):
 
     def __init__(self, runner: NativeRunner):
         super().__init__()
-        self.shape, self.taps = runner.shape, runner.taps
+        self.shape, self.taps, self.tp = runner.shape, runner.taps, runner.tp
         self.register_buffer("embed", runner.embed)
         self.register_buffer("norm", runner.norm)
         self._register("lm_head", runner.lm_head)
@@ -529,25 +600,29 @@ class _ForwardGraph(torch.nn.Module):
         y = int8_product(x, weight, scales)
         return y if bias is None else y + bias
 
+    def layer(self, i: int) -> Layer:
+        """Layer i, its products reading the buffers (read as attributes: inductor freezes them)."""
+        w = lambda name: getattr(self, name)  # noqa: E731
+        product = lambda name: functools.partial(self._linear, name=f"{name}_{i}", bias=w(f"{name}_bias_{i}"))  # noqa: E731
+        return Layer(
+            w(f"attn_norm_{i}"),
+            product("qkv"),
+            product("o"),
+            w(f"mlp_norm_{i}"),
+            product("gate_up"),
+            product("down"),
+        )
+
     def forward(self, tokens, positions, slots, mask, cos_table, sin_table, kv):
         s = self.shape
-        w = lambda name: getattr(self, name)  # noqa: E731 - buffers read as attributes: inductor freezes them
-        T, F_qkv, D, eps = tokens.shape[0], s.heads + 2 * s.kv_heads, s.head_dim, s.eps
         cos, sin = rope_rows(cos_table, sin_table, positions, s)  # [T, Hq+2Hkv, D] each
-        x = F.embedding(tokens, self.embed)  # [T, hidden]
-        found: dict[int, torch.Tensor] = {}
-        for i in range(s.layers):
-            tapped(x, i, self.taps, found)
-            h = rms_norm(x, w(f"attn_norm_{i}"), eps)
-            qkv = rotate(self._linear(h, f"qkv_{i}", w(f"qkv_bias_{i}")).view(T, F_qkv, D), cos, sin)
-            o = graph_lane_attention(kv, i, qkv, slots, mask, s.heads)  # [T, Hq*D]
-            x = self._linear(o, f"o_{i}", w(f"o_bias_{i}")) + x
-            gate, up = self._linear(rms_norm(x, w(f"mlp_norm_{i}"), eps), f"gate_up_{i}").chunk(2, dim=-1)
-            x = self._linear(F.silu(gate) * up, f"down_{i}") + x
-        tapped(x, s.layers, self.taps, found)
-        return self._linear(rms_norm(x, self.norm, eps), "lm_head"), features_of(
-            self.taps, found
-        )  # [T, V], [T, F]
+        layers = (self.layer(i) for i in range(s.layers))
+        attend = lambda i, qkv: graph_lane_attention(kv, i, qkv, slots, mask, s.heads)  # noqa: E731 - [T, Hq*D]
+        reduce = None if self.tp is None else self.tp.reduce
+        x, features = decoder_stack(
+            F.embedding(tokens, self.embed), layers, attend, cos, sin, s, self.taps, reduce
+        )
+        return self._linear(rms_norm(x, self.norm, s.eps), "lm_head"), features  # [T, V], [T, F]
 
 
 class CompiledForward:

@@ -90,6 +90,7 @@ def load_runner(
     backend: str = "auto",
     compile: bool = False,
     quantize: str | None = None,
+    tp=None,
 ) -> Runner:
     """A runner for the checkpoint at `path` (`checkpoint`): native straight from safetensors
     when the backend allows it and the directory holds a supported checkpoint, else through HF.
@@ -98,20 +99,30 @@ def load_runner(
     runner's weight-only quantization (`NativeRunner(quantize=...)`); a ValueError where the
     checkpoint runs on the HF backend.
     A draft with a subset vocabulary (`vocab_map.json` beside its weights) is wrapped so that
-    it reads and proposes the target's token ids (`backends.subset`)."""
+    it reads and proposes the target's token ids (`backends.subset`).
+    `tp`: this rank's `treespec.parallel.TensorParallel` (the native backend only; each rank
+    reads its blocks of the weights)."""
     from ..backends import hf, subset
     from ..backends.subset import VocabMap
 
     check_backend(backend)
     local = checkpoint(path)
     runner = None
+    if tp is not None:
+        reason = "" if isinstance(local, Path) else f" ({str(path)!r} is not a local directory or GGUF file)"
+        if backend == "hf" or reason:
+            raise ValueError(
+                f"tensor parallelism runs the native backend on a local checkpoint{reason}; "
+                "load the target with backend='auto' or 'native'"
+            )
+        backend = "native"  # an unsupported architecture is an error, not a fallback
     if backend != "hf" and isinstance(local, Path):
         from ..backends.checkpoint import read_json, unsupported_reason
         from ..backends.native import NativeRunner
 
         if use_native(backend, unsupported_reason(read_json(local / "config.json")), repr(str(path))):
             runner = NativeRunner.from_pretrained(
-                local, dtype=dtype, device=device, compile=compile, quantize=quantize
+                local, dtype=dtype, device=device, compile=compile, quantize=quantize, tp=tp
             )
         else:
             backend = "hf"  # the fallback notice has been printed

@@ -195,6 +195,23 @@ def build(args):
     return create_app(engine, dec.tokenizer, name, settings, grace_period=args.grace_period), dec
 
 
+def _follow(engine) -> int:
+    """A tensor-parallel rank other than 0: step with rank 0 until it stops. A signal from the
+    launcher (torchrun passes Ctrl-C / SIGTERM to every rank) is left to rank 0, which ends
+    the run for all; a rank 0 that died or hung ends this one with an error."""
+    from .. import parallel
+    from .loop import follow
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        follow(engine)
+    except Exception as e:  # noqa: BLE001 - a failed collective: rank 0 died, hung or diverged
+        print(f"treespec: error: {parallel.lost(e)}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def run(args) -> int:
     """Serve until SIGTERM / Ctrl-C; the exit code."""
     try:
@@ -205,13 +222,22 @@ def run(args) -> int:
     from ..backends.hf import quiet_transformers
 
     quiet_transformers()
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from .. import parallel
+
+    level = (
+        args.log_level.upper()
+        if parallel.launched_world() == 1 or os.environ.get("RANK") in (None, "0")
+        else "WARNING"
+    )
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         app, _ = build(args)
     except ValueError as e:
         print(f"treespec: error: {e}", file=sys.stderr)
         return 2
     srv = app.state.server
+    if not parallel.leader():  # tensor parallel: rank 0 serves, this rank steps alongside it
+        return _follow(srv.loop.engine)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:

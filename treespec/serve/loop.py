@@ -14,6 +14,12 @@ Results cross back with `loop.call_soon_threadsafe` into each request's asyncio 
 A request that fails inside the engine (its finish_reason "error") is answered alone. If a
 round raises instead (an engine that cannot isolate the fault), every request that was live
 in it fails with that error and the thread goes on with the others waiting.
+
+Tensor parallel (`treespec.parallel`, torchrun): rank 0 serves; before each round it hands
+what it applied (requests added, without their callbacks, and cancellations) to every rank
+(`parallel.agree`), and the other ranks' `follow()` applies the same to their engines and
+steps with it, so every rank runs the same rounds. Idle, rank 0 sends an empty list every
+HEARTBEAT_S seconds, well inside the collectives' timeout.
 """
 
 from __future__ import annotations
@@ -27,12 +33,15 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from .. import parallel
 from ..engine import Engine
 from ..output import GenerationOutput
 from ..request import Request
 from .metrics import Metrics
 
 log = logging.getLogger("treespec.serve")
+
+HEARTBEAT_S = 5.0  # tensor parallel: an idle rank 0 tells the others it is alive this often
 
 
 @dataclass(eq=False)
@@ -71,6 +80,8 @@ class EngineLoop:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="treespec-engine", daemon=True)
         self.failure: BaseException | None = None  # what killed the thread, if anything did
+        self._parallel = parallel.current() is not None  # rank 0 of a tensor-parallel group
+        self._events: list[tuple] = []  # tensor parallel: what the other ranks must apply next
 
     # ---- called from the asyncio side --------------------------------------------------
     def start(self) -> None:
@@ -153,7 +164,8 @@ class EngineLoop:
                 with self._cond:
                     while not self._commands and not self._busy() and not self._stopping:
                         self._publish()
-                        self._cond.wait()
+                        if not self._cond.wait(HEARTBEAT_S if self._parallel else None):
+                            break  # tensor parallel: time for a heartbeat
                     commands, self._commands = self._commands, deque()
                     stopping = self._stopping
                 for kind, job in commands:
@@ -163,7 +175,12 @@ class EngineLoop:
                         self.engine.cancel(rid)
                     self._sweep()
                     self._publish()
+                    if self._parallel:
+                        parallel.agree([("stop",)])
                     return
+                if self._parallel:  # every rank applies what this one did, then steps alike
+                    events, self._events = self._events, []
+                    parallel.agree(events)
                 if self._busy():
                     self._step()
                 self._publish()
@@ -192,18 +209,26 @@ class EngineLoop:
             return
         job.id = rid
         self._jobs[rid] = job
+        if self._parallel:
+            plain = dataclasses.replace(job.request, on_tokens=None, on_logprobs=None, on_round=None)
+            self._events.append(("add", plain))
         self.metrics.prompt_tokens.inc(len(job.request.prompt))
         job.added.set_result(rid)
 
     def _cancel(self, job: Job) -> None:
         if job.id is not None and job.id in self._jobs:
-            self.engine.cancel(job.id)
+            self._cancel_id(job.id)
             self._sweep()
 
     def _cancel_all(self, _=None) -> None:
         for rid in list(self._jobs):
-            self.engine.cancel(rid)
+            self._cancel_id(rid)
         self._sweep()
+
+    def _cancel_id(self, rid: int) -> None:
+        self.engine.cancel(rid)
+        if self._parallel:
+            self._events.append(("cancel", rid))
 
     def _step(self) -> None:
         try:
@@ -217,7 +242,7 @@ class EngineLoop:
                 job = self._jobs.get(rid)
                 if job is not None:
                     job.error = message
-                self.engine.cancel(rid)
+                self.engine.cancel(rid)  # the other ranks' rounds raised alike and cancel alike
         self._sweep()
 
     def _sweep(self) -> None:
@@ -234,6 +259,10 @@ class EngineLoop:
             del self._jobs[rid]
             with self._cond:
                 self._outstanding -= 1
+            if out.finish_reason == "error" and self._parallel:
+                # failed here alone (its streaming callback, which only rank 0 runs): the
+                # others end it before their next round
+                self._events.append(("cancel", rid))
             error = job.error or (getattr(out, "error", None) if out.finish_reason == "error" else None)
             if out.finish_reason == "error" and error is None:
                 error = "the request failed inside the engine"
@@ -244,3 +273,28 @@ class EngineLoop:
     def _publish(self) -> None:
         status = self.engine.status()
         self.metrics.engine_state(len(status.live), status.waiting + self._pending_adds, status.kv_tokens)
+
+
+def follow(engine: Engine) -> None:
+    """A tensor-parallel rank other than 0: apply what rank 0's `EngineLoop` applied before each
+    of its rounds and step alike, until rank 0 stops (or a collective fails: rank 0 died or hung)."""
+    while True:
+        events = parallel.agree(None)
+        for event in events:
+            if event[0] == "stop":
+                return
+            if event[0] == "add":
+                engine.add(event[1])
+            elif event[1] in engine.requests and engine.output(event[1]) is None:
+                engine.cancel(event[1])
+        status = engine.status()
+        if not (status.live or status.waiting):
+            continue
+        try:
+            engine.step()
+        except Exception:  # noqa: BLE001 - rank 0's round raised alike: it cancels every live request
+            for rid in engine.status().live:
+                engine.cancel(rid)
+        for rid in list(engine.requests):  # finished: nobody here reads them
+            if engine.output(rid) is not None:
+                engine.take(rid)
