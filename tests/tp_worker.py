@@ -83,6 +83,24 @@ def main(case: str, path: str) -> None:
         dec = SpeculativeDecoder.from_pretrained(*pair("smollm2"), dtype="float64", drafter="model")
         chat = [{"role": "user", "content": "Name three colours."}]
         result = decode(dec, [chat, "The capital of France is"], 6)
+    elif case == "compiled":  # float32, the compiled forward (the all-reduce inside the graph), int8 too
+        from tests.conftest import tiny_llama
+        from treespec.backends.native import CompiledForward
+
+        model, tp = tiny_llama(0, dtype=torch.float32), parallel.init()
+        result = {}
+        for quantize in (None, "int8"):
+            eager = NativeRunner.from_hf(model, tp=tp, quantize=quantize)
+            compiled = NativeRunner.from_hf(model, tp=tp, compile=True, quantize=quantize)
+            compiled.compiled = CompiledForward(compiled, {"freezing": True})  # no autotuning: quick
+            rows = []
+            for runner in (eager, compiled):
+                runner.prefill([5, 9, 2, 31, 7])
+                rows.append(runner.extend([4], [-1]))
+            result[str(quantize)] = {
+                "graphs": sorted(compiled.compiled.compiled),
+                "max_diff": (rows[0] - rows[1]).abs().max().item(),
+            }
     elif case == "mismatch":  # rank 1 was started with other settings
         from treespec.zoo import pair
 
