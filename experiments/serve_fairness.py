@@ -2,6 +2,7 @@
 """One client's large trees against another's default request, over `treespec serve`.
 
     python experiments/serve_fairness.py --pair pycode --hog-tree 8 8 --tag zen5
+    python experiments/serve_fairness.py --pair pycode --hog-tree 8 8 --shared-tree-nodes 64 --tag zen5
 
 Starts a server (default flags), times a default greedy request (median of 7) alone, then
 while two clients loop 200-token T=1 requests with the given i.i.d. tree (or plain decoding
@@ -31,6 +32,9 @@ def main() -> None:
     ap.add_argument("--pair", default="pycode")
     ap.add_argument("--hog-tree", type=int, nargs=2, default=[8, 8], metavar=("WIDTH", "DEPTH"))
     ap.add_argument("--max-tree-nodes", type=int, default=64)
+    ap.add_argument(
+        "--shared-tree-nodes", type=int, default=None, help="the server's flag (default: its default)"
+    )
     ap.add_argument("--tag", default="cpu")
     args = ap.parse_args()
     with socket.socket() as s:
@@ -38,6 +42,8 @@ def main() -> None:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "treespec.serve", "--pair", args.pair, "--dtype", "float32"]
     cmd += ["--port", str(port), "--log-level", "warning", "--max-tree-nodes", str(args.max_tree_nodes)]
+    if args.shared_tree_nodes is not None:
+        cmd += ["--shared-tree-nodes", str(args.shared_tree_nodes)]
     server = subprocess.Popen(cmd)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -87,6 +93,7 @@ def main() -> None:
     record = {
         "pair": args.pair,
         "hog_tree": args.hog_tree,
+        "shared_tree_nodes": args.shared_tree_nodes,
         "alone_s": round(statistics.median(alone), 3),
         "with_two_hogs_s": round(statistics.median(loaded), 3),
         "ratio": round(statistics.median(loaded) / statistics.median(alone), 2),

@@ -396,6 +396,44 @@ def test_speculate_max_live_switches_rounds_to_plain(models):
             dec.engine(speculate_max_live=bad)
 
 
+def test_trees_over_shared_tree_nodes_decode_plainly_while_shared_lossless_by_enumeration():
+    """shared_tree_nodes=2: while both requests are live, the 2x2 tree (4 nodes) decodes
+    plainly and the 2x1 one (2 nodes) drafts; alone again, each drafts its whole tree. Every
+    draw and coin enumerated: the joint is the product of the target's joints."""
+    a = (TOY_PROMPT, TreeConfig(2, 1), TOY_SAMPLINGS["T1"], 1)
+    b = ((0, 2, 1), TreeConfig(2, 2), TOY_SAMPLINGS["T0.6-topk2"], 3)
+    assert_two_toy_requests_lossless(a, b, shared_tree_nodes=2)
+
+
+def test_a_large_tree_decodes_plainly_only_while_others_are_live(models):
+    """The server's fairness: a 24-node tree decodes plainly while another request is live and
+    drafts its whole tree once alone; the 4-node chain beside it keeps its tree. Greedy outputs
+    stay those of generate() alone."""
+    dec = SpeculativeDecoder(*models, backend="native")
+    eng = dec.engine(max_live=2, shared_tree_nodes=4)
+    trees = [TreeConfig(8, 3, "topk"), TreeConfig(1, 4)]
+    lengths = [24, 6]
+    ids = [
+        eng.add(PROMPTS[i + 1], n, tree=t, sampling=GREEDY, ignore_eos=True, trace=True)
+        for i, (t, n) in enumerate(zip(trees, lengths))
+    ]
+    outs = eng.run()
+    for i, (t, n) in enumerate(zip(trees, lengths)):
+        alone = dec.generate(PROMPTS[i + 1], n, tree=t, sampling=GREEDY, ignore_eos=True)
+        assert outs[ids[i]].token_ids == alone.token_ids
+    small = outs[ids[1]].trace
+    shared = len(small)  # the rounds both were live
+    assert all(len(r.tree) > 1 for r in small[:-1])  # within the cap: the chain drafts as asked
+    big = outs[ids[0]].trace
+    assert all(len(r.tree) == 1 for r in big[:shared])  # over it: plain while shared
+    assert any(len(r.tree) > 8 for r in big[shared:])  # alone: the whole tree
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="shared_tree_nodes must be None or an integer >= 0"):
+            dec.engine(shared_tree_nodes=bad)
+    with pytest.raises(ValueError, match="deterministic=True needs shared_tree_nodes=None"):
+        dec.engine(shared_tree_nodes=4, deterministic=True)
+
+
 class _OddTokensSwitch(GoodputSwitch):
     """Speculates after a round that emitted an odd number of tokens (and first): a switch
     whose every decision depends on the sampled outcomes so far, as a measured one does."""

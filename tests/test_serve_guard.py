@@ -122,3 +122,15 @@ def test_an_open_server_beyond_loopback_is_warned_about(monkeypatch, caplog):
         access(argparse.Namespace(api_key=None, api_key_file=None, host="127.0.0.1"))
         access(argparse.Namespace(api_key=["k"], api_key_file=None, host="0.0.0.0"))
     assert len(caplog.records) == 1 and "no API key" in caplog.records[0].getMessage()
+
+
+def test_shared_tree_nodes_and_deterministic_exclude_each_other(capsys):
+    """Trimming trees by load makes outputs depend on the load: refused before loading."""
+    from treespec.cli import main
+
+    assert main(["serve", "--deterministic", "--shared-tree-nodes", "4"]) == 2
+    assert (
+        "--shared-tree-nodes trims trees by load; --deterministic rules that out" in capsys.readouterr().err
+    )
+    assert main(["serve", "--shared-tree-nodes", "-1"]) == 2
+    assert "--shared-tree-nodes must be >= 0, got -1" in capsys.readouterr().err

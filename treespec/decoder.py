@@ -340,6 +340,7 @@ class SpeculativeDecoder:
         max_kv_tokens: int | None = None,
         speculate_max_live: int | str | None = None,
         deterministic: bool = False,
+        shared_tree_nodes: int | None = None,
     ) -> Engine:
         """A continuous-batching `Engine` over `max_live` new lanes of this decoder's models (its
         own: no other engine and no `generate()` touches them): add requests, `step()` rounds,
@@ -357,8 +358,25 @@ class SpeculativeDecoder:
         seed), never on what else the engine runs: each lane forwards alone, with the numbers
         of `generate()` (batch-invariant; vLLM's idea), at the cost of batching's speed-up. It
         excludes `speculate_max_live`, whose choice depends on the load. A sampled request with
-        `TreeConfig(adaptive="goodput")` opts out for itself: its rounds follow measured timings."""
+        `TreeConfig(adaptive="goodput")` opts out for itself: its rounds follow measured timings.
+
+        `shared_tree_nodes`: in a round with other requests, a request whose tree holds more
+        nodes than this decodes plainly (a server's fairness: two clients' 64-node trees made
+        every other request's rounds 4-7x slower on a 2-core CPU, docs/serving.md). Exact, like
+        `speculate_max_live`, and like it excluded by `deterministic`; requests within the cap
+        are untouched. None (default): no cap."""
         check_positive_int("max_live", max_live)
+        if shared_tree_nodes is not None and (
+            not isinstance(shared_tree_nodes, int)
+            or isinstance(shared_tree_nodes, bool)
+            or shared_tree_nodes < 0
+        ):
+            raise ValueError(f"shared_tree_nodes must be None or an integer >= 0, got {shared_tree_nodes!r}")
+        if deterministic and shared_tree_nodes is not None:
+            raise ValueError(
+                "deterministic=True needs shared_tree_nodes=None: trimming trees by load would make "
+                "outputs depend on the load"
+            )
         if deterministic and speculate_max_live is not None:
             raise ValueError(
                 "deterministic=True needs speculate_max_live=None: switching speculation by load "
@@ -375,7 +393,9 @@ class SpeculativeDecoder:
         for lane in targets + drafts:
             if lane is not None:
                 lane.batch_invariant = bool(deterministic)
-        return self._engine(targets, drafts, max_kv_tokens, speculate_max_live)
+        engine = self._engine(targets, drafts, max_kv_tokens, speculate_max_live)
+        engine.shared_tree_nodes = shared_tree_nodes
+        return engine
 
     @property
     def planner(self):

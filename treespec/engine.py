@@ -93,7 +93,9 @@ class Engine:
     `drafts` may hold None where no draft model is loaded. `speculate_max_live`: with more
     live requests, rounds draft nothing (plain decoding); `switch` decides each round instead
     (`GoodputSwitch`). `planner` plans the requests whose tree is automatic (`TreeConfig()`,
-    `treespec.autotree`).
+    `treespec.autotree`). `shared_tree_nodes`: in a round with other requests, a request whose
+    tree holds more nodes than this decodes plainly, so that one client's large tree cannot
+    slow every other request's rounds.
     """
 
     def __init__(
@@ -107,6 +109,7 @@ class Engine:
         speculate_max_live: int | None = None,
         switch: GoodputSwitch | None = None,
         planner: Planner | None = None,
+        shared_tree_nodes: int | None = None,
     ):
         if len(targets) != len(drafts) or not targets:
             raise ValueError(
@@ -122,7 +125,7 @@ class Engine:
         self.vocab_size = targets[0].vocab_size
         self.max_live, self.max_kv_tokens = len(self.targets), max_kv_tokens
         self.speculate_max_live = speculate_max_live
-        self.switch, self.planner = switch, planner
+        self.switch, self.planner, self.shared_tree_nodes = switch, planner, shared_tree_nodes
         self.requests: dict[int, RequestState] = {}
         self.waiting: list[RequestState] = []  # admission order
         self.live: dict[int, RequestState] = {}  # lane -> request
@@ -238,12 +241,9 @@ class Engine:
                 t_round, speculate = self.switch.clock(), self.switch.speculate(len(live))
             else:
                 speculate = self.speculate_max_live is None or len(live) <= self.speculate_max_live
-            depths = {
-                r.id: min(r.depth_policy.next_depth(), r.builder.remaining - 1)
-                if r.drafter and speculate
-                else 0
-                for r in live
-            }
+            # with others in the round, a tree over shared_tree_nodes drafts nothing
+            cap = self.shared_tree_nodes if len(live) > 1 else None
+            depths = {r.id: self._depth(r, speculate, cap) for r in live}
             proposing = [r for r in live if depths[r.id]]
             proposed = propose_many([(r.drafter, r.context, depths[r.id]) for r in proposing], True)
             drafts = {r.id: DraftTree.root_only(r.context[-1]) for r in live if not depths[r.id]}
@@ -301,6 +301,15 @@ class Engine:
             tokens = sum(map(len, emitted.values()))
             self.switch.record(len(live), any(depths.values()), tokens, self.switch.clock() - t_round)
         return emitted
+
+    @staticmethod
+    def _depth(r: RequestState, speculate: bool, cap: int | None) -> int:
+        """Request `r`'s draft depth this round: its policy's, never deeper than the tokens it
+        still wants; 0 (a plain round) where its tree holds more than `cap` nodes."""
+        if not (r.drafter and speculate):
+            return 0
+        depth = min(r.depth_policy.next_depth(), r.builder.remaining - 1)
+        return 0 if cap is not None and r.tree.max_nodes > cap else depth
 
     def _commit(self, r: RequestState, draft: DraftTree, walk, depth: int, draft_s, verify_s, rows: Scores):
         """Apply a verified round to request `r` (`rows`: its target scores, [nodes] rows): the

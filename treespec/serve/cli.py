@@ -18,12 +18,13 @@ import signal
 import sys
 from pathlib import Path
 
-from ..config import STRATEGIES, TreeConfig
+from ..config import AUTO_MAX_NODES, STRATEGIES, TreeConfig
 from ..options import add_model_arguments, load_decoder, model_paths
 from ..verify import rule_name
 
 DEFAULT_MAX_LIVE = 8
 DEFAULT_MAX_QUEUE = 64
+DEFAULT_SHARED_TREE_NODES = AUTO_MAX_NODES  # larger trees decode plainly while shared (docs/serving.md)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SHUTDOWN_SLACK_S = 5.0  # after the grace period: time for cancelled requests to send their last chunk
 
@@ -71,6 +72,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="the largest draft tree a request may ask for, in nodes (default 64)",
+    )
+    s.add_argument(
+        "--shared-tree-nodes",
+        type=int,
+        default=None,
+        help="with other requests in a round, a request whose tree holds more nodes than this decodes "
+        f"plainly, so that large trees cannot slow the others (default {DEFAULT_SHARED_TREE_NODES}, the "
+        "automatic tree's largest; off with --deterministic)",
     )
     s.add_argument("--max-body-mb", type=float, default=4.0, help="larger request bodies get 413 (default 4)")
 
@@ -156,6 +165,13 @@ def build(args):
         raise ValueError(
             f"the default tree drafts {tree.max_nodes} nodes, over --max-tree-nodes {max_tree_nodes}"
         )
+    shared_tree_nodes = args.shared_tree_nodes
+    if shared_tree_nodes is None and not args.deterministic:
+        shared_tree_nodes = DEFAULT_SHARED_TREE_NODES
+    if shared_tree_nodes is not None and args.deterministic:
+        raise ValueError("--shared-tree-nodes trims trees by load; --deterministic rules that out")
+    if shared_tree_nodes is not None and shared_tree_nodes < 0:
+        raise ValueError(f"--shared-tree-nodes must be >= 0, got {shared_tree_nodes}")
     verification = rule_name(args.verification)  # bad flags fail before the models load
     target, _ = model_paths(args, args.plain)
     name = (
@@ -176,6 +192,7 @@ def build(args):
         max_kv_tokens=args.max_kv_tokens,
         speculate_max_live=_speculate_max_live(args.speculate_max_live),
         deterministic=args.deterministic,
+        shared_tree_nodes=shared_tree_nodes,
     )
     settings = ServeSettings(
         max_queue=args.max_queue,
