@@ -1,6 +1,7 @@
 """The server's guard (treespec.serve.guard), in process over ASGI: API keys on the /v1 routes,
 compared in constant time, /health and /metrics open; bodies over the limit answered 413,
-declared or chunked; where the keys come from; the warning for an open server beyond loopback.
+declared or chunked; where the keys come from; the warning for an open server beyond loopback;
+clients that stall (headers or body) answered 408 over a real socket.
 The guarded server end to end: tests/test_serve.py (413, --max-tree-nodes)."""
 
 from __future__ import annotations
@@ -134,3 +135,59 @@ def test_shared_tree_nodes_and_deterministic_exclude_each_other(capsys):
     )
     assert main(["serve", "--shared-tree-nodes", "-1"]) == 2
     assert "--shared-tree-nodes must be >= 0, got -1" in capsys.readouterr().err
+
+
+def test_a_client_that_stalls_gets_408_and_loses_its_connection():
+    """A real uvicorn over a socket (`timed_h11` below ASGI, the Guard's body clock above it):
+    a connection that sends nothing, half its headers, or half its body (declared or chunked)
+    is answered 408 and closed after the read timeout; a whole request is answered as ever,
+    and a stalled keep-alive connection is closed too."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from treespec.serve.guard import timed_h11
+
+    timeout = 0.5
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    guarded = Guard(echo, max_body_bytes=1 << 20, read_timeout=timeout)
+    config = uvicorn.Config(guarded, host="127.0.0.1", port=port, http=timed_h11(timeout), log_level="error")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.05)
+
+        def send(payload: bytes) -> tuple[bytes, float]:
+            with socket.create_connection(("127.0.0.1", port)) as c:
+                c.settimeout(10)
+                c.sendall(payload)
+                t0, data = time.monotonic(), b""
+                while chunk := c.recv(4096):  # until the server closes
+                    data += chunk
+                return data, time.monotonic() - t0
+
+        post = b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+        for payload in (
+            b"",
+            b"GET /health HTTP/1.1\r\nhost: t\r\n",
+            post + b"content-length: 100\r\n\r\n{",
+            post + b"transfer-encoding: chunked\r\n\r\n1\r\n{\r\n",
+        ):
+            data, waited = send(payload)
+            assert data.startswith(b"HTTP/1.1 408"), (payload, data)
+            assert timeout * 0.8 < waited < timeout + 5
+            if payload.startswith(b"POST"):
+                assert b'"code": "request_timeout"' in data and b"--read-timeout" in data
+        data, waited = send(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n")  # answered, then kept alive
+        assert data.startswith(b"HTTP/1.1 200") and waited < timeout + 5
+    finally:
+        server.should_exit = True
+        thread.join(10)

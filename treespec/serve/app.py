@@ -79,6 +79,7 @@ DEFAULT_MAX_TREE_NODES = 64
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 TEXT_SLACK = 2  # a normalizer may shorten a text before it is split: refuse only twice past the bound
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # a 128k-token prompt is ~0.5 MB of text, ~1 MB of token ids
+DEFAULT_READ_TIMEOUT_S = 30.0  # headers (from the connection or the last response) and then a body
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ class ServeSettings:
     api_keys: tuple[str, ...] = ()  # Bearer keys the /v1 routes want; () = open (treespec.serve.guard)
     max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES  # larger bodies are answered 413; None: no limit
     allowed_origins: tuple[str, ...] = ()  # origins browsers may call from (CORS); () = none
+    read_timeout: float | None = DEFAULT_READ_TIMEOUT_S  # a body not in by then: 408; None: wait
 
 
 class Server:
@@ -516,7 +518,12 @@ def create_app(
 
     app = FastAPI(title="treespec", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = srv
-    app.add_middleware(Guard, api_keys=settings.api_keys, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        Guard,
+        api_keys=settings.api_keys,
+        max_body_bytes=settings.max_body_bytes,
+        read_timeout=settings.read_timeout,
+    )
     if settings.allowed_origins:  # outside the guard: a browser's preflight carries no key
         app.add_middleware(
             CORSMiddleware,

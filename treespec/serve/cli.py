@@ -81,6 +81,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"plainly, so that large trees cannot slow the others (default {DEFAULT_SHARED_TREE_NODES}, the "
         "automatic tree's largest; off with --deterministic)",
     )
+    s.add_argument(
+        "--read-timeout",
+        type=float,
+        default=None,
+        help="seconds a client has to send a request's headers (after connecting or after the last "
+        "response), and then its body; a late one gets 408 and the connection closes (default 30)",
+    )
     s.add_argument("--max-body-mb", type=float, default=4.0, help="larger request bodies get 413 (default 4)")
 
     a = p.add_argument_group("access")
@@ -142,7 +149,7 @@ def _missing(error: ImportError) -> str:
 def build(args):
     """The app for `args` (loads the models); ValueError for bad flags."""
     try:
-        from .app import DEFAULT_MAX_TREE_NODES, ServeSettings, create_app
+        from .app import DEFAULT_MAX_TREE_NODES, DEFAULT_READ_TIMEOUT_S, ServeSettings, create_app
     except ImportError as e:
         raise ValueError(_missing(e)) from None
 
@@ -154,6 +161,9 @@ def build(args):
     max_tree_nodes = DEFAULT_MAX_TREE_NODES if args.max_tree_nodes is None else args.max_tree_nodes
     if max_tree_nodes < 1:
         raise ValueError(f"--max-tree-nodes must be >= 1, got {max_tree_nodes}")
+    read_timeout = DEFAULT_READ_TIMEOUT_S if args.read_timeout is None else args.read_timeout
+    if not read_timeout > 0:
+        raise ValueError(f"--read-timeout must be > 0 seconds, got {args.read_timeout}")
     if not args.max_body_mb > 0:
         raise ValueError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
     api_keys = access(args)
@@ -202,6 +212,7 @@ def build(args):
         max_tree_nodes=max_tree_nodes,
         api_keys=api_keys,
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
+        read_timeout=read_timeout,
         allowed_origins=tuple(args.allowed_origins),
     )
     if settings.verification is not None and tree is not None:
@@ -261,10 +272,14 @@ def run(args) -> int:
             srv.shut_down(args.grace_period)  # the app's own clock: at the grace period, cancel
             super().handle_exit(sig, frame)
 
+    from .guard import timed_h11
+
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
+        # stalled headers: 408 and closed (the Guard times bodies)
+        http=timed_h11(srv.settings.read_timeout) if srv.settings.read_timeout else "auto",
         log_level=args.log_level,
         # uvicorn's own cut (tasks cancelled mid-response) only past the app's: by then every
         # request has been cancelled and answered
