@@ -32,6 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.requests import Request as HTTPRequest
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import SamplingConfig, TreeConfig
@@ -226,6 +227,33 @@ class Server:
                 f"positions can hold (at most {most} bytes); shorten it",
                 param=field,
             )
+
+    def parse(self, raw: bytes, model):
+        """A request body as `model` (a pydantic class). Lists the context cannot hold (token
+        ids, chat messages) are refused by their length before pydantic walks them: validating
+        a body of 1.25M token ids held the event loop 0.2-0.4 s, stalling every stream."""
+        if not raw.strip():
+            raise ServeError(400, "the request body must be a JSON object (Content-Type: application/json)")
+        try:
+            data = json.loads(raw)
+        except ValueError as e:
+            raise ServeError(400, f"the request body is not valid JSON: {e}") from None
+        if isinstance(data, dict) and self.max_positions is not None:
+            prompt, messages = data.get("prompt"), data.get("messages")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+                prompt = prompt[0]
+            for field, items, what in (("prompt", prompt, "tokens"), ("messages", messages, "messages")):
+                if isinstance(items, list) and len(items) > self.max_positions:
+                    raise ServeError(
+                        400,
+                        f"{field}: {len(items)} {what}, more than the model's {self.max_positions} "
+                        "positions can hold; shorten it",
+                        param=field,
+                    )
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
 
     def room(self, prompt_len: int, tree: TreeConfig | None) -> int:
         """The default max_tokens: what the context and `max_kv_tokens` leave after the prompt."""
@@ -589,8 +617,9 @@ def create_app(
         return ModelList(data=[card]).model_dump()
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http: HTTPRequest):
+    async def completions(http: HTTPRequest):
         arrival = time.perf_counter()
+        body = srv.parse(await http.body(), CompletionRequest)
         srv.check_common(body)
         for name, bad in (
             ("echo", body.echo),
@@ -633,8 +662,9 @@ def create_app(
         ).model_dump()
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
+    async def chat_completions(http: HTTPRequest):
         arrival = time.perf_counter()
+        body = srv.parse(await http.body(), ChatCompletionRequest)
         srv.check_common(body)
         if body.tools:
             raise ServeError(400, "tools are not supported", param="tools")
