@@ -22,7 +22,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,17 +29,9 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def seconds(run, repeats: int) -> float:
-    times = []
-    for _ in range(repeats + 3):  # three warm-up calls
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[3:])
-
-
 def measure(args) -> dict:
     from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig, parallel
+    from treespec.autotree import median_seconds
     from treespec.tree import TokenTree
     from treespec.zoo import heldout_chats, heldout_prompt_ids, pair
 
@@ -60,12 +51,12 @@ def measure(args) -> dict:
             lane.score(tree)
             lane.commit([])
 
-        forward[n] = seconds(score, args.repeats)
+        forward[n] = median_seconds(score, args.repeats, warmup=3)
     reduce = {}
     if tp is not None:
         for n in (1, 16):
             x = torch.randn(n, target.shape.hidden, dtype=target.dtype)
-            reduce[n] = seconds(lambda x=x: tp.reduce(x), args.repeats * 3)
+            reduce[n] = median_seconds(lambda x=x: tp.reduce(x), args.repeats * 3, warmup=3)
     if getattr(dec.tokenizer, "chat_template", None):
         chats = heldout_chats(args.n_prompts)
     else:  # a code model: its held-out prompts, as token ids

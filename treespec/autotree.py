@@ -119,13 +119,14 @@ class Costs:
         )
 
 
-def _seconds(run, repeats: int) -> float:
+def median_seconds(run, repeats: int, warmup: int = 1) -> float:
+    """The median wall time of `repeats` calls of `run()`, after `warmup` untimed ones."""
     times = []
-    for _ in range(repeats + 1):  # one warm-up call
+    for _ in range(repeats + warmup):
         t0 = time.perf_counter()
         run()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+    return statistics.median(times[warmup:])
 
 
 def _lane(runner):
@@ -163,7 +164,7 @@ def measure_costs(decoder, repeats: int = 5) -> Costs:
             lane.score(tree)
             lane.commit([])
 
-        timed[n] = _seconds(score, repeats)
+        timed[n] = median_seconds(score, repeats)
     lane.reset()
     t1 = timed[1]
     sizes = sorted(timed)
