@@ -576,10 +576,12 @@ def show_progress() -> None:
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # usage errors exit 2 with argparse's one-line message
-    rank = _launched_rank()
+    from .parallel import launched_rank  # torch loads here
+
+    rank = launched_rank()
     if rank:  # tensor parallel (torchrun): rank 0 prints and serves; the others only compute
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
-    from .backends.hf import quiet_transformers  # torch and transformers load here
+    from .backends.hf import quiet_transformers  # transformers loads here
 
     quiet_transformers()
     if args.command == "bench" and rank is not None:
@@ -607,8 +609,10 @@ def _main(argv: list[str] | None) -> int:
 
 
 def _stopped_by_launcher(signum, frame) -> None:
+    from .parallel import launched_rank
+
     print(
-        f"treespec: rank {_launched_rank()}: stopped by the launcher (another rank failed, or the run "
+        f"treespec: rank {launched_rank()}: stopped by the launcher (another rank failed, or the run "
         "was interrupted)",
         file=sys.stderr,
         flush=True,
@@ -616,17 +620,10 @@ def _stopped_by_launcher(signum, frame) -> None:
     os._exit(128 + signum)
 
 
-def _launched_rank() -> int | None:
-    """This process's rank where a launcher (torchrun) started several, else None."""
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
-        return None
-    return int(os.environ.get("RANK", "0") or 0)
-
-
 def _run_command(args) -> int:
-    from .parallel import ParallelError, lost
+    from .parallel import ParallelError, launched_rank, lost
 
-    rank = _launched_rank()
+    rank = launched_rank()
     where = "" if rank is None else f"rank {rank}: "
     try:
         if args.command == "distill":

@@ -101,6 +101,14 @@ def launched_world() -> int:
         raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a number") from None
 
 
+def launched_rank() -> int | None:
+    """This process's rank where a launcher (torchrun) started several, else None; known from
+    the environment before any group is joined."""
+    if launched_world() <= 1:
+        return None
+    return int(os.environ.get("RANK", "0") or 0)
+
+
 def init(tp: int | None = None, device: torch.device | None = None, timeout_s: float | None = None):
     """Join the process group of a torchrun launch and return this rank's `TensorParallel`
     (None: a single process, no group). `tp`: the number of ranks the caller expects (None:

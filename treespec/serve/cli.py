@@ -252,11 +252,8 @@ def run(args) -> int:
     quiet_transformers()
     from .. import parallel
 
-    level = (
-        args.log_level.upper()
-        if parallel.launched_world() == 1 or os.environ.get("RANK") in (None, "0")
-        else "WARNING"
-    )
+    # tensor parallel: the ranks other than 0 log only what goes wrong
+    level = args.log_level.upper() if not parallel.launched_rank() else "WARNING"
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         app, _ = build(args)
