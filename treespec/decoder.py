@@ -393,9 +393,7 @@ class SpeculativeDecoder:
         for lane in targets + drafts:
             if lane is not None:
                 lane.batch_invariant = bool(deterministic)
-        engine = self._engine(targets, drafts, max_kv_tokens, speculate_max_live)
-        engine.shared_tree_nodes = shared_tree_nodes
-        return engine
+        return self._engine(targets, drafts, max_kv_tokens, speculate_max_live, shared_tree_nodes)
 
     @property
     def planner(self):
@@ -413,7 +411,9 @@ class SpeculativeDecoder:
         return RULES_FOR["custom" if tree is None else self.drafter.siblings(tree)]
 
     # ---- helpers ---------------------------------------------------------------------------
-    def _engine(self, targets, drafts, max_kv_tokens=None, speculate_max_live=None) -> Engine:
+    def _engine(
+        self, targets, drafts, max_kv_tokens=None, speculate_max_live=None, shared_tree_nodes=None
+    ) -> Engine:
         check_positive_int("max_kv_tokens", max_kv_tokens, none_ok=True)
         if speculate_max_live != "auto" and speculate_max_live is not None:
             if (
@@ -443,6 +443,7 @@ class SpeculativeDecoder:
             speculate_max_live,
             switch,
             self.planner,
+            shared_tree_nodes,
         )
 
     @contextmanager
