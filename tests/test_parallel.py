@@ -129,6 +129,27 @@ def test_cli_generate_under_torchrun_prints_once_what_one_process_prints():
     assert two.stdout == one.stdout and one.stdout.startswith("def add(a, b):")
 
 
+def test_two_launchers_rendezvous_as_two_nodes():
+    """The multi-node launch of docs/parallel.md, both "nodes" on this machine: two torchrun
+    launchers of one rank each meet through the c10d rendezvous; rank 0's node prints what one
+    process prints, the other nothing."""
+    args = ["generate", "def add(a, b):", "--max-new-tokens", "12", "--dtype", "float64", "--seed", "3"]
+    args += ["--temperature", "1", "--width", "2", "--depth", "2"]
+    one = run([sys.executable, "-m", "treespec", *args])
+    endpoint = f"127.0.0.1:{_free_port()}"
+    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1"]
+    node += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=treespec-test"]
+    nodes = [
+        subprocess.Popen(
+            node + ["-m", "treespec", *args], env=env(), cwd=ROOT, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    printed = sorted(p.communicate(timeout=180)[0] for p in nodes)
+    assert [p.returncode for p in nodes] == [0, 0]
+    assert printed == ["", one.stdout] and one.stdout.startswith("def add(a, b):")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
