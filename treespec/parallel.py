@@ -79,12 +79,14 @@ def _dist():
     return dist
 
 
+_joined: TensorParallel | None = None  # the group `init` joined; None: one process
+
+
 def current() -> TensorParallel | None:
-    """The tensor-parallel group of this process (`init` was called and the world is > 1), or None."""
-    dist = _dist()
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-        return None
-    return TensorParallel(dist.get_rank(), dist.get_world_size())
+    """This process's tensor-parallel group (`init` joined one of more than one rank), or None.
+    A process group its caller made for something else (data parallelism) is not treespec's:
+    with `tp=1` every rank stays a process of its own."""
+    return _joined
 
 
 def leader() -> bool:
@@ -127,6 +129,7 @@ def init(tp: int | None = None, device: torch.device | None = None, timeout_s: f
         raise ValueError(
             f"--tp {tp} asks for {tp} ranks, and this process was launched in a world of {world}; {hint}"
         )
+    global _joined
     if world == 1:
         return None
     dist = _dist()
@@ -140,7 +143,8 @@ def init(tp: int | None = None, device: torch.device | None = None, timeout_s: f
             dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
         except Exception as e:  # noqa: BLE001 - a rendezvous failure has many types
             raise ParallelError(f"cannot join the tensor-parallel group: {type(e).__name__}: {e}") from e
-    return current()
+    _joined = TensorParallel(dist.get_rank(), dist.get_world_size())
+    return _joined
 
 
 def agree(value):
@@ -207,6 +211,8 @@ def lost(error: BaseException) -> ParallelError:
 
 def shutdown() -> None:
     """Leave the process group (end of a torchrun program)."""
+    global _joined
+    _joined = None
     dist = _dist()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
