@@ -2,8 +2,8 @@
 """Tensor parallelism on this machine: t(1), t(16), the all-reduce, and plain / speculative
 decoding of the default pair at tp 1, 2, 3 (each a torchrun launch of its own).
 
-    python experiments/tp_bench.py --tp 1 2 3 --tag zen5
-    python experiments/tp_bench.py --tp 1 2 --pair pycode --dtype float32
+    python experiments/tp_bench.py --tp 1 3 --tag zen5            # SmolLM2: 9 heads, tp 1 or 3
+    python experiments/tp_bench.py --tp 1 2 --pair pycode --tag zen5   # 8 / 2 heads
 
 Without torchrun the script launches itself once per tp (`torch.distributed.run --standalone`)
 and merges what rank 0 of each launch measured into experiments/results/tp_bench_TAG.json.
