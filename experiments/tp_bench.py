@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Tensor parallelism on this machine: t(1), t(16), the all-reduce, and plain / speculative
-decoding of the default pair at tp 1, 2, 3 (each a torchrun launch of its own).
+decoding of a pair at several tp (each a torchrun launch of its own).
 
     python experiments/tp_bench.py --tp 1 3 --tag zen5            # SmolLM2: 9 heads, tp 1 or 3
     python experiments/tp_bench.py --tp 1 2 --pair pycode --tag zen5   # 8 / 2 heads
 
 Without torchrun the script launches itself once per tp (`torch.distributed.run --standalone`)
-and merges what rank 0 of each launch measured into experiments/results/tp_bench_TAG.json.
+and merges what rank 0 of each launch measured into experiments/results/tp_bench_PAIR_TAG.json.
 Inside a launch: the target's forward of n tokens after a 128-token prefix (n = 1, 4, 16;
 median of 30), an all-reduce of [n, hidden] (the collective each layer runs twice), then the
 held-out chats decoded plainly and speculatively (the automatic tree and a fixed chain),
