@@ -60,9 +60,9 @@ class TensorParallel:
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over the ranks (a row-parallel product's partial results), the same
-        bits on every rank; `x` may be overwritten. In place where it runs eagerly; functional
-        where inductor traces it into a compiled forward (the functional call costs ~0.13 ms
-        more on gloo: 0.45 against 0.32 ms for [1, 576] on a 2-core Zen 5)."""
+        bits on every rank; `x` may be overwritten. In place where it runs eagerly (the
+        functional call is slower on gloo, docs/parallel.md); functional where inductor traces
+        it into a compiled forward."""
         import torch.distributed as dist
 
         if torch.compiler.is_compiling():
