@@ -113,10 +113,17 @@ class SamplingConfig:
 
 def check_positive_int(name: str, value, none_ok: bool = False) -> None:
     """ValueError unless `value` is an int >= 1 (or None, if `none_ok`), naming `name`."""
+    check_int_at_least(name, value, 1, none_ok)
+
+
+def check_int_at_least(name: str, value, minimum: int, none_ok: bool = False) -> None:
+    """ValueError unless `value` is an int >= `minimum` (or None, if `none_ok`), naming `name`."""
     if value is None and none_ok:
         return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be {'None or ' if none_ok else ''}an integer >= 1, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(
+            f"{name} must be {'None or ' if none_ok else ''}an integer >= {minimum}, got {value!r}"
+        )
 
 
 def _is_number(v) -> bool:

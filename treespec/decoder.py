@@ -23,7 +23,7 @@ import torch
 
 from .adaptive import GoodputSwitch
 from .backends import Runner, make_runner
-from .config import SamplingConfig, TreeConfig, check_positive_int
+from .config import SamplingConfig, TreeConfig, check_int_at_least, check_positive_int
 from .drafters import Drafter, DrafterFactory
 from .engine import Engine
 from .output import GenerationOutput, OnTokens
@@ -366,12 +366,7 @@ class SpeculativeDecoder:
         `speculate_max_live`, and like it excluded by `deterministic`; requests within the cap
         are untouched. None (default): no cap."""
         check_positive_int("max_live", max_live)
-        if shared_tree_nodes is not None and (
-            not isinstance(shared_tree_nodes, int)
-            or isinstance(shared_tree_nodes, bool)
-            or shared_tree_nodes < 0
-        ):
-            raise ValueError(f"shared_tree_nodes must be None or an integer >= 0, got {shared_tree_nodes!r}")
+        check_int_at_least("shared_tree_nodes", shared_tree_nodes, 0, none_ok=True)
         if deterministic and shared_tree_nodes is not None:
             raise ValueError(
                 "deterministic=True needs shared_tree_nodes=None: trimming trees by load would make "
