@@ -90,7 +90,7 @@ def measure(args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 3])  # SmolLM2's 9 heads: 1 or 3 ranks
     p.add_argument("--pair", default="smollm2")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--temperature", type=float, default=0.0)
