@@ -40,6 +40,22 @@ def test_dynamic_program_equals_brute_force(acc, n, max_depth):
     assert shape.n_nodes <= n and shape.depth <= max_depth
 
 
+@pytest.mark.parametrize("levels", [((0.5, 0.3), (0.9,)), ((0.8, 0.1), (0.4, 0.3), (0.95,))])
+@pytest.mark.parametrize("n", [3, 5, 6])
+def test_acceptance_by_level_equals_brute_force(levels, n):
+    """One vector per level of the node drawn from (the last for deeper ones): the DP still
+    finds the best shape, and a draft that accepts more deeper gets deeper shapes."""
+    best = max(
+        tree_expected_tokens(p, levels) for m in range(n + 1) for p in all_shapes(m) if depth_of(p) <= 4
+    )
+    shape = optimal_shape(levels, n, 4)
+    assert shape.expected_tokens == pytest.approx(best, abs=1e-12)
+    assert tree_expected_tokens(shape.parents, levels) == pytest.approx(best, abs=1e-12)
+    assert tree_expected_tokens((-1, 0, 1), levels) == pytest.approx(1 + levels[0][0] * (1 + levels[1][0]))
+    flat = optimal_shape(levels[0], n, 4)
+    assert shape.depth >= flat.depth
+
+
 def test_cost_weighting_against_brute_force():
     acc = (0.6, 0.2, 0.1)
     verify_cost = [1.0 + 0.15 * n for n in range(9)]
