@@ -5,8 +5,8 @@
     python experiments/auto_vs_grid.py --pair pycode --dtype bfloat16 --tag zen5_bf16
 
 One process, held-out prompts, every configuration run on the same prompt one after another
-(interleaved), after an untimed warm-up of each; per temperature, each configuration's median
-tokens/s over prompts, tokens/step and acceptance by depth, and the automatic tree's ratio to
+(interleaved; `--repeats` times over the prompts), after an untimed warm-up of each; per
+temperature, each configuration's median tokens/s over the runs, tokens/step and acceptance by depth, and the automatic tree's ratio to
 the best fixed configuration and to plain decoding (issue 39's bar: >= 0.95x the best, >= 1.0x
 plain). The grid: chains of depth 1-6, i.i.d. trees 2x1 to 4x4, a dynamic (EAGLE-2) tree and
 plain decoding. Writes results/auto_vs_grid_<pair>_<tag>.json.
@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--n-prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=1, help="runs of every prompt and configuration (medians over all)")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--tag", default="cpu")
     args = ap.parse_args()
@@ -71,6 +72,7 @@ def main() -> None:
         "machine": machine_info("cpu"),
         "load_seconds": round(load_s, 2),
         "costs_seconds": round(costs_s, 2),
+        "repeats": args.repeats,
         "costs": costs.to_json(),
         "runs": {},
     }
@@ -81,13 +83,16 @@ def main() -> None:
         secs = {name: [] for name in methods}
         for tree in methods.values():  # warm-up: every configuration once, untimed
             dec.generate(prompts[0], 24, tree=tree, sampling=sampling, seed=99)
-        for i, prompt in enumerate(prompts):
-            for name, tree in methods.items():
-                t0 = time.perf_counter()
-                o = dec.generate(prompt, args.max_new_tokens, tree=tree, sampling=sampling, seed=i)
-                secs[name].append(time.perf_counter() - t0)
-                outs[name].append(o)
-            print(f"\rT={temperature} prompt {i + 1}/{len(prompts)}", end="", file=sys.stderr, flush=True)
+        for r in range(args.repeats):
+            for i, prompt in enumerate(prompts):
+                for name, tree in methods.items():
+                    t0 = time.perf_counter()
+                    seed = i + r * len(prompts)
+                    o = dec.generate(prompt, args.max_new_tokens, tree=tree, sampling=sampling, seed=seed)
+                    secs[name].append(time.perf_counter() - t0)
+                    outs[name].append(o)
+                where = f"repeat {r + 1}/{args.repeats}, prompt {i + 1}/{len(prompts)}"
+                print(f"\rT={temperature} {where}", end="", file=sys.stderr, flush=True)
         run = {name: summarise(outs[name], secs[name]) for name in methods}
         plain = run["plain"]["tokens_per_second"]
         best = max((r["tokens_per_second"], n) for n, r in run.items() if n != "auto")

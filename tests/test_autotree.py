@@ -18,6 +18,7 @@ from treespec.autotree import (
     CostCache,
     Costs,
     Planner,
+    load_acceptance,
     measure_acceptance,
     planner_for,
 )
@@ -63,7 +64,7 @@ def test_the_plan_follows_the_costs_and_the_acceptance():
     chain = planner(verify_slope=0.3, draft=0.02).plan(GREEDY)
     assert chain.tree is not None and all(len(c) <= 1 for c in chain.tree.shape.children())
     # the temperature class picks its own vector; chain_only gives a chain whatever the costs
-    assert planner().plan(T1).acceptance[0] == 0.5
+    assert planner().plan(T1).acceptance[0][0] == 0.5
     assert all(len(c) <= 1 for c in planner().plan(GREEDY, chain_only=True).tree.shape.children())
 
 
@@ -113,6 +114,53 @@ def test_a_requests_depth_follows_its_own_acceptance_and_probes_when_plain():
     for _ in range(300):  # everything accepted: as deep as the shape goes
         policy.update(None, chain, Walk((0, 1, 2), 5, "bonus"), 2)
     assert policy.depth == plan.tree.shape.depth
+
+
+def test_rank_zero_is_counted_by_level_and_plans_deeper_where_it_accepts_more():
+    """A chain's walk stands at levels 0, 1, ...: rank 0's counts by level give one vector per
+    level (the other ranks pooled, scaled to what rank 0 leaves); a draft that accepts more
+    deeper plans deeper than its level-0 acceptance alone would."""
+    chain = TokenTree([0, 1, 2, 3], [-1, 0, 1, 2])
+    counts = AcceptanceCounts()
+    counts.count(chain, Walk((0, 1, 2, 3), 9, "bonus"))
+    counts.count(chain, Walk((0,), 9, "correction"))
+    counts.count(chain, Walk((0, 1, 2), 9, "correction"))
+    assert counts.level_visits == [3, 2, 2] and counts.level_hits == [2, 2, 1]
+    assert counts.levels() == ((2 / 3,), (1.0,), (0.5,))
+    assert counts.levels(min_visits=3) == ((2 / 3,),)  # too few walks stood deeper
+    assert counts.levels(prior=((0.5, 0.4),), weight=3)[1] == pytest.approx((0.7, 0.3))
+    flat = planner(acc0=(0.6, 0.1)).plan(GREEDY)
+    deep = planner(acc0=((0.6, 0.1), (0.9, 0.05))).plan(GREEDY)
+    assert deep.tree.shape.depth > flat.tree.shape.depth
+    assert "rank 0 deeper 0.90" in deep.describe()
+
+
+def test_a_shipped_acceptance_by_level_is_read_and_a_planned_chain_runs_block(tmp_path):
+    (tmp_path / "acceptance.json").write_text(
+        json.dumps({c: {"acceptance": [0.6, 0.3], "by_level": [0.6, 0.9]} for c in ("T0", "T1")})
+    )
+    assert [list(v) for v in load_acceptance(tmp_path)["T1"]] == [[0.6, 0.3], pytest.approx([0.9, 0.1])]
+    (tmp_path / "acceptance.json").write_text(
+        json.dumps({"T0": {"acceptance": [0.7]}, "T1": {"acceptance": [0.5]}})
+    )
+    assert load_acceptance(tmp_path)["T1"] == ((0.5,),)  # written before levels were counted
+    target, draft = pair()
+    decoder = SpeculativeDecoder(TableRunner(target), TableRunner(draft))
+    decoder._planner = Planner(costs(verify_slope=0.3, draft=0.01), {"T0": (0.8,), "T1": (0.8,)}, "shipped")
+    shape = decoder.planner.plan(T1).tree.shape
+    assert shape.n_nodes == shape.depth > 1  # a chain ...
+    out = decoder.generate(PROMPT, 4, sampling=T1, seed=0)
+    assert out.verification == "block"  # ... verified by the rule that accepts the most on chains
+
+
+def test_a_round_costs_its_parts_and_its_fixed_cost_in_plain_rounds():
+    base = dataclasses.replace(costs(), node_draft=0.02, walk={"T0": 0.0, "T1": 0.1}, chain_walk=0.04)
+    timed = dataclasses.replace(base, overhead=0.3, plain=1.2)
+    assert timed.round_cost(0, 0) == base.round_cost(0, 0) == 1.0  # plain decoding is the unit
+    assert timed.round_cost(3, 3, "T1") == pytest.approx((base.verify[3] + 3 * (0.05 + 0.04) + 0.3) / 1.2)
+    assert timed.round_cost(4, 2, "T1") == pytest.approx((base.verify[4] + 2 * 0.03 + 4 * 0.12 + 0.3) / 1.2)
+    assert timed.verify_with_nodes("T1")[4] == pytest.approx(timed.round_cost(4, 0, "T1"))
+    assert Costs.from_json(timed.to_json()) == timed
 
 
 @pytest.mark.parametrize("sampling_name", ["T1", "T0.6-topk2"])

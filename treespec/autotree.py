@@ -1,17 +1,20 @@
 """`TreeConfig()` means "auto": each request's tree, chosen for this machine and this drafter.
 
-A round that drafts a shape of n nodes and depth d costs `t(n + 1) / t(1) + d * c` target
-forwards (the verification of n nodes and the root, d draft forwards) and yields, in
-expectation, Sequoia's positional value of the shape (`treespec.sequoia`): 1 + the sum over its
-nodes of the product of the acceptance a[k] of each rank k on the node's path. Plain decoding
-costs 1 and yields 1. The automatic tree is the shape with the most expected tokens per unit of
-cost, and no speculation where none beats plain decoding.
+A round that drafts a shape of n nodes and depth d costs, in plain rounds, its forwards (the
+verification of n nodes and the root, `t(n + 1) / t(1)`, and d draft forwards of c each), what
+each node adds (its walk, a tree level's further draft rows) and a speculative round's fixed
+cost (the draft's catch-up, both caches' bookkeeping); it yields, in expectation, Sequoia's
+positional value of the shape (`treespec.sequoia`): 1 + the sum over its nodes of the product
+of the acceptance a[k] of each rank k on the node's path. Plain decoding costs 1 and yields 1.
+The automatic tree is the shape with the most expected tokens per unit of cost, and no
+speculation where none beats plain decoding.
 
     costs        t(n)/t(1) of the target for n = 1 .. AUTO_MAX_NODES + 1, and c: measured in a few
                  seconds (`measure_costs`), once per machine and model settings, kept on disk
                  (`CostCache`, under $TREESPEC_CACHE) and in memory
     acceptance   the drafter's positional acceptance a[k] (the k-th draw at a node is the one
-                 accepted), one vector at temperature 0 and one above: measured on held-out
+                 accepted; rank 0's by the level of the node, `treespec.sequoia.by_level`), one
+                 set at temperature 0 and one above: measured on held-out
                  prompts and shipped beside a draft (acceptance.json, `measure_acceptance`), else
                  what the requests of earlier processes with the same models measured (kept
                  beside the costs), else `PRIOR`; fixed for a decoder's life, so that a batch's
@@ -47,14 +50,16 @@ from . import parallel
 from .adaptive import DepthPolicy
 from .config import AUTO_MAX_DEPTH, AUTO_MAX_NODES, SamplingConfig, TreeConfig
 from .proposal import DepthStep, DraftTree, Walk
-from .sequoia import TreeShape, optimal_shape, tree_expected_tokens
+from .sequoia import TreeShape, by_level, optimal_shape, tree_expected_tokens
 from .tree import TokenTree
 
 COST_FEEDS = (1, 2, 3, 4, 5, 6, 8, 10, 13, 17)  # target feed sizes timed (the rest interpolated)
 COST_PREFIX = 128  # committed tokens before the timed feeds
-COST_VERSION = 2  # bump when what is measured changes: older cache entries are ignored
+COST_ROUND_TOKENS = 96  # tokens of each short generation whose rounds are timed
+COST_VERSION = 4  # bump when what is measured changes: older cache entries are ignored
 PRIOR = {"T0": (0.5, 0.1, 0.05), "T1": (0.4, 0.1, 0.05)}  # a drafter nothing is known of
 PRIOR_WEIGHT = 16.0  # a request's own visits weigh against the plan's vector as this many
+LEVEL_MIN_VISITS = 50  # a level's own rank-0 counts plan only with this many visits
 PROBE_EVERY = 8  # a request that decodes plainly drafts one depth-1 round this often
 ACCEPTANCE_FILE = "acceptance.json"  # beside a draft: its measured positional acceptance
 
@@ -63,7 +68,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Costs:
-    """What a round costs on this machine, in target forwards of one token."""
+    """What a round costs on this machine, in target forwards of one token (t(1)); `round_cost`
+    turns a round into plain rounds."""
 
     verify: tuple[float, ...]  # verify[n] = t(n + 1 tokens) / t(1 token), n = 0 .. AUTO_MAX_NODES
     draft: float  # c: one draft forward of one row (a chain's level) / t(1)
@@ -71,21 +77,24 @@ class Costs:
     measured: str = ""  # what and when: machine, settings, date
     node_draft: float = 0.0  # each further row of a tree level's draft forward / t(1)
     walk: dict = field(default_factory=lambda: {"T0": 0.0, "T1": 0.0})  # the walk per node / t(1), per class
+    chain_walk: float = 0.0  # a chain's walk per node at T > 0 (the block rule) / t(1)
+    plain: float = 1.0  # a plain round (forward, sampling, bookkeeping) / t(1)
+    overhead: float = 0.0  # a speculative round's time beyond its forwards, draws and walk / t(1)
 
     def round_cost(self, nodes: int, depth: int, cls: str = "T1") -> float:
-        """A round of `nodes` draft nodes over `depth` levels, in plain rounds: scoring them,
-        walking them under temperature class `cls`, and drafting each level."""
+        """A round of `nodes` draft nodes over `depth` levels (nodes == depth: a chain), in plain
+        rounds: scoring them, walking them under temperature class `cls`, drafting each level
+        and the round's fixed cost."""
         if nodes == 0:
             return 1.0
-        return (
-            self.verify[min(nodes, len(self.verify) - 1)]
-            + self.per_node(cls) * nodes
-            + depth * self.level_draft
-        )
+        forwards = self.verify[min(nodes, len(self.verify) - 1)] + depth * self.level_draft
+        return (forwards + self.per_node(cls, nodes == depth) * nodes + self.overhead) / self.plain
 
-    def per_node(self, cls: str) -> float:
-        """What each node adds beyond its scoring: its walk under `cls` and its draft row."""
-        return self.walk.get(cls, 0.0) + self.node_draft
+    def per_node(self, cls: str, chain: bool = False) -> float:
+        """What each node adds beyond its scoring: its walk under `cls` (a chain's at T > 0 is
+        the block rule's) and its draft row."""
+        walk = self.chain_walk if chain and cls == "T1" else self.walk.get(cls, 0.0)
+        return walk + self.node_draft
 
     @property
     def level_draft(self) -> float:
@@ -93,20 +102,22 @@ class Costs:
         return max(0.0, self.draft - self.node_draft)
 
     def verify_with_nodes(self, cls: str) -> list[float]:
-        """verify[n] plus the per-node costs of `cls`: the list Sequoia's DP plans with (beside
-        `level_draft` per level)."""
-        return [v + self.per_node(cls) * n for n, v in enumerate(self.verify)]
+        """The cost of a round of n nodes but its levels, in plain rounds (n = 0: a plain round):
+        the list Sequoia's DP plans with, beside `level_draft / plain` per level."""
+        return [1.0] + [self.round_cost(n, 0, cls) for n in range(1, len(self.verify))]
 
     def to_json(self) -> dict:
         return {
             "verify": list(self.verify), "draft": self.draft, "t1": self.t1, "measured": self.measured,
-            "node_draft": self.node_draft, "walk": dict(self.walk),
+            "node_draft": self.node_draft, "walk": dict(self.walk), "chain_walk": self.chain_walk,
+            "plain": self.plain, "overhead": self.overhead,
         }  # fmt: skip
 
     @classmethod
     def from_json(cls, d: dict) -> Costs:
         verify = tuple(float(v) for v in d["verify"])
-        if len(verify) != AUTO_MAX_NODES + 1 or not all(v > 0 for v in verify) or not float(d["draft"]) >= 0:
+        valid = all(v > 0 for v in verify) and float(d["draft"]) >= 0 and float(d["plain"]) > 0
+        if len(verify) != AUTO_MAX_NODES + 1 or not valid:
             raise ValueError("not a cost record of this version")
         walk = {k: float(d["walk"][k]) for k in ("T0", "T1")}
         return cls(
@@ -116,6 +127,9 @@ class Costs:
             str(d.get("measured", "")),
             float(d["node_draft"]),
             walk,
+            float(d["chain_walk"]),
+            float(d["plain"]),
+            float(d["overhead"]),
         )
 
 
@@ -137,15 +151,17 @@ def _lane(runner):
         return runner
 
 
-def measure_costs(decoder, repeats: int = 5) -> Costs:
+def measure_costs(decoder, repeats: int = 7) -> Costs:
     """This machine's costs for `decoder`: t(n)/t(1) of its target for feeds of n = 1 ..
     AUTO_MAX_NODES + 1 tokens (a root and its children after COST_PREFIX tokens, on a lane of
-    its own; the sizes between COST_FEEDS interpolated); c, a draft forward's share of a round
-    as its drafter really spends it (the forward, sampling, bookkeeping), from a short
-    chain-drafted generation at temperature 1; and the per-node costs (a tree level's further
-    draft rows, the walk per node at T=0 and T>0) from two short tree-drafted ones (all 0 where
-    nothing is drafted by a model). About 4 s on a 2-core CPU for SmolLM2-135M with its head;
-    under a compiler, each feed size compiles once."""
+    its own, the sizes interleaved; those between COST_FEEDS interpolated); then, from short
+    generations at temperature 1 as the drafter really runs them (forwards, sampling,
+    bookkeeping): a plain round's time, c (what a further level adds to a chain of 4 over a
+    chain of 1), a chain's walk per node and a speculative round's fixed cost; and the per-node
+    costs of trees (a level's further draft rows, the walk per node at T=0 and T>0) from a
+    Sequoia shape at both temperatures (all neutral where nothing is drafted by a model). A few
+    seconds on a 2-core CPU for SmolLM2-135M with its head; under a compiler, each feed size
+    compiles once."""
     from .tree import TokenTree
 
     target = decoder.target_runner
@@ -156,15 +172,16 @@ def measure_costs(decoder, repeats: int = 5) -> Costs:
     tokens = torch.randint(0, min(target.vocab_size, 1000), (prefix + max(COST_FEEDS),), generator=g).tolist()
     lane.reset()
     lane.prefill(tokens[:prefix])
-    timed = {}
-    for n in COST_FEEDS:
-        tree = TokenTree(tokens[prefix : prefix + n], [-1] + [0] * (n - 1))
-
-        def score(tree=tree) -> None:
+    trees = {n: TokenTree(tokens[prefix : prefix + n], [-1] + [0] * (n - 1)) for n in COST_FEEDS}
+    times: dict[int, list[float]] = {n: [] for n in COST_FEEDS}
+    for r in range(repeats + 2):  # interleaved, so that a slow stretch slows every size alike
+        for n, tree in trees.items():
+            t0 = time.perf_counter()
             lane.score(tree)
             lane.commit([])
-
-        timed[n] = median_seconds(score, repeats)
+            if r >= 2:  # the first two rounds of sizes warm the kernels and allocations
+                times[n].append(time.perf_counter() - t0)
+    timed = {n: statistics.median(t) for n, t in times.items()}
     lane.reset()
     t1 = timed[1]
     sizes = sorted(timed)
@@ -174,39 +191,64 @@ def measure_costs(decoder, repeats: int = 5) -> Costs:
         lo = max(s for s in sizes if s <= n)
         t = timed[lo] if hi == lo else timed[lo] + (timed[hi] - timed[lo]) * (n - lo) / (hi - lo)
         verify.append(max(1.0, t / t1, verify[-1] if verify else 1.0))  # more rows never cost less
-    c, node_draft, walk = 0.0, 0.0, {"T0": 0.0, "T1": 0.0}
+    c, node_draft, walk, chain_walk, plain, overhead = 0.0, 0.0, {"T0": 0.0, "T1": 0.0}, 0.0, 1.0, 0.0
     if decoder.drafter.needs_draft_model and decoder.draft_runner is not None:
         engine = decoder.engine(max_live=1)  # lanes of its own: the decoder may be mid-generate()
 
-        def rounds(tree: TreeConfig, temperature: float):
+        def rounds(tree: TreeConfig | None, temperature: float):
             for _ in range(2):  # the first pays for allocations
                 i = engine.add(
-                    tokens[:8], max(1, min(8 * repeats, room)), tree=tree,
+                    tokens[:8], max(1, min(COST_ROUND_TOKENS, room)), tree=tree,
                     sampling=SamplingConfig(temperature=temperature), seed=0, ignore_eos=True,
                 )  # fmt: skip
                 stats = engine.run()[i].stats
             return stats
 
-        chain = rounds(TreeConfig(width=1, depth=4), 1.0)
-        if chain.draft_forwards:
-            c = chain.draft_seconds / chain.draft_forwards / t1
-            # trees: a level of k rows drafts in c + (k - 1) x node_draft; verifying n nodes
-            # costs verify[n] (scoring) + n x walk[class] (the walk, sampling included)
-            for cls, tree, temperature in (
-                ("T1", TreeConfig(width=4, depth=2), 1.0),
-                ("T0", TreeConfig(width=4, depth=2, strategy="topk"), 0.0),
-            ):
-                s = rounds(tree, temperature)
+        def per_round(s, seconds: float) -> float:
+            return seconds / s.target_steps / t1
+
+        def scoring(s) -> float:
+            return verify[min(round(s.tree_nodes / s.target_steps), AUTO_MAX_NODES)]
+
+        plain_run = rounds(None, 1.0)
+        plain = max(1.0, per_round(plain_run, plain_run.total_seconds - plain_run.prefill_seconds))
+        short, chain = rounds(TreeConfig(width=1, depth=1), 1.0), rounds(TreeConfig(width=1, depth=4), 1.0)
+        if short.draft_forwards and chain.draft_forwards:
+            # chains of 1 and 4 levels: c is what a further level adds to the draft's time; a
+            # chain's walk per node (the block rule at T>0) from its verification time; the rest
+            # of a depth-1 round is `overhead` (the first level's catch-up on the accepted
+            # tokens beyond c, both caches' bookkeeping)
+            levels = max(2.0, chain.draft_forwards / chain.target_steps)
+            further = per_round(chain, chain.draft_seconds) - per_round(short, short.draft_seconds)
+            c = max(0.0, further / (levels - 1))
+            nodes = chain.tree_nodes / chain.target_steps
+            chain_walk = max(0.0, (per_round(chain, chain.verify_seconds) - scoring(chain)) / nodes)
+            whole = per_round(short, short.total_seconds - short.prefill_seconds - short.plan_seconds)
+            overhead = max(0.0, whole - scoring(short) - chain_walk - c)
+            first = per_round(short, short.draft_seconds)  # a round's first level, catch-up included
+            # trees of the shapes plans are made of (children drawn without replacement): a round
+            # of d levels and n nodes drafts in d x c + (n - d) x node_draft and walks n nodes in
+            # n x walk[class] (the traversal rule at T>0, its sampling included)
+            shape = TreeConfig(strategy="sequoia", shape=TreeShape((-1, 0, 0, 0, 0, 1, 2, 3, 4)), depth=2)
+            for cls, temperature in (("T1", 1.0), ("T0", 0.0)):
+                s = rounds(shape, temperature)
                 if not (s.target_steps and s.draft_forwards and s.tree_nodes):
                     continue
-                nodes = s.tree_nodes / s.target_steps
-                rows = s.tree_nodes / s.draft_forwards  # per level
-                if cls == "T1" and rows > 1:
-                    level = s.draft_seconds / s.draft_forwards / t1
-                    node_draft = max(0.0, (level - c) / (rows - 1))
-                scoring = verify[min(round(nodes), AUTO_MAX_NODES)]
-                walk[cls] = max(0.0, (s.verify_seconds / s.target_steps / t1 - scoring) / nodes)
-    return Costs(tuple(verify), c, t1, node_draft=node_draft, walk=walk)
+                nodes, levels = s.tree_nodes / s.target_steps, s.draft_forwards / s.target_steps
+                if cls == "T1" and nodes > levels:
+                    chained = first + (levels - 1) * c  # a chain of as many levels
+                    node_draft = max(0.0, (per_round(s, s.draft_seconds) - chained) / (nodes - levels))
+                walk[cls] = max(0.0, (per_round(s, s.verify_seconds) - scoring(s)) / nodes)
+    return Costs(
+        tuple(verify),
+        c,
+        t1,
+        node_draft=node_draft,
+        walk=walk,
+        chain_walk=chain_walk,
+        plain=plain,
+        overhead=overhead,
+    )
 
 
 def machine_key() -> dict:
@@ -296,16 +338,21 @@ def temperature_class(sampling: SamplingConfig) -> str:
     return "T0" if sampling.greedy else "T1"
 
 
-def load_acceptance(directory) -> dict[str, tuple[float, ...]] | None:
-    """A draft's shipped positional acceptance (`ACCEPTANCE_FILE` in its directory: the
-    vectors `measure_acceptance` gives at T=0 and T=1), or None."""
+def load_acceptance(directory) -> dict[str, tuple[tuple[float, ...], ...]] | None:
+    """A draft's shipped positional acceptance (`ACCEPTANCE_FILE` in its directory: what
+    `measure_acceptance` counts at T=0 and T=1), one vector per level (`by_level`), or None."""
     if not isinstance(directory, (str, os.PathLike)):
         return None
     path = Path(directory) / ACCEPTANCE_FILE
     try:
         data = json.loads(path.read_text())
-        return {k: tuple(float(a) for a in data[k]["acceptance"]) for k in ("T0", "T1")}
-    except (OSError, ValueError, KeyError, TypeError):
+        out = {}
+        for cls in ("T0", "T1"):
+            pooled = _check_vector(data[cls]["acceptance"])
+            firsts = data[cls].get("by_level") or [pooled[0]]
+            out[cls] = by_level(tuple(_level_vector(a, pooled[1:]) for a in firsts))
+        return out
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
         return None
 
 
@@ -339,7 +386,7 @@ class Plan:
     """What the automatic tree chose for a request, and why (`GenerationOutput.plan`)."""
 
     tree: TreeConfig | None  # a Sequoia shape; None: plain decoding
-    acceptance: tuple[float, ...]  # the positional acceptance it planned with
+    acceptance: tuple[tuple[float, ...], ...]  # the positional acceptance it planned with, by level
     expected_tokens: float  # per round, at the full shape
     speedup: float  # expected tokens per unit of cost, over plain decoding's 1
     costs: Costs | None  # None: nothing was planned (there is nothing to draft with)
@@ -352,11 +399,14 @@ class Plan:
     def describe(self) -> str:
         if self.costs is None:
             return f"auto: plain decoding ({self.source})"
-        a = ", ".join(f"{x:.2f}" for x in self.acceptance)
+        a = ", ".join(f"{x:.2f}" for x in self.acceptance[0])
+        deeper = ", ".join(f"{v[0]:.2f}" for v in self.acceptance[1:])
+        a += f"; rank 0 deeper {deeper}" if deeper else ""
         why = (
             f"acceptance [{a}] ({self.source}); t(n)/t(1) {self.costs.verify[1]:.2f} (n=2) .. "
             f"{self.costs.verify[-1]:.2f} (n={len(self.costs.verify)}), c {self.costs.draft:.3f}, "
-            f"per node +{self.costs.per_node(self.cls):.3f}"
+            f"per node +{self.costs.per_node(self.cls):.3f}, per round +{self.costs.overhead:.3f}, "
+            f"plain round {self.costs.plain:.2f}"
         )
         if self.tree is None:
             return f"auto: plain decoding, no shape beats it ({why})"
@@ -376,7 +426,8 @@ class Planner:
     def __init__(self, costs, acceptance=None, source: str = "prior", record: Path | None = None):
         self._costs = costs  # Costs, or a function that measures them on first use
         acceptance = acceptance or {}
-        self.vectors = {cls: acceptance.get(cls) or PRIOR[cls] for cls in PRIOR}  # {"T0": a, "T1": a}
+        # {"T0": levels, "T1": levels}: one vector per level (`by_level`)
+        self.vectors = {cls: by_level(acceptance.get(cls) or PRIOR[cls]) for cls in PRIOR}
         self.sources = {cls: source if acceptance.get(cls) else "prior" for cls in PRIOR}
         self.record = record
         self._plans: dict[tuple[str, bool], Plan] = {}  # fixed inputs: each plan made once
@@ -397,13 +448,26 @@ class Planner:
 
     def _plan(self, cls: str, chain_only: bool) -> Plan:
         acc, costs = self.vectors[cls], self.costs
-        vector = _check_vector(acc[:1] if chain_only else acc)
+        vector = tuple(v[:1] for v in acc) if chain_only else acc
         shape = optimal_shape(
-            vector, AUTO_MAX_NODES, AUTO_MAX_DEPTH, costs.verify_with_nodes(cls), costs.level_draft
+            vector,
+            AUTO_MAX_NODES,
+            AUTO_MAX_DEPTH,
+            costs.verify_with_nodes(cls),
+            costs.level_draft / costs.plain,
         )
-        if shape.n_nodes == 0:
+        # the DP prices every shape as a tree; chains, walked by the block rule, compete at
+        # their own cost
+        best = (shape.expected_tokens / costs.round_cost(shape.n_nodes, shape.depth, cls), shape)
+        for d in range(1, min(AUTO_MAX_DEPTH, AUTO_MAX_NODES) + 1):
+            parents = tuple(range(-1, d))
+            tokens = tree_expected_tokens(parents, vector)
+            best = max(
+                best, (tokens / costs.round_cost(d, d, cls), TreeShape(parents, tokens)), key=lambda b: b[0]
+            )
+        speedup, shape = best
+        if shape.n_nodes == 0 or speedup <= 1.0:
             return Plan(None, vector, 1.0, 1.0, costs, self.sources[cls], cls)
-        speedup = shape.expected_tokens / costs.round_cost(shape.n_nodes, shape.depth, cls)
         tree = TreeConfig(strategy="sequoia", shape=shape, depth=shape.depth)
         return Plan(tree, vector, shape.expected_tokens, speedup, costs, self.sources[cls], cls)
 
@@ -418,17 +482,21 @@ class Planner:
             data = {}
         old = AcceptanceCounts(*(data.get(cls) or ([], [])))
         old.add(counts)
-        data[cls] = [old.hits, old.visits]
+        data[cls] = [old.hits, old.visits, old.level_hits, old.level_visits]
         _write_json(self.record, data)
 
     @staticmethod
-    def remembered(record: Path | None) -> dict[str, tuple[float, ...]]:
-        """The vectors of the counts in `record`, for the temperature classes it has counts of
-        (an unreadable record: none)."""
+    def remembered(record: Path | None) -> dict[str, tuple[tuple[float, ...], ...]]:
+        """The vectors by level of the counts in `record`, for the temperature classes it has
+        counts of (an unreadable record: none)."""
         try:
             data = json.loads(record.read_text())
             counts = {cls: AcceptanceCounts(*data[cls]) for cls in PRIOR if cls in data}
-            return {cls: c.vector(PRIOR[cls], PRIOR_WEIGHT) for cls, c in counts.items() if any(c.visits)}
+            return {
+                cls: c.levels(PRIOR[cls], PRIOR_WEIGHT, LEVEL_MIN_VISITS)
+                for cls, c in counts.items()
+                if any(c.visits)
+            }
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return {}
 
@@ -436,29 +504,38 @@ class Planner:
 @dataclass
 class AcceptanceCounts:
     """Positional acceptance counts: `visits[k]` walks stood at a node with a child of rank k,
-    `hits[k]` of them accepted that child (Sequoia's a[k] = hits[k] / visits[k])."""
+    `hits[k]` of them accepted that child (Sequoia's a[k] = hits[k] / visits[k]); rank 0's
+    also by the level of the node stood at (`level_visits[l]`, `level_hits[l]`; the root is
+    level 0)."""
 
     hits: list[float] = field(default_factory=list)
     visits: list[float] = field(default_factory=list)
+    level_hits: list[float] = field(default_factory=list)
+    level_visits: list[float] = field(default_factory=list)
 
     def count(self, tree: TokenTree, walk: Walk) -> None:
         """The nodes a round's walk stood at in `tree`: which of their children, by rank, it
         accepted."""
-        for i, u in enumerate(walk.path):
+        for i, u in enumerate(walk.path):  # path[i] stands at level i
             kids = tree.children(u)  # in draw order: rank 0 first
             if not kids:
                 break
             taken = walk.path[i + 1] if i + 1 < len(walk.path) else None
-            self._grow(len(kids))
+            self._grow(len(kids), i + 1)
             for k, kid in enumerate(kids):
                 self.visits[k] += 1
                 self.hits[k] += kid == taken
+            self.level_visits[i] += 1
+            self.level_hits[i] += kids[0] == taken
 
     def add(self, other: AcceptanceCounts) -> None:
-        self._grow(len(other.visits))
+        self._grow(len(other.visits), len(other.level_visits))
         for k, (h, v) in enumerate(zip(other.hits, other.visits)):
             self.hits[k] += h
             self.visits[k] += v
+        for k, (h, v) in enumerate(zip(other.level_hits, other.level_visits)):
+            self.level_hits[k] += h
+            self.level_visits[k] += v
 
     def vector(self, prior: Sequence[float] = (), weight: float = 0.0) -> tuple[float, ...]:
         """a[k], the counts on top of `prior` weighted as `weight` visits."""
@@ -469,10 +546,35 @@ class AcceptanceCounts:
             out.append((p * weight + h) / (weight + v) if weight + v else 0.0)
         return _check_vector(out)
 
-    def _grow(self, n: int) -> None:
-        while len(self.visits) < n:
+    def levels(self, prior=(), weight: float = 0.0, min_visits: float = 0.0) -> tuple[tuple[float, ...], ...]:
+        """One vector per level (`treespec.sequoia.by_level`), the counts on top of `prior` (a
+        vector or one per level) weighted as `weight` visits: rank 0 from its counts at that
+        level, the other ranks from all levels' (scaled down where they would sum past 1).
+        Levels with fewer than `min_visits` of their own share the level above's vector."""
+        prior = by_level(prior) if prior else ((),)
+        pooled = [self.vector(p, weight) for p in prior]
+        out = []
+        for level in range(max(len(prior), len(self.level_visits), 1)):
+            p, rest = prior[min(level, len(prior) - 1)], pooled[min(level, len(pooled) - 1)]
+            h, v = (
+                (self.level_hits[level], self.level_visits[level])
+                if level < len(self.level_visits)
+                else (0, 0)
+            )
+            if out and v < min_visits and level >= len(prior):
+                break  # too few walks stood this deep: the level above's vector serves
+            p0 = p[0] if p else 0.0
+            first = (p0 * weight + h) / (weight + v) if weight + v else rest[0] if rest else 0.0
+            out.append(_level_vector(first, rest[1:]))
+        return tuple(out)
+
+    def _grow(self, ranks: int, levels: int = 0) -> None:
+        while len(self.visits) < ranks:
             self.visits.append(0.0)
             self.hits.append(0.0)
+        while len(self.level_visits) < levels:
+            self.level_visits.append(0.0)
+            self.level_hits.append(0.0)
 
 
 class AutoDepth(DepthPolicy):
@@ -486,7 +588,7 @@ class AutoDepth(DepthPolicy):
         self.depth = self._best_depth()
 
     def _best_depth(self) -> int:
-        acc = self.counts.vector(self.plan.acceptance, PRIOR_WEIGHT)
+        acc = self.counts.levels(self.plan.acceptance, PRIOR_WEIGHT)
         best, best_value = 0, 1.0  # plain decoding: one token for one forward
         for depth, nodes, parents in self.cuts:
             value = tree_expected_tokens(parents, acc) / self.plan.round_cost(nodes, depth)
@@ -528,6 +630,15 @@ def _check_vector(a: Sequence[float]) -> tuple[float, ...]:
     return tuple(x / total for x in a) if total > 1 else a
 
 
+def _level_vector(first: float, rest: Sequence[float]) -> tuple[float, ...]:
+    """(first, *rest) as probabilities of disjoint events: `first` kept (clipped to [0, 1]), the
+    other ranks scaled down to what it leaves."""
+    first = min(1.0, max(0.0, float(first)))
+    rest = _check_vector(rest)
+    room = 1.0 - first
+    return (first, *(x * room / sum(rest) for x in rest)) if sum(rest) > room else (first, *rest)
+
+
 def _write_json(path: Path, data, replace: bool = True) -> bool:
     """Write `data` to `path` whole (a temporary file, then a rename; `replace=False`: only if
     no file is there, so a concurrent first writer wins). Whether the cache is writable."""
@@ -551,10 +662,12 @@ def _write_json(path: Path, data, replace: bool = True) -> bool:
 
 def measure_acceptance(decoder, prompts, sampling: SamplingConfig, max_new_tokens: int = 64, seed: int = 0):
     """The positional acceptance of `decoder`'s drafter on `prompts` (token ids, text or chats)
-    under `sampling`: each decoded with a wide Sequoia shape (4 children of the root, each with
-    one child), every round counted (`AcceptanceCounts`). Returns the counts."""
-    shape = TreeShape((-1, 0, 0, 0, 0, 1, 2, 3, 4))
-    tree = TreeConfig(strategy="sequoia", shape=shape, depth=2)
+    under `sampling`: each decoded with a wide and deep Sequoia shape (4 children of the root,
+    the first with a chain of 4 below it, the others with one child each, so that rank 0 is
+    counted along a path as deep as the plans go, where a draft that got one token right often
+    gets the next), every round counted (`AcceptanceCounts`). Returns the counts."""
+    shape = TreeShape((-1, 0, 0, 0, 0, 1, 5, 6, 7, 2, 3, 4))
+    tree = TreeConfig(strategy="sequoia", shape=shape, depth=5)
     counts = AcceptanceCounts()
     outs = decoder.generate_batch(
         prompts, max_new_tokens=max_new_tokens, tree=tree, sampling=sampling,
@@ -569,10 +682,15 @@ def measure_acceptance(decoder, prompts, sampling: SamplingConfig, max_new_token
 def write_acceptance(decoder, prompts, directory, max_new_tokens: int = 64) -> dict:
     """Measure `decoder`'s drafter on held-out `prompts` at temperature 0 and 1
     (`measure_acceptance`) and write `ACCEPTANCE_FILE` into `directory` (the draft's), where
-    `from_pretrained` finds it: the vectors automatic trees plan with."""
+    `from_pretrained` finds it: the vectors automatic trees plan with ("by_level": rank 0's
+    acceptance at each level of the node the walk stood at, where enough walks stood)."""
     record = {"prompts": len(prompts), "max_new_tokens": max_new_tokens}
     for cls, sampling in (("T0", SamplingConfig(temperature=0)), ("T1", SamplingConfig(temperature=1.0))):
         counts = measure_acceptance(decoder, prompts, sampling, max_new_tokens)
-        record[cls] = {"acceptance": [round(a, 4) for a in counts.vector()], "visits": counts.visits}
+        levels = counts.levels(min_visits=LEVEL_MIN_VISITS)
+        record[cls] = {
+            "acceptance": [round(a, 4) for a in counts.vector()], "visits": counts.visits,
+            "by_level": [round(v[0], 4) for v in levels], "level_visits": counts.level_visits[: len(levels)],
+        }  # fmt: skip
     Path(directory, ACCEPTANCE_FILE).write_text(json.dumps(record, indent=1) + "\n")
     return record

@@ -496,6 +496,9 @@ class Engine:
                     t_plan = time.perf_counter()
                     r.plan = self._plan(r.request)
                     r.tree = r.plan.tree
+                    if r.tree is not None:  # a planned chain runs the chain's best rule (block)
+                        siblings = self.drafter.siblings(r.tree, r.request.verification)
+                        r.rule = choose_rule(siblings, r.request.verification)
                     planning[r.id] = time.perf_counter() - t_plan
             except Exception as e:  # noqa: BLE001 - its plan failed (the costs' measurement): it ends alone
                 self._fail(r, e)
