@@ -195,14 +195,15 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
     if decoder.drafter.needs_draft_model and decoder.draft_runner is not None:
         engine = decoder.engine(max_live=1)  # lanes of its own: the decoder may be mid-generate()
 
-        def rounds(tree: TreeConfig | None, temperature: float):
-            for _ in range(2):  # the first pays for allocations
+        def rounds(tree: TreeConfig | None, temperature: float, runs: int = 1):
+            out = []
+            for _ in range(runs + 1):  # the first pays for allocations
                 i = engine.add(
                     tokens[:8], max(1, min(COST_ROUND_TOKENS, room)), tree=tree,
                     sampling=SamplingConfig(temperature=temperature), seed=0, ignore_eos=True,
                 )  # fmt: skip
-                stats = engine.run()[i].stats
-            return stats
+                out.append(engine.run()[i].stats)
+            return out[1:] if runs > 1 else out[1]
 
         def per_round(s, seconds: float) -> float:
             return seconds / s.target_steps / t1
@@ -212,7 +213,9 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
 
         plain_run = rounds(None, 1.0)
         plain = max(1.0, per_round(plain_run, plain_run.total_seconds - plain_run.prefill_seconds))
-        short, chain = rounds(TreeConfig(width=1, depth=1), 1.0), rounds(TreeConfig(width=1, depth=4), 1.0)
+        shorts = rounds(TreeConfig(width=1, depth=1), 1.0, runs=3)
+        short = sorted(shorts, key=lambda s: s.total_seconds / s.target_steps)[1]  # the median run
+        chain = rounds(TreeConfig(width=1, depth=4), 1.0)
         if short.draft_forwards and chain.draft_forwards:
             # chains of 1 and 4 levels: c is what a further level adds to the draft's time; a
             # chain's walk per node (the block rule at T>0) from its verification time; the rest
@@ -224,7 +227,8 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
             nodes = chain.tree_nodes / chain.target_steps
             chain_walk = max(0.0, (per_round(chain, chain.verify_seconds) - scoring(chain)) / nodes)
             whole = per_round(short, short.total_seconds - short.prefill_seconds - short.plan_seconds)
-            overhead = max(0.0, whole - scoring(short) - chain_walk - c)
+            overhead = max(0.0, whole - scoring(short) - chain_walk - c)  # a small difference: the
+            # median of three runs, so that one slow stretch does not make every plan shallow
             first = per_round(short, short.draft_seconds)  # a round's first level, catch-up included
             # trees of the shapes plans are made of (children drawn without replacement): a round
             # of d levels and n nodes drafts in d x c + (n - d) x node_draft and walks n nodes in
