@@ -162,8 +162,6 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
     Sequoia shape at both temperatures (all neutral where nothing is drafted by a model). A few
     seconds on a 2-core CPU for SmolLM2-135M with its head; under a compiler, each feed size
     compiles once."""
-    from .tree import TokenTree
-
     target = decoder.target_runner
     room = (target.max_positions or COST_PREFIX + 64) - max(COST_FEEDS) - 1  # a short model's context
     prefix = max(1, min(COST_PREFIX, room))
@@ -195,15 +193,16 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
     if decoder.drafter.needs_draft_model and decoder.draft_runner is not None:
         engine = decoder.engine(max_live=1)  # lanes of its own: the decoder may be mid-generate()
 
-        def rounds(tree: TreeConfig | None, temperature: float, runs: int = 1):
+        def rounds(tree: TreeConfig | None, temperature: float, runs: int = 1) -> list:
+            """The stats of `runs` short generations, after one that pays for allocations."""
             out = []
-            for _ in range(runs + 1):  # the first pays for allocations
+            for _ in range(runs + 1):
                 i = engine.add(
                     tokens[:8], max(1, min(COST_ROUND_TOKENS, room)), tree=tree,
                     sampling=SamplingConfig(temperature=temperature), seed=0, ignore_eos=True,
                 )  # fmt: skip
                 out.append(engine.run()[i].stats)
-            return out[1:] if runs > 1 else out[1]
+            return out[1:]
 
         def per_round(s, seconds: float) -> float:
             return seconds / s.target_steps / t1
@@ -211,11 +210,11 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
         def scoring(s) -> float:
             return verify[min(round(s.tree_nodes / s.target_steps), AUTO_MAX_NODES)]
 
-        plain_run = rounds(None, 1.0)
+        (plain_run,) = rounds(None, 1.0)
         plain = max(1.0, per_round(plain_run, plain_run.total_seconds - plain_run.prefill_seconds))
         shorts = rounds(TreeConfig(width=1, depth=1), 1.0, runs=3)
         short = sorted(shorts, key=lambda s: s.total_seconds / s.target_steps)[1]  # the median run
-        chain = rounds(TreeConfig(width=1, depth=4), 1.0)
+        (chain,) = rounds(TreeConfig(width=1, depth=4), 1.0)
         if short.draft_forwards and chain.draft_forwards:
             # chains of 1 and 4 levels: c is what a further level adds to the draft's time; a
             # chain's walk per node (the block rule at T>0) from its verification time; the rest
@@ -235,7 +234,7 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
             # n x walk[class] (the traversal rule at T>0, its sampling included)
             shape = TreeConfig(strategy="sequoia", shape=TreeShape((-1, 0, 0, 0, 0, 1, 2, 3, 4)), depth=2)
             for cls, temperature in (("T1", 1.0), ("T0", 0.0)):
-                s = rounds(shape, temperature)
+                (s,) = rounds(shape, temperature)
                 if not (s.target_steps and s.draft_forwards and s.tree_nodes):
                     continue
                 nodes, levels = s.tree_nodes / s.target_steps, s.draft_forwards / s.target_steps

@@ -78,17 +78,21 @@ class TreeShape:
 def by_level(acceptance) -> tuple[tuple[float, ...], ...]:
     """`acceptance` as one vector per level: a vector (the same at every level) or a sequence of
     vectors (level 0, 1, ...; the last for deeper levels), each of probabilities summing to <= 1."""
-    levels = acceptance if acceptance and isinstance(acceptance[0], Sequence) else (acceptance,)
-    out = tuple(tuple(float(a) for a in v) for v in levels)
+    out = tuple(tuple(float(a) for a in v) for v in _levels(acceptance))
     if not out or any(not v or any(not 0 <= a <= 1 for a in v) or sum(v) > 1 + 1e-9 for v in out):
         raise ValueError("acceptance must be probabilities of the k-th child being accepted, summing to <= 1")
     return out
 
 
+def _levels(acceptance) -> Sequence[Sequence[float]]:
+    """`acceptance` as a sequence of vectors, unchecked (`by_level` checks)."""
+    return acceptance if acceptance and isinstance(acceptance[0], Sequence) else (acceptance,)
+
+
 def tree_expected_tokens(parents: Sequence[int], acceptance) -> float:
     """Tokens per step of a shape under the positional acceptance model (`acceptance`: a vector,
     or one per level, see `by_level`)."""
-    levels = by_level(acceptance)
+    levels = _levels(acceptance)  # evaluated, not checked: planners call it every round
     reach, depth = [1.0] * len(parents), [0] * len(parents)
     rank_count = [0] * len(parents)
     for i, p in enumerate(parents[1:], start=1):
