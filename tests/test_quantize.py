@@ -1,8 +1,9 @@
-"""Weight-only int8 (`NativeRunner(quantize="int8")`, `linear.QuantizedProjection`): the
-quantized runner computes exactly the model whose weights are its dequantized ones (Q * s),
-eagerly and compiled, close to the original within int8's error; a quantized draft keeps
-greedy decoding equal to the float target's, and a quantized target's speculative output is
-the int8 model's own greedy output."""
+"""Weight-only int8 and int4 (`NativeRunner(quantize=...)`, `linear.QuantizedProjection`,
+`linear.Int4Projection`): the quantized runner computes exactly the model whose weights are
+its dequantized ones (Q * s; int4's (Q - 8) s + z per group of 32), eagerly and compiled, close
+to the original within the format's error; a quantized draft keeps greedy decoding equal to
+the float target's, and a quantized target's speculative output is the quantized model's own
+greedy output. A GGUF file's own 4-bit blocks: tests/test_gguf.py."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ import torch
 
 from treespec import SpeculativeDecoder, TreeConfig
 from treespec.backends.hf import HFRunner
-from treespec.backends.linear import QuantizedProjection
+from treespec.backends.linear import (
+    INT4_GROUP,
+    Int4Projection,
+    QuantizedProjection,
+    pack_nibbles,
+    unpack_nibbles,
+)
 from treespec.backends.native import NativeRunner
 
 from .conftest import perturbed, tiny_llama
@@ -24,16 +31,19 @@ from .test_native import CHEAP, build, compiled_runner, max_diff, random_tree
 pytestmark = pytest.mark.cpu  # int8 product kernels differ by CPU (AVX2, AVX512-VNNI, AMX)
 
 
-def dequantized(model):
-    """An untied HF copy of `model` whose projections and output layer are the int8 runner's
-    matrices Q * s (the embedding lookup keeps the original rows, as the runner does)."""
+def dequantized(model, quantize="int8"):
+    """An untied HF copy of `model` whose projections and output layer are the quantized
+    runner's matrices: Q * s (int8), or (Q - 8) s + z per group for the projections and int8's
+    for the output layer (int4); the embedding lookup keeps the original rows, as the runner does."""
     config = copy.deepcopy(model.config)
     config.tie_word_embeddings = False
     ref = model.__class__(config).to(model.dtype).eval()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     state.setdefault("lm_head.weight", state["model.embed_tokens.weight"].clone())
     for name, w in state.items():
-        if name.endswith("proj.weight") or name == "lm_head.weight":
+        if name.endswith("proj.weight") and quantize == "int4":
+            state[name] = Int4Projection.quantize(w).weight
+        elif name.endswith("proj.weight") or name == "lm_head.weight":
             state[name] = QuantizedProjection(w).weight
     ref.load_state_dict(state)
     return ref
@@ -55,10 +65,45 @@ def test_quantized_projection_multiplies_by_its_dequantized_matrix(dtype):
     assert ((q.weight.float() - w.float()).abs() <= step * (0.5 + 1e-3) + rounding).all()
 
 
-@pytest.mark.parametrize("variant", ["gqa_tied", "mha_untied", "attention_bias"])
-def test_int8_runner_equals_the_dequantized_model(variant):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_projection_multiplies_by_its_dequantized_matrix(dtype):
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(96, 64, generator=g), torch.randn(5, 64, generator=g).to(dtype)
+    q = torch.randint(0, 16, (96, 64), generator=g)
+    scales, zeros = torch.rand(96, 2, generator=g) / 8, torch.randn(96, 2, generator=g) / 4
+    assert torch.equal(unpack_nibbles(pack_nibbles(q)), q.to(torch.uint8))
+    # from blocks: exactly (Q - 8) s + z, the scales and offsets in the compute dtype
+    blocks = Int4Projection.from_blocks(pack_nibbles(q), scales, zeros, torch.ones(96, dtype=dtype), dtype)
+    s, z = (t.to(dtype).float().repeat_interleave(INT4_GROUP, dim=1) for t in (scales, zeros))
+    want_w = (q.float() - 8) * s + z
+    tol = 1e-6 if dtype == torch.float32 else 2**-7
+    assert (blocks.weight.float() - want_w).abs().max() <= tol * want_w.abs().max()
+    want = x.float() @ want_w.t() + 1
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (blocks(x).float() - want).abs().max() <= tol * want.abs().max()
+    # quantized by Q4_1's rule: within half a step of W, every group's min and max kept
+    quantized = Int4Projection.quantize(w.to(dtype))
+    groups = w.to(dtype).float().reshape(96, 2, INT4_GROUP)
+    step = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(INT4_GROUP, dim=1)
+    rounding = 0 if dtype == torch.float32 else w.abs() * 2**-6
+    assert ((quantized.weight.float() - w.to(dtype).float()).abs() <= step * (0.5 + 1e-3) + rounding).all()
+    with pytest.raises(ValueError, match="whole groups of 32"):
+        Int4Projection.quantize(torch.randn(8, 48))
+
+
+@pytest.mark.parametrize(
+    "variant,quantize",
+    [
+        ("gqa_tied", "int8"),
+        ("mha_untied", "int8"),
+        ("attention_bias", "int8"),
+        ("gqa_tied", "int4"),
+        ("attention_bias", "int4"),
+    ],
+)
+def test_quantized_runner_equals_the_dequantized_model(variant, quantize):
     model = build(variant)
-    hf, nat = HFRunner(dequantized(model)), NativeRunner.from_hf(model, quantize="int8")
+    hf, nat = HFRunner(dequantized(model, quantize)), NativeRunner.from_hf(model, quantize=quantize)
     original = HFRunner(model)
     rng = random.Random(0)
     prompt = [rng.randrange(model.config.vocab_size) for _ in range(9)]
@@ -73,9 +118,13 @@ def test_int8_runner_equals_the_dequantized_model(variant):
             r.commit([0])
 
 
-def test_compiled_int8_runner_equals_the_eager_one():
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_compiled_quantized_runner_equals_the_eager_one(quantize):
     model = build("gqa_tied")
-    eager, nat = NativeRunner.from_hf(model, quantize="int8"), compiled_runner(model, CHEAP, quantize="int8")
+    eager, nat = (
+        NativeRunner.from_hf(model, quantize=quantize),
+        compiled_runner(model, CHEAP, quantize=quantize),
+    )
     rng = random.Random(3)
     prompt = [rng.randrange(model.config.vocab_size) for _ in range(7)]
     for r in (eager, nat):
@@ -88,10 +137,11 @@ def test_compiled_int8_runner_equals_the_eager_one():
     assert not nat.compiled.failed
 
 
-def test_greedy_with_quantized_models_is_lossless():
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_greedy_with_quantized_models_is_lossless(quantize):
     target = tiny_llama(0).float()
     draft = perturbed(target, noise=0.3, seed=1)
-    int8 = {"quantize": "int8"}
+    int8 = {"quantize": quantize}
     int8_draft = SpeculativeDecoder(NativeRunner.from_hf(target), NativeRunner.from_hf(draft, **int8))
     int8_both = SpeculativeDecoder(NativeRunner.from_hf(target, **int8), NativeRunner.from_hf(draft, **int8))
     accepted = 0
@@ -109,8 +159,8 @@ def test_greedy_with_quantized_models_is_lossless():
 
 def test_bad_quantize_settings_are_clear_errors(tmp_path):
     model = build("gqa_tied")
-    with pytest.raises(ValueError, match="unknown quantize 'int4'; choose None or one of int8"):
-        NativeRunner.from_hf(model, quantize="int4")
+    with pytest.raises(ValueError, match="unknown quantize 'int3'; choose None or one of int8, int4"):
+        NativeRunner.from_hf(model, quantize="int3")
     with pytest.raises(ValueError, match="not torch.float64"):
         NativeRunner.from_hf(model.double(), quantize="int8")
     model.save_pretrained(tmp_path)

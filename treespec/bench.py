@@ -28,6 +28,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -149,15 +150,25 @@ def native_runners(
     quantize: str | None = None,
     draft_quantize: str | None = None,
     draft_vocab: VocabMap | None = None,
+    target_dir: Path | None = None,
 ) -> dict[str, tuple[Runner, Runner]]:
     """`run_bench(runners=...)` for the native backend alone, with the options only it has:
     inductor graphs and weight-only quantization of the target and/or the draft (a subset draft
-    wrapped by `draft_vocab`)."""
+    wrapped by `draft_vocab`). `target_dir`: the target's checkpoint directory, read instead of
+    the HF model's weights (a GGUF conversion's int4 blocks are there, not in the model)."""
     from .backends.native import NativeRunner
 
+    param = next(target.parameters())
+    target_runner = (
+        NativeRunner.from_hf(target, compile=compile, quantize=quantize)
+        if target_dir is None
+        else NativeRunner.from_pretrained(
+            target_dir, param.dtype, param.device, compile=compile, quantize=quantize
+        )
+    )
     return {
         "native": (
-            NativeRunner.from_hf(target, compile=compile, quantize=quantize),
+            target_runner,
             wrap(NativeRunner.from_hf(draft, compile=compile, quantize=draft_quantize), draft_vocab),
         )
     }

@@ -380,16 +380,17 @@ def cmd_bench(args) -> None:
         raise CliError("bench compares against HF assisted generation: give --draft (or a --pair)")
     from .backends import hf
     from .bench import machine_info
-    from .loading import checkpoint, resolve_device, resolve_dtype
+    from .loading import checkpoint, resolve_device, resolve_dtype, resolve_quantize
 
-    quantized = bool(args.quantize or args.draft_quantize)
-    if quantized and args.backend == "hf":
+    if args.backend == "hf" and (args.quantize not in ("auto", "none") or args.draft_quantize):
         raise CliError("--quantize / --draft-quantize need the native backend; drop --backend hf")
     llama = _find_llama_cpp(args, paths[0])  # before loading: a wrong --llama-cpp fails at once
     paths = tuple(checkpoint(p) for p in paths)  # a GGUF file: its converted directory
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device, "target")
     draft_dtype = resolve_dtype(args.dtype if args.draft_dtype is None else args.draft_dtype, device, "draft")
+    quantize = None if args.backend == "hf" or args.quantize == "none" else args.quantize
+    quantize = resolve_quantize(quantize, paths[0], dtype, device)
     target, draft = hf.load_model(paths[0], dtype, device), hf.load_model(paths[1], draft_dtype, device)
     tokenizer = hf.load_tokenizer(paths[0])
     if prompts is None:  # the held-out prompts: chat instructions for a chat model
@@ -398,9 +399,11 @@ def cmd_bench(args) -> None:
     backends = ("native", "hf") if args.backend == "auto" else (args.backend,)
     draft_vocab = VocabMap.load(paths[1]) if isinstance(paths[1], Path) else None
     runners = None
-    if quantized:  # treespec's rows run the quantized weights; HF's stay as loaded
+    if quantize or args.draft_quantize:  # treespec's rows run the quantized weights; HF's stay as loaded
         backends = ("native",)
-        runners = native_runners(target, draft, args.compile, args.quantize, args.draft_quantize, draft_vocab)
+        runners = native_runners(
+            target, draft, args.compile, quantize, args.draft_quantize, draft_vocab, target_dir=paths[0]
+        )
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
     # a progress line redrawn in place: terminal control codes, so only on a terminal
     progress = (
@@ -413,6 +416,7 @@ def cmd_bench(args) -> None:
         n_prompts=len(prompts),
         dtype=str(dtype).removeprefix("torch."),
         draft_dtype=str(draft_dtype).removeprefix("torch."),
+        quantize=quantize,
         **machine,
     )
     print(

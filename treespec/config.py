@@ -21,6 +21,9 @@ ADAPTIVE: tuple[str, ...] = ("hf", "entropy", "goodput")
 # tables, prompt lookup, or a draft model and n-grams merged
 DRAFTER_KINDS: tuple[str, ...] = ("model", "head", "ngram", "lookup", "merged")
 DEPTH_ADAPTIVE: tuple[str, ...] = ("hf", "entropy")  # the policies that move the depth itself
+# weight-only formats of the native backend's products (`treespec.backends.linear`): int8 with a
+# scale per row; int4 in groups of 32 (a GGUF file's Q4_0 / Q4_1 blocks as they are)
+QUANTIZATIONS: tuple[str, ...] = ("int8", "int4")
 
 # The most draft nodes one round may hold. The target scores every node in one forward
 # ([nodes, vocab] logits: 1024 x 128256 fp32 is 0.5 GB), so a larger tree is rejected up

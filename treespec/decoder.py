@@ -114,7 +114,7 @@ class SpeculativeDecoder:
         drafter: str | Drafter | None = None,
         draft_dtype: torch.dtype | str | None = None,
         compile: bool = False,
-        quantize: str | None = None,
+        quantize: str | None = "auto",
         draft_quantize: str | None = None,
         tp: int | None = None,
     ) -> SpeculativeDecoder:
@@ -129,9 +129,13 @@ class SpeculativeDecoder:
         defaults to the CPU. The native backend reads the weights straight from safetensors;
         `compile=True` runs its forwards as inductor graphs (minutes of compilation on first use;
         docs/performance.md).
-        `quantize` / `draft_quantize` ("int8"; native backend): weight-only int8 for the target /
-        the draft. A quantized draft is still lossless; a quantized target is another model, and
-        the output is distributed exactly as that int8 model's (as llama.cpp's is its GGUF's).
+        `quantize` / `draft_quantize` ("int8", "int4"; native backend): weight-only int8 or int4
+        for the target / the draft. A quantized draft is still lossless; a quantized target is
+        another model, and the output is distributed exactly as that quantized model's. "int4"
+        runs a GGUF target's own Q4_0 / Q4_1 blocks as they are: the file's model, as llama.cpp
+        runs it. `quantize="auto"` (the default) picks "int4" for such a GGUF target where this
+        CPU multiplies int4 faster than `dtype` (measured once per process), else None: the
+        file's weights dequantized into `dtype` (`loading.resolve_quantize`).
         `tp`: tensor parallelism, the target split over this many processes launched by torchrun
         (`treespec.parallel`, docs/parallel.md; native backend). None: over every process
         launched (1 without torchrun); 1: each process a whole target. Every rank must make
@@ -197,8 +201,8 @@ class SpeculativeDecoder:
         dec._origin = {
             "target": files_key(target), "draft": files_key(draft), "drafter": dec.drafter.name,
             "dtypes": [str(d) for d in dtypes], "device": str(device), "backend": backend,
-            "compile": compile, "quantize": quantize, "draft_quantize": draft_quantize,
-            "tp": 1 if group is None else group.world,
+            "compile": compile, "quantize": target_runner.quantize,
+            "draft_quantize": draft_quantize, "tp": 1 if group is None else group.world,
         }  # fmt: skip
         dec._shipped_acceptance = load_acceptance(draft) if draft is not None else None
         return dec

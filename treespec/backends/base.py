@@ -65,6 +65,7 @@ class Runner(ABC):
     eos_token_ids: frozenset[int] = frozenset()  # from the model's generation config
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
+    quantize: str | None = None  # weight-only format of the products ("int8", "int4"; native backend)
     # True: this lane's forwards never share a batched forward with other lanes, so its numbers
     # are those of the same sequence decoded alone, whatever runs beside it (a lane of a
     # deterministic engine; costs the batching speed-up)

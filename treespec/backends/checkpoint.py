@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+BLOCKS_FILE = "blocks.safetensors"  # int4 blocks beside the float weights (`loading.gguf`)
 
 
 def _as_dict(config) -> dict:
@@ -140,9 +141,10 @@ def eos_ids(value) -> frozenset[int]:
 def read_checkpoint(path, lazy: bool = False) -> tuple[LlamaShape, dict[str, torch.Tensor], frozenset[int]]:
     """Shape, weights (on the CPU, as stored) and EOS ids of the checkpoint in directory
     `path`: config.json, model.safetensors or a sharded model.safetensors.index.json, and
-    generation_config.json's EOS where present (else config.json's). `lazy`: each weight a
-    safetensors slice instead of a tensor, read from the file when indexed (`w[a:b]`, `w[:, a:b]`,
-    `w[:]`): a tensor-parallel rank reads only its blocks."""
+    generation_config.json's EOS where present (else config.json's); a GGUF conversion's int4
+    blocks (blocks.safetensors: `<weight name>.q4`, `.q4_scales`, `.q4_zeros`) join the
+    weights. `lazy`: each weight a safetensors slice instead of a tensor, read from the file
+    when indexed (`w[a:b]`, `w[:, a:b]`, `w[:]`): a tensor-parallel rank reads only its blocks."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -158,6 +160,8 @@ def read_checkpoint(path, lazy: bool = False) -> tuple[LlamaShape, dict[str, tor
         files = [root / f for f in sorted(set(read_json(index).get("weight_map", {}).values()))]
     else:
         raise ValueError(f"no model.safetensors (or model.safetensors.index.json) in {root}")
+    if (root / BLOCKS_FILE).is_file():  # a GGUF conversion's 4-bit blocks (quantize="int4" reads them)
+        files.append(root / BLOCKS_FILE)
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         try:

@@ -1,5 +1,6 @@
-"""What this machine's processor offers, for choosing dtypes: bf16 matrix instructions read from
-/proc/cpuinfo, and a one-off measurement of whether bf16 products beat fp32 here."""
+"""What this machine's processor offers, for choosing dtypes and weight formats: bf16 matrix
+instructions read from /proc/cpuinfo, and one-off measurements of whether bf16 products beat
+fp32 here and whether int4 products beat the dtype's own."""
 
 from __future__ import annotations
 
@@ -86,3 +87,30 @@ def bf16_matmul_is_faster(margin: float = 0.9) -> bool:
                     times.append(time.perf_counter() - t0)
             median[dtype, rows] = sorted(times)[len(times) // 2]
     return all(median[torch.bfloat16, rows] < margin * median[torch.float32, rows] for rows in (1, 16))
+
+
+@functools.cache
+def int4_matmul_is_faster(dtype: torch.dtype, margin: float = 0.9) -> bool:
+    """Whether an int4 product (`linear.Int4Projection`) of one row takes under `margin` of the
+    dense one in `dtype` (`linear.Projection`, packed where oneDNN can) on this CPU: the decode
+    step's product, 1 x 1024 @ 1024 x 2048, median of 15 after a warm-up. torch's int4 kernel
+    is fast in bf16 on AVX512 cores and far slower than dense in float32; a tree's many rows
+    favour dense weights, which the automatic tree accounts for with the measured t(n). About
+    20 ms, once per process and dtype; False where int4 cannot compute in `dtype`."""
+    from .linear import QUANTIZABLE_DTYPES, Int4Projection, Projection
+
+    if dtype not in QUANTIZABLE_DTYPES:
+        return False
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(2048, 1024, generator=g).to(dtype)
+    x = torch.randn(1, 1024, generator=g).to(dtype)
+    median = {}
+    for kind, proj in (("dense", Projection(weight)), ("int4", Int4Projection.quantize(weight))):
+        times = []
+        for i in range(18):
+            t0 = time.perf_counter()
+            proj(x)
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
+        median[kind] = sorted(times)[len(times) // 2]
+    return median["int4"] < margin * median["dense"]

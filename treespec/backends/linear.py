@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..config import QUANTIZATIONS
+
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 MIN_PACKED_FP32 = 1 << 18  # fp32 weights with fewer elements multiply faster unpacked (MKL)
 
@@ -91,8 +93,8 @@ def _packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
 
 
-QUANTIZATIONS = ("int8",)  # weight-only formats a `QuantizedProjection` stores
-QUANTIZABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what int8 products compute in
+QUANTIZABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what quantized products compute in
+INT4_GROUP = 32  # input columns per int4 scale and offset: one GGUF Q4_0 / Q4_1 block
 
 
 def check_quantize(quantize: str, dtype: torch.dtype) -> None:
@@ -110,8 +112,8 @@ class QuantizedProjection:
     it in compiled graphs). A different matrix from W, so a different model: lossless for a
     draft (any q is), the quantized model's own distribution for a target."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, quantize: str = "int8"):
-        check_quantize(quantize, weight.dtype)
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        check_quantize("int8", weight.dtype)
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         w = weight.float()
@@ -132,3 +134,86 @@ class QuantizedProjection:
 def int8_product(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [T, in] @ (weight_int8 [out, in] * scales [out, 1])^T -> [T, out], in x's dtype."""
     return torch.ops.aten._weight_int8pack_mm(x, weight_int8, scales)
+
+
+class Int4Projection:
+    """y = x @ W^T + b with W [out, in] held in 4 bits an entry: in groups of INT4_GROUP input
+    columns, W = (Q - 8) * s + z with Q in 0..15 and one scale s and offset z per group and
+    output row, torch's int4 layout (`_weight_int4pack_mm_for_cpu`: a quarter of bf16's bytes).
+
+    GGUF's Q4_0 (w = d (q - 8): s = d, z = 0) and Q4_1 (w = d q + m: s = d, z = m + 8 d)
+    blocks are this layout exactly, so a file's 4-bit weights run as they are (`from_blocks`,
+    the scales in the compute dtype: exact in float32 and float16, rounded to bfloat16's 8 bits
+    there); any other weight is quantized with Q4_1's rule (`quantize`). Like int8, another
+    model than the float weights': lossless for a draft, the 4-bit model's own for a target.
+    The kernel is fast in bfloat16 on AVX512 cores and slow in float32 (docs/performance.md)."""
+
+    def __init__(
+        self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None, dtype
+    ):
+        """q [out, in] integers 0..15; scales, zeros [out, in / INT4_GROUP]; `dtype`: the
+        compute dtype (x's)."""
+        check_quantize("int4", dtype)
+        self.out_features, self.in_features = q.shape
+        groups = self.in_features // INT4_GROUP
+        if (
+            self.in_features % INT4_GROUP
+            or scales.shape != (self.out_features, groups)
+            or zeros.shape != scales.shape
+        ):
+            raise ValueError(
+                f"int4 weights need rows of whole groups of {INT4_GROUP} with one scale and offset "
+                f"each: got q {tuple(q.shape)}, scales {tuple(scales.shape)}, zeros {tuple(zeros.shape)}"
+            )
+        self.bias = bias
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        self.scales_and_zeros = (
+            torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
+        )  # [in/G, out, 2]
+
+    @classmethod
+    def from_blocks(cls, q_packed, scales, zeros, bias=None, dtype=torch.bfloat16) -> Int4Projection:
+        """From `pack_nibbles`' [out, in / 2] bytes and the scales and offsets per group."""
+        return cls(unpack_nibbles(q_packed), scales, zeros, bias, dtype)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Projection:
+        """W [out, in] by Q4_1's rule, per group: s = (max - min) / 15, Q = round((w - min) / s)."""
+        out, n = weight.shape
+        if n % INT4_GROUP:
+            raise ValueError(f"int4 needs rows of whole groups of {INT4_GROUP} columns, not {n}")
+        w = weight.float().reshape(out, n // INT4_GROUP, INT4_GROUP)
+        lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # [out, groups]
+        scales = (hi - lo) / 15
+        q = ((w - lo[..., None]) / scales.clamp(min=1e-30)[..., None]).round().clamp(0, 15)
+        return cls(q.reshape(out, n), scales, lo + 8 * scales, bias, weight.dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized W [out, in] in the compute dtype: the matrix this multiplies by (the
+        kernel's own product with the identity)."""
+        eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
+        return int4_product(eye, self.packed, self.scales_and_zeros).t()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        y = int4_product(x, self.packed, self.scales_and_zeros)
+        return y if self.bias is None else y + self.bias
+
+
+def int4_product(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """x [T, in] @ W^T -> [T, out] for `Int4Projection`'s packed W, in x's dtype."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scales_and_zeros)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[out, in] integers 0..15 -> [out, in / 2] uint8: column 2j in the low nibble, 2j + 1 high."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """`pack_nibbles` undone: [out, in / 2] uint8 -> [out, in] uint8."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
+Product = Projection | QuantizedProjection | Int4Projection  # what a layer's projection may be

@@ -65,7 +65,15 @@ from .attention import (
 )
 from .base import Feed, Runner, Scores, causal_visible, features_of, forward_grouped, tapped
 from .checkpoint import LlamaShape, read_checkpoint
-from .linear import Projection, QuantizedProjection, check_quantize, int8_product
+from .linear import (
+    Int4Projection,
+    Product,
+    Projection,
+    QuantizedProjection,
+    check_quantize,
+    int4_product,
+    int8_product,
+)
 
 INITIAL_CAPACITY = 256  # cache slots allocated before the first growth
 COMPILE_MAX_TOKENS = 64  # feeds of up to this many tokens run through the compiled graphs (compile=True)
@@ -80,11 +88,11 @@ class Layer:
     projection stored as this device multiplies by it fastest (`linear.Projection`)."""
 
     attn_norm: torch.Tensor  # [hidden]
-    qkv: Projection | QuantizedProjection  # hidden -> (Hq + 2 Hkv) D: q, k, v side by side (+ bias)
-    o: Projection | QuantizedProjection  # Hq D -> hidden (+ bias: llama attention_bias)
+    qkv: Product  # hidden -> (Hq + 2 Hkv) D: q, k, v side by side (+ bias)
+    o: Product  # Hq D -> hidden (+ bias: llama attention_bias)
     mlp_norm: torch.Tensor  # [hidden]
-    gate_up: Projection | QuantizedProjection  # hidden -> 2 I: gate and up side by side
-    down: Projection | QuantizedProjection  # I -> hidden
+    gate_up: Product  # hidden -> 2 I: gate and up side by side
+    down: Product  # I -> hidden
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -269,10 +277,18 @@ class NativeRunner(Runner):
         a scale per row (`linear.QuantizedProjection`; the embedding lookup stays in `dtype`):
         a different model, the quantized one, which is lossless for a draft and the int8
         model's own distribution for a target. Faster for one-token forwards on a CPU, slower
-        for many rows (docs/performance.md)."""
+        for many rows (docs/performance.md).
+        `quantize="int4"`: the layers' projections in int4 groups of 32 (`linear.Int4Projection`),
+        a GGUF file's own Q4_0 / Q4_1 blocks where the checkpoint carries them (its conversion's
+        blocks.safetensors: the file's model), else quantized by Q4_1's rule; the output layer
+        int8 as above (GGUF files keep it at 8 bits or more)."""
         if quantize is not None:
             check_quantize(quantize, dtype)  # before any weight is converted
-        self.tp = tp
+            if quantize == "int4" and tp is not None:
+                raise ValueError(
+                    "quantize='int4' does not split over tensor-parallel ranks yet; use int8 or None"
+                )
+        self.tp, self.quantize = tp, quantize
         blocks = {}  # tensor parallel: this rank's rows of q, k/v and the MLP
         if tp is not None:
             D = shape.head_dim
@@ -318,15 +334,28 @@ class NativeRunner(Runner):
         def cat(*parts: tuple[str, str | None]) -> torch.Tensor:  # [sum of outs, in]
             return torch.cat([get(n, rows) for n, rows in parts])
 
-        def proj(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Projection | QuantizedProjection:
-            if quantize is not None:
-                return QuantizedProjection(weight, bias, quantize)
+        def proj(*parts: tuple[str, str | None], bias: torch.Tensor | None = None, cols: str | None = None):
+            """The projection whose weight is `parts`' weights stacked (one part: its `cols`)."""
+            if quantize == "int4" and all(f"{n}.q4" in weights for n, _ in parts):  # the file's blocks
+                q, scales, zeros = (
+                    torch.cat([weights[f"{n}.{k}"][:] for n, _ in parts])
+                    for k in ("q4", "q4_scales", "q4_zeros")
+                )
+                return Int4Projection.from_blocks(q, scales, zeros, bias, dtype)
+            weight = cat(*parts) if cols is None else get(parts[0][0], cols=cols)
+            if quantize == "int4":
+                return Int4Projection.quantize(weight, bias)
+            if quantize == "int8":
+                return QuantizedProjection(weight, bias)
             return Projection(weight, bias, pack=pack_weights)
 
         # tied embeddings: the lm_head multiplies by the embedding matrix; where it is packed
         # (CPU) the packed copy sits next to the plain one the lookup reads (one more V x hidden)
         self.embed = get("model.embed_tokens.weight")  # [V, hidden]
-        self.lm_head = proj(self.embed if s.tied else get("lm_head.weight"))  # hidden -> V
+        head = self.embed if s.tied else get("lm_head.weight")
+        self.lm_head = (  # hidden -> V
+            QuantizedProjection(head) if quantize is not None else Projection(head, pack=pack_weights)
+        )
         self.norm = get("model.norm.weight")  # [hidden]
         self.layers: list[Layer] = []
         first = tp is None or tp.rank == 0  # a row-parallel product's bias is added once, by rank 0
@@ -337,16 +366,17 @@ class NativeRunner(Runner):
                 Layer(
                     attn_norm=get(f"model.layers.{i}.input_layernorm.weight"),
                     qkv=proj(
-                        cat(*((n + "weight", rows) for n, rows in qkv)),
-                        cat(*((n + "bias", rows) for n, rows in qkv)) if s.qkv_bias else None,
+                        *((n + "weight", rows) for n, rows in qkv),
+                        bias=cat(*((n + "bias", rows) for n, rows in qkv)) if s.qkv_bias else None,
                     ),
                     o=proj(
-                        get(a + "o_proj.weight", cols="q"),
-                        get(a + "o_proj.bias") if s.o_bias and first else None,
+                        (a + "o_proj.weight", None),
+                        cols="q",
+                        bias=get(a + "o_proj.bias") if s.o_bias and first else None,
                     ),
                     mlp_norm=get(f"model.layers.{i}.post_attention_layernorm.weight"),
-                    gate_up=proj(cat((m + "gate_proj.weight", "mlp"), (m + "up_proj.weight", "mlp"))),
-                    down=proj(get(m + "down_proj.weight", cols="mlp")),
+                    gate_up=proj((m + "gate_proj.weight", "mlp"), (m + "up_proj.weight", "mlp")),
+                    down=proj((m + "down_proj.weight", None), cols="mlp"),
                 )
             )
         for name, got, want in (
@@ -584,11 +614,16 @@ class _ForwardGraph(torch.nn.Module):
                 self._register(f"{name}_{i}", getattr(layer, name))
                 self.register_buffer(f"{name}_bias_{i}", getattr(layer, name).bias)
 
-    def _register(self, name: str, projection: Projection | QuantizedProjection) -> None:
-        """The projection's weight as buffer `name` (int8, with its scales as `name`_scales)."""
+    def _register(self, name: str, projection: Product) -> None:
+        """The projection's weight as buffer `name`, with what its product reads besides as
+        `name`_scales: int8's scale per row, int4's scales and offsets per group (its weight
+        packed), None for a float weight."""
         if isinstance(projection, QuantizedProjection):
             self.register_buffer(name, projection.weight_int8)
             self.register_buffer(f"{name}_scales", projection.scales)
+        elif isinstance(projection, Int4Projection):
+            self.register_buffer(name, projection.packed)
+            self.register_buffer(f"{name}_scales", projection.scales_and_zeros)
         else:
             self.register_buffer(name, projection.weight)
             self.register_buffer(f"{name}_scales", None)
@@ -597,7 +632,7 @@ class _ForwardGraph(torch.nn.Module):
         weight, scales = getattr(self, name), getattr(self, f"{name}_scales")
         if scales is None:
             return F.linear(x, weight, bias)
-        y = int8_product(x, weight, scales)
+        y = int4_product(x, weight, scales) if scales.dim() == 3 else int8_product(x, weight, scales)
         return y if bias is None else y + bias
 
     def layer(self, i: int) -> Layer:

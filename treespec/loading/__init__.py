@@ -67,6 +67,22 @@ def resolve_dtype(dtype, device: torch.device, role: str = "target") -> torch.dt
     return getattr(torch, dtype)
 
 
+def resolve_quantize(quantize, local, dtype: torch.dtype, device: torch.device, tp=None) -> str | None:
+    """The native runner's weight format: `quantize` as given (None, "int8", "int4"), or for
+    "auto" "int4" where the checkpoint directory `local` carries a GGUF file's own 4-bit blocks
+    (the file's model exactly, a quarter of bf16's bytes), this CPU multiplies int4 faster
+    than `dtype` (`backends.cpu.int4_matmul_is_faster`) and the target is whole (no `tp`),
+    else None: the dequantized weights."""
+    if quantize != "auto":
+        return quantize
+    from ..backends.checkpoint import BLOCKS_FILE
+    from ..backends.cpu import int4_matmul_is_faster
+
+    blocks = isinstance(local, Path) and (local / BLOCKS_FILE).is_file()
+    whole = tp is None
+    return "int4" if blocks and whole and device.type == "cpu" and int4_matmul_is_faster(dtype) else None
+
+
 def checkpoint(path) -> str | Path:
     """The model directory behind `path`: a GGUF file (or a directory holding one and no
     config.json) is converted once into a cached directory; a local directory is checked; any
@@ -96,8 +112,8 @@ def load_runner(
     when the backend allows it and the directory holds a supported checkpoint, else through HF.
     `compile`: the native runner's inductor forward (`NativeRunner(compile=True)`; ignored,
     with a warning, where it cannot compile; the HF backend has none). `quantize`: the native
-    runner's weight-only quantization (`NativeRunner(quantize=...)`); a ValueError where the
-    checkpoint runs on the HF backend.
+    runner's weight-only quantization (`NativeRunner(quantize=...)`; "auto": `resolve_quantize`);
+    a ValueError where the checkpoint runs on the HF backend (but for "auto", which is None there).
     A draft with a subset vocabulary (`vocab_map.json` beside its weights) is wrapped so that
     it reads and proposes the target's token ids (`backends.subset`).
     `tp`: this rank's `treespec.parallel.TensorParallel` (the native backend only; each rank
@@ -121,11 +137,14 @@ def load_runner(
         from ..backends.native import NativeRunner
 
         if use_native(backend, unsupported_reason(read_json(local / "config.json")), repr(str(path))):
+            quantize = resolve_quantize(quantize, local, dtype, device, tp)
             runner = NativeRunner.from_pretrained(
                 local, dtype=dtype, device=device, compile=compile, quantize=quantize, tp=tp
             )
         else:
             backend = "hf"  # the fallback notice has been printed
+    if quantize == "auto":
+        quantize = None  # "auto" quantizes only where the native backend runs the checkpoint
     if runner is None and quantize is not None:
         raise ValueError(
             f"quantize={quantize!r} needs the native backend, and {str(path)!r} runs on Hugging Face's; "

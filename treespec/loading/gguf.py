@@ -10,6 +10,11 @@ transformers load the directory as they load any checkpoint.
   float32: a quantised value such as Q8_0's d * q (a float16 scale times an int8) or Q4_1's
   d * q + m generally has more significant bits than bfloat16 or float16 hold, so float32 is
   the narrowest type that keeps the dequantised model exact. Backends cast at load.
+- The 4-bit blocks of Q4_0 / Q4_1 tensors are also kept as they are, in blocks.safetensors
+  (`<name>.q4` the 4-bit values two a byte, `<name>.q4_scales` / `<name>.q4_zeros` float32 per
+  block of 32): `NativeRunner(quantize="int4")` multiplies by them directly, so it runs the
+  file's own 4-bit model (`linear.Int4Projection`: Q4_0's d (q - 8) and Q4_1's d q + m are
+  torch's int4 layout (q - 8) s + z with s = d and z = 0 or m + 8 d).
 - llama.cpp rotates adjacent pairs of a head's query / key features where transformers rotates
   the two halves, so its converter reorders the rows of attn_q and attn_k; `_unpermute` puts
   them back. Llama 3 RoPE scaling is stored only as per-frequency divisors (the rope_freqs
@@ -38,8 +43,10 @@ import gguf
 import numpy as np
 import torch
 
+from ..backends.checkpoint import BLOCKS_FILE
+
 # bump when the converted layout changes: old cache entries are then ignored
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 ARCH = "llama"
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_TENSORS = {
@@ -54,6 +61,7 @@ LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
 }
 ROPE_FREQS = "rope_freqs.weight"
+INT4_TYPES = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +155,8 @@ def _write_hf_dir(src: Path, out: Path) -> None:
     tensors = {t.name: t for t in reader.tensors}
     config = _llama_config(reader, tensors, src)
     save_file(_state_dict(tensors, config, src), str(out / "model.safetensors"), metadata={"format": "pt"})
+    if blocks := _int4_blocks(tensors, config):
+        save_file(blocks, str(out / BLOCKS_FILE), metadata={"format": "pt"})
     config.save_pretrained(out)
     eos = _end_token_ids(reader)
     if len(eos) == 1:
@@ -292,6 +302,41 @@ def _dequantize(t) -> torch.Tensor:
         ) from None
     # F32 comes back as a read-only view of the file's memory map: copy it; others are fresh
     return torch.from_numpy(np.require(a, np.float32, ["C", "W"]).reshape(shape))
+
+
+def _int4_blocks(tensors: dict, config) -> dict[str, torch.Tensor]:
+    """The Q4_0 / Q4_1 tensors as int4 blocks under their transformers names + .q4 (values,
+    `linear.pack_nibbles`), .q4_scales and .q4_zeros (float32 [rows, blocks]): w = (q - 8) s + z."""
+    from ..backends.linear import pack_nibbles
+
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    out = {}
+    for name, t in tensors.items():
+        if t.tensor_type not in INT4_TYPES or (target := _hf_name(name)) is None:
+            continue
+        rows = int(t.shape[-1])
+        blocks = np.asarray(t.data).reshape(
+            rows, -1, gguf.GGML_QUANT_SIZES[t.tensor_type][1]
+        )  # [rows, blocks, bytes]
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, blocks]
+        if t.tensor_type == gguf.GGMLQuantizationType.Q4_0:  # d (q - 8)
+            zeros, qs = np.zeros_like(d), blocks[..., 2:]
+        else:  # Q4_1: d q + m = d (q - 8) + (m + 8 d)
+            zeros, qs = (
+                blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * d,
+                blocks[..., 4:],
+            )
+        # a block's 16 bytes hold its values j (low nibble) and j + 16 (high nibble)
+        q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(rows, -1)  # [rows, cols]
+        parts = {
+            "q4": pack_nibbles(torch.from_numpy(q)),
+            "q4_scales": torch.from_numpy(d),
+            "q4_zeros": torch.from_numpy(zeros),
+        }
+        kind = name.split(".")[-2]
+        for suffix, a in parts.items():
+            out[f"{target}.{suffix}"] = (_unpermute(a, heads[kind]) if kind in heads else a).contiguous()
+    return out
 
 
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:

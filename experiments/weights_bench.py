@@ -1,0 +1,122 @@
+#!/usr/bin/env python
+"""The target's weight formats on this machine: dense (the dtype), int8, int4 (a GGUF file's own
+4-bit blocks), each decoding plainly and speculatively, beside llama.cpp on the same file.
+
+    python experiments/weights_bench.py --tag zen5
+    python experiments/weights_bench.py --tag zen5 --llama-cpp ~/llamacpp/.../llama.cpp/build/bin
+
+One process: the pair loads once per format (`SpeculativeDecoder.from_pretrained(quantize=...)`,
+the pair's drafter: SmolLM2's feature head), every format and configuration runs on the same
+held-out chat one after another (interleaved; `--repeats` times over the prompts), after an
+untimed warm-up of each; per temperature, median tokens/s, tokens/step and acceptance by depth.
+The configurations: plain decoding, the automatic tree (`TreeConfig()`, planned from this
+format's own measured costs) and chains of depth 1-3. `--llama-cpp DIR` adds llama.cpp's plain
+decoding of the GGUF file (its own timers: prompt and decode, loading excluded). Also records
+what `quantize="auto"` picks here (`loading.resolve_quantize`). Writes
+results/weights_<pair>_<tag>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from head_bench import summarise
+
+from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
+from treespec.bench import machine_info
+from treespec.llamacpp import LlamaCpp
+from treespec.loading import checkpoint, resolve_quantize
+from treespec.zoo import heldout_prompt_ids, pair, pair_draft
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CONFIGS = {
+    "plain": None,
+    "auto": TreeConfig(),
+    **{f"chain 1x{d}": TreeConfig(1, d) for d in (1, 2, 3)},
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pair", default="smollm2")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--formats", nargs="+", default=["none", "int8", "int4"], help="quantize settings")
+    ap.add_argument("--n-prompts", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--llama-cpp", type=Path, default=None, metavar="DIR")
+    ap.add_argument("--tag", default="cpu")
+    args = ap.parse_args()
+
+    target, draft = pair(args.pair)[0], pair_draft(args.pair, None)
+    decs = {}
+    for fmt in args.formats:
+        t0 = time.perf_counter()
+        q = None if fmt == "none" else fmt
+        decs[fmt] = SpeculativeDecoder.from_pretrained(target=target, draft=draft, dtype=args.dtype, quantize=q)
+        print(f"loaded {fmt} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    first = next(iter(decs.values()))
+    dtype = first.target_runner.dtype
+    auto = resolve_quantize("auto", checkpoint(target), dtype, torch.device("cpu"))
+    tokenizer = first.tokenizer
+    prompts = heldout_prompt_ids(args.pair, tokenizer, args.n_prompts)
+    llama = LlamaCpp.find(args.llama_cpp) if args.llama_cpp else None
+    out = {
+        "what": "the target's weight formats, plain and speculative, beside llama.cpp",
+        "command": " ".join(sys.argv),
+        "pair": args.pair,
+        "dtype": str(dtype),
+        "auto_quantize_here": auto,
+        "machine": machine_info("cpu"),
+        "repeats": args.repeats,
+        "runs": {},
+    }
+    for temperature in args.temperatures:
+        sampling = SamplingConfig(temperature=temperature)
+        names = [(fmt, name) for fmt in decs for name in CONFIGS]
+        outs = {n: [] for n in names}
+        secs = {n: [] for n in names}
+        llama_tps = []
+        plans = {fmt: dec.planner.plan(sampling).describe() for fmt, dec in decs.items()}
+        for fmt, name in names:  # warm-up, untimed
+            decs[fmt].generate(prompts[0], 24, tree=CONFIGS[name], sampling=sampling, seed=99)
+        for r in range(args.repeats):
+            for i, prompt in enumerate(prompts):
+                seed = i + r * len(prompts)
+                for fmt, name in names:
+                    t0 = time.perf_counter()
+                    o = decs[fmt].generate(prompt, args.max_new_tokens, tree=CONFIGS[name], sampling=sampling, seed=seed)
+                    secs[fmt, name].append(time.perf_counter() - t0)
+                    outs[fmt, name].append(o)
+                if llama is not None:
+                    text = tokenizer.decode(prompt)
+                    llama_tps.append(llama.decode(Path(target), text, args.max_new_tokens, temperature, seed).tokens_per_second)
+                print(f"\rT={temperature} repeat {r + 1}, prompt {i + 1}/{len(prompts)}", end="", file=sys.stderr)
+        run = {f"{fmt} {name}": summarise(outs[fmt, name], secs[fmt, name]) for fmt, name in names}
+        base = run[f"{args.formats[0]} plain"]["tokens_per_second"]
+        for r in run.values():
+            r["vs_first_plain"] = round(r["tokens_per_second"] / base, 3)
+        if llama_tps:
+            run["llama.cpp plain"] = {"tokens_per_second": round(statistics.median(llama_tps), 2)}
+        out["runs"][f"T={temperature}"] = {"plans": plans, "configs": run}
+        print(f"\rT={temperature}", file=sys.stderr)
+        for fmt, plan in plans.items():
+            print(f"  plan {fmt}: {plan}")
+        for name, r in sorted(run.items(), key=lambda kv: -kv[1]["tokens_per_second"]):
+            print(f"  {name:18s} {r['tokens_per_second']:7.1f} tok/s  tau {r.get('tokens_per_step')}")
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"weights_{args.pair}_{args.tag}.json"
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    main()
