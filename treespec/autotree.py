@@ -56,7 +56,7 @@ from .tree import TokenTree
 COST_FEEDS = (1, 2, 3, 4, 5, 6, 8, 10, 13, 17)  # target feed sizes timed (the rest interpolated)
 COST_PREFIX = 128  # committed tokens before the timed feeds
 COST_ROUND_TOKENS = 96  # tokens of each short generation whose rounds are timed
-COST_VERSION = 4  # bump when what is measured changes: older cache entries are ignored
+COST_VERSION = 5  # bump when what is measured changes: older cache entries are ignored
 PRIOR = {"T0": (0.5, 0.1, 0.05), "T1": (0.4, 0.1, 0.05)}  # a drafter nothing is known of
 PRIOR_WEIGHT = 16.0  # a request's own visits weigh against the plan's vector as this many
 LEVEL_MIN_VISITS = 50  # a level's own rank-0 counts plan only with this many visits
@@ -226,9 +226,11 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
             nodes = chain.tree_nodes / chain.target_steps
             chain_walk = max(0.0, (per_round(chain, chain.verify_seconds) - scoring(chain)) / nodes)
             whole = per_round(short, short.total_seconds - short.prefill_seconds - short.plan_seconds)
-            overhead = max(0.0, whole - scoring(short) - chain_walk - c)  # a small difference: the
-            # median of three runs, so that one slow stretch does not make every plan shallow
             first = per_round(short, short.draft_seconds)  # a round's first level, catch-up included
+            # a small difference of large times (the median of three runs, so that one slow
+            # stretch does not make every plan shallow), but never below what the first level
+            # costs beyond a further one, which the draft's own timer measures steadily
+            overhead = max(0.0, first - c, whole - scoring(short) - chain_walk - c)
             # trees of the shapes plans are made of (children drawn without replacement): a round
             # of d levels and n nodes drafts in d x c + (n - d) x node_draft and walks n nodes in
             # n x walk[class] (the traversal rule at T>0, its sampling included)
