@@ -158,14 +158,13 @@ def native_runners(
     the HF model's weights (a GGUF conversion's int4 blocks are there, not in the model)."""
     from .backends.native import NativeRunner
 
-    param = next(target.parameters())
-    target_runner = (
-        NativeRunner.from_hf(target, compile=compile, quantize=quantize)
-        if target_dir is None
-        else NativeRunner.from_pretrained(
+    if target_dir is None:
+        target_runner = NativeRunner.from_hf(target, compile=compile, quantize=quantize)
+    else:
+        param = next(target.parameters())  # the dtype and device the HF model was loaded in
+        target_runner = NativeRunner.from_pretrained(
             target_dir, param.dtype, param.device, compile=compile, quantize=quantize
         )
-    )
     return {
         "native": (
             target_runner,

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from .config import ADAPTIVE, STRATEGIES, SamplingConfig, TreeConfig
-from .options import add_model_arguments
+from .options import add_model_arguments, target_quantize
 
 COLOURS = {"accepted": "\033[32m", "correction": "\033[33m", "bonus": "\033[36m"}  # green, yellow, cyan
 RESET = "\033[0m"
@@ -389,7 +389,7 @@ def cmd_bench(args) -> None:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device, "target")
     draft_dtype = resolve_dtype(args.dtype if args.draft_dtype is None else args.draft_dtype, device, "draft")
-    quantize = None if args.backend == "hf" or args.quantize == "none" else args.quantize
+    quantize = None if args.backend == "hf" else target_quantize(args)
     quantize = resolve_quantize(quantize, paths[0], dtype, device)
     target, draft = hf.load_model(paths[0], dtype, device), hf.load_model(paths[1], draft_dtype, device)
     tokenizer = hf.load_tokenizer(paths[0])

@@ -98,6 +98,11 @@ def model_paths(args, model_free: bool = False) -> tuple:
     return args.target, args.draft
 
 
+def target_quantize(args) -> str | None:
+    """--quantize as `from_pretrained` takes it: "none" is None; "auto", "int8", "int4" as given."""
+    return None if args.quantize == "none" else args.quantize
+
+
 def load_decoder(args, model_free: bool = False, **overrides):
     """`SpeculativeDecoder.from_pretrained` with what `args` say (`overrides` replace them)."""
     from .decoder import SpeculativeDecoder
@@ -112,7 +117,7 @@ def load_decoder(args, model_free: bool = False, **overrides):
         draft_dtype=args.draft_dtype,
         drafter=args.drafter or "model",
         compile=args.compile,
-        quantize=None if args.quantize == "none" else args.quantize,
+        quantize=target_quantize(args),
         draft_quantize=args.draft_quantize,
         tp=args.tp,
     )

@@ -78,14 +78,7 @@ def bf16_matmul_is_faster(margin: float = 0.9) -> bool:
     for dtype in (torch.float32, torch.bfloat16):
         proj = Projection(weight.to(dtype))
         for rows in (1, 16):
-            x = torch.randn(rows, 1024, generator=g).to(dtype)
-            times = []
-            for i in range(18):
-                t0 = time.perf_counter()
-                proj(x)
-                if i >= 3:  # the first calls pay for allocation and primitive creation
-                    times.append(time.perf_counter() - t0)
-            median[dtype, rows] = sorted(times)[len(times) // 2]
+            median[dtype, rows] = _median_seconds(proj, torch.randn(rows, 1024, generator=g).to(dtype))
     return all(median[torch.bfloat16, rows] < margin * median[torch.float32, rows] for rows in (1, 16))
 
 
@@ -104,13 +97,20 @@ def int4_matmul_is_faster(dtype: torch.dtype, margin: float = 0.9) -> bool:
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(2048, 1024, generator=g).to(dtype)
     x = torch.randn(1, 1024, generator=g).to(dtype)
-    median = {}
-    for kind, proj in (("dense", Projection(weight)), ("int4", Int4Projection.quantize(weight))):
-        times = []
-        for i in range(18):
-            t0 = time.perf_counter()
-            proj(x)
-            if i >= 3:
-                times.append(time.perf_counter() - t0)
-        median[kind] = sorted(times)[len(times) // 2]
+    median = {
+        kind: _median_seconds(proj, x)
+        for kind, proj in (("dense", Projection(weight)), ("int4", Int4Projection.quantize(weight)))
+    }
     return median["int4"] < margin * median["dense"]
+
+
+def _median_seconds(product, x: torch.Tensor, calls: int = 15, warmup: int = 3) -> float:
+    """The median time of `calls` calls `product(x)` after `warmup` untimed ones (the first
+    calls pay for allocation and primitive creation)."""
+    times = []
+    for i in range(warmup + calls):
+        t0 = time.perf_counter()
+        product(x)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
