@@ -445,7 +445,9 @@ class NativeRunner(Runner):
         """A local directory with config.json and model.safetensors (or a sharded
         model.safetensors.index.json); no transformers import (`checkpoint.read_checkpoint`).
         With `tp`, each rank reads only its blocks of the weights from the files."""
-        shape, weights, eos_ids = read_checkpoint(path, lazy=tp is not None)
+        # read lazily where only part of the file is used: a rank's blocks, or (int4) the float
+        # weights of the layers whose 4-bit blocks replace them
+        shape, weights, eos_ids = read_checkpoint(path, lazy=tp is not None or quantize == "int4")
         return cls(shape, weights, eos_ids, dtype, device, pack_weights, compile, quantize, tp)
 
     def input_embeddings(self) -> torch.Tensor:
