@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument(
         "--goodput",
         action="store_true",
-        help="also the first shape's chain with adaptive='goodput' (speculate or not per request, measured)",
+        help="also the first shape's chain with plain_fallback=True (speculate or not per request, measured)",
     )
     ap.add_argument("--llama-cpp", type=Path, default=None, metavar="DIR", help="llama.cpp's build dir")
     ap.add_argument("--quantize", choices=("int8",), default=None, help="treespec's target weights")

@@ -46,6 +46,7 @@ def test_the_default_tree_is_automatic_and_a_given_field_fixes_it():
     fixed = TreeConfig(width=2)
     assert not fixed.auto and (fixed.width, fixed.depth, fixed.strategy) == (2, 6, "iid")
     assert TreeConfig(depth=3).width == 1 and not TreeConfig(adaptive="hf").auto
+    assert not TreeConfig(plain_fallback=True).auto
     assert TreeConfig().max_depth == AUTO_MAX_DEPTH and TreeConfig().max_nodes == AUTO_MAX_NODES
     with pytest.raises(ValueError, match="chooses the shape itself; leave width unset"):
         TreeConfig(width=2, strategy="auto")

@@ -459,14 +459,14 @@ def test_outcome_dependent_switching_stays_lossless_by_enumeration():
 
 
 def test_per_request_goodput_switching_stays_lossless_by_enumeration(monkeypatch):
-    """TreeConfig(adaptive="goodput"): each request's own switch decides, round by round and
+    """TreeConfig(plain_fallback=True): each request's own switch decides, round by round and
     from that request's outcomes so far, whether it drafts; every draw and coin enumerated,
     the joint is still the product of the target's joints."""
     monkeypatch.setattr(adaptive, "GoodputSwitch", _OddTokensSwitch)
-    a = (TOY_PROMPT, TreeConfig(2, 2, adaptive="goodput"), TOY_SAMPLINGS["T1"], 2)
+    a = (TOY_PROMPT, TreeConfig(2, 2, plain_fallback=True), TOY_SAMPLINGS["T1"], 2)
     b = (
         (0, 2, 1),
-        TreeConfig(2, 2, adaptive="goodput"),
+        TreeConfig(2, 2, plain_fallback=True),
         TOY_SAMPLINGS["T0.6-topk2"],
         3,
     )
@@ -474,10 +474,10 @@ def test_per_request_goodput_switching_stays_lossless_by_enumeration(monkeypatch
 
 
 def test_per_request_goodput_tries_both_kinds_then_keeps_the_faster(models, monkeypatch):
-    """adaptive="goodput": a request speculates for a run, decodes plainly for a run, then
+    """plain_fallback=True: a request speculates for a run, decodes plainly for a run, then
     keeps whichever gave it more tokens per (here: fake) second; two requests of one batch
     decide apart (one fast when speculating, one slow); greedy outputs are generate()'s."""
-    trees = {1: TreeConfig(1, 3, adaptive="goodput"), 2: TreeConfig(1, 2, adaptive="goodput")}
+    trees = {1: TreeConfig(1, 3, plain_fallback=True), 2: TreeConfig(1, 2, plain_fallback=True)}
     seconds = {3: {False: 1.0, True: 1.0}, 2: {False: 1.0, True: 50.0}}  # by depth: a round's fake seconds
     kinds = {3: [], 2: []}  # by depth: each round's decision, speculative or not
     record, next_depth = adaptive.DepthPolicy.record, adaptive.DepthPolicy.next_depth

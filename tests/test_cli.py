@@ -86,6 +86,7 @@ def test_generate_stop_strings(capsys):
         ["--drafter", "merged"],
         ["--strategy", "dynamic", "--budget", "8"],
         ["--adaptive", "hf"],
+        ["--depth", "2", "--adaptive", "entropy", "--plain-fallback"],
         ["--plain"],
     ],
 )

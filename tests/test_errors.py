@@ -259,6 +259,16 @@ BAD_INPUTS = [
         lambda dec, tmp: TreeConfig(adaptive="entropy", ema_beta="0.5"),
         "ema_beta must be in",
     ),
+    (
+        "speculate-or-not given as a depth policy",
+        lambda dec, tmp: TreeConfig(width=1, depth=2, adaptive="goodput"),
+        "plain_fallback=True",
+    ),
+    (
+        "plain_fallback a string",
+        lambda dec, tmp: TreeConfig(width=1, depth=2, plain_fallback="yes"),
+        "plain_fallback must be True or False",
+    ),
     ("unknown drafter to from_pretrained", _from_pretrained(drafter="eagle"), "drafter must be one of"),
     # devices that do not exist here
     ("device npu", _from_pretrained(device="npu"), "unknown device 'npu'"),

@@ -26,7 +26,7 @@ TREES = [
     TreeConfig(3, 4, "dynamic", budget=8),
     TreeConfig(2, 3, adaptive="hf", depth_min=1, depth_max=6),
     TreeConfig(2, 3, adaptive="entropy", depth_min=1, depth_max=6),
-    TreeConfig(1, 3, adaptive="goodput"),  # speculative and plain rounds (its warm-up tries both)
+    TreeConfig(1, 3, plain_fallback=True),  # speculative and plain rounds (its warm-up tries both)
     TreeConfig(depth=4, strategy="sequoia", shape=optimal_shape((0.6, 0.2, 0.1), 10, 4)),
 ]
 

@@ -325,7 +325,7 @@ def test_feature_head_with_plain_rounds_and_a_one_token_prompt_is_lossless():
     still hand the head their features; a one-token prompt has none to read at first."""
     target, draft = pair()
     sampling = SAMPLINGS["T1"]
-    for prompt, tree in [((1,), TreeConfig(1, 2)), (PROMPT, TreeConfig(1, 3, adaptive="goodput"))]:
+    for prompt, tree in [((1,), TreeConfig(1, 2)), (PROMPT, TreeConfig(1, 3, plain_fallback=True))]:
         dec = SpeculativeDecoder(TableRunner(target), TableHead(target, draft, prompt[0]))
 
         def run(rng):

@@ -1,6 +1,6 @@
 """Each round's draft depth, decided by the decode loop for every drafter (`TreeConfig.adaptive`),
-and whether a round drafts at all: per request (`"goodput"`) or per batch by load
-(`GoodputSwitch` of the engine, `speculate_max_live="auto"`).
+and whether a round drafts at all: per request (`TreeConfig.plain_fallback`) or per batch by
+load (`GoodputSwitch` of the engine, `speculate_max_live="auto"`).
 
 The loop owns one `DepthPolicy` per request: it asks `policy.next_depth()` before drafting
 (0: a plain round), passes it to `drafter.propose(context, depth)`, after verification calls
@@ -12,9 +12,11 @@ or not.
     "hf"       Hugging Face's heuristic: depth + 2 after a fully accepted round, - 1 otherwise
     "entropy"  EGAG-style: the EMA (factor `ema_beta`) of the draft's normalised entropy along
                the accepted path maps linearly onto [depth_min, depth_max] (confident: deeper)
-    "goodput"  `depth` or 0, by which has given this request more tokens per second so far (a
-               `GoodputSwitch` of its own): speculation where the draft pays on this request's
-               text, sampling and hardware, plain decoding where it does not
+
+    plain_fallback=True: the depth or 0, by which has given this request more tokens per second
+    so far (a `GoodputSwitch` of its own): speculation where the draft pays on this request's
+    text, sampling and hardware, plain decoding where it does not. It combines with any depth
+    policy.
 
 The entropy comes from `Drafter.path_entropy(draft, walk)`: the model drafter averages the
 normalised entropy (entropy / log V) of its distributions at the fed nodes of the accepted
@@ -22,7 +24,7 @@ path. A drafter without a model distribution (n-gram, prompt lookup, custom) ret
 and the policy falls back on the round's rejection rate, 1 - accepted / depth, as the
 uncertainty signal (0 when the whole depth was accepted, 1 when nothing was); an empty round
 (nothing proposed) counts as 1. Either way depth never depends on anything but committed
-outcomes (and "goodput" on past timings too), so the output law is unchanged (the enumeration
+outcomes (and plain_fallback on past timings too), so the output law is unchanged (the enumeration
 tests cover every policy).
 """
 
@@ -32,7 +34,7 @@ import time
 from collections.abc import Callable
 
 from . import parallel
-from .config import DEPTH_ADAPTIVE, TreeConfig
+from .config import TreeConfig
 from .proposal import DepthStep, DraftTree, Walk
 
 
@@ -41,8 +43,8 @@ class DepthPolicy:
         self.config = config
         self.depth = config.depth  # the depth of a speculative round (before the length cap)
         self.entropy_ema: float | None = None
-        # "goodput": this request's own speculate-or-not switch, fed its own rounds
-        self.switch = GoodputSwitch() if config.adaptive == "goodput" else None
+        # plain_fallback: this request's own speculate-or-not switch, fed its own rounds
+        self.switch = GoodputSwitch() if config.plain_fallback else None
 
     def next_depth(self) -> int:
         """The depth of the coming round (0: plain); asked once per round."""
@@ -71,7 +73,7 @@ class DepthPolicy:
                 else cfg.ema_beta * self.entropy_ema + (1 - cfg.ema_beta) * entropy
             )
             self.depth = round(cfg.depth_max - self.entropy_ema * (cfg.depth_max - cfg.depth_min))
-        if cfg.adaptive in DEPTH_ADAPTIVE:
+        if cfg.adaptive is not None:
             self.depth = max(cfg.depth_min, min(cfg.depth_max, self.depth))
         return DepthStep(round_depth, entropy, from_drafter, self.depth)
 

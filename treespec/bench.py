@@ -9,7 +9,7 @@ Methods (all on the same target/draft, same prompts, same max_new_tokens):
     autoregressive  treespec, tree=None                       the in-library baseline
     linear          treespec, TreeConfig(width=1, depth)
     tree            treespec, TreeConfig(width, depth, strategy)
-    goodput         treespec, the linear chain with adaptive="goodput": per request, speculate
+    goodput         treespec, the linear chain with plain_fallback=True: per request, speculate
                     or decode plainly by which measured more tokens/s (not run by default)
 
 treespec methods run once per backend ("linear[native]", "linear[hf]", ...) and, given several
@@ -247,7 +247,7 @@ def run_bench(
     ]  # per batch: input_ids, attention_mask
     # linear: a chain of the tree's depth (a Sequoia shape's chain is its depth, drafted i.i.d.)
     linear = TreeConfig(1, tree.depth, "iid" if tree.strategy in ("sequoia", "dynamic") else tree.strategy)
-    goodput = dataclasses.replace(linear, adaptive="goodput")
+    goodput = dataclasses.replace(linear, plain_fallback=True)
     trees = {"autoregressive": None, "linear": linear, "tree": tree, "goodput": goodput}
     hf_kwargs = dict(
         max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=_pad_id(tokenizer)

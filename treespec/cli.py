@@ -34,7 +34,8 @@ class CliError(Exception):
 def _add_decode_args(p: argparse.ArgumentParser, max_new_tokens: int, width: int | None = None) -> None:
     g = p.add_argument_group(
         "speculation and sampling",
-        "with no --width, --depth, --strategy, --shape or --adaptive the tree is automatic: for each "
+        "with no --width, --depth, --strategy, --shape, --adaptive or --plain-fallback the tree is "
+        "automatic: for each "
         "request the shape with the most expected tokens/s on this machine, or plain decoding",
     )
     g.add_argument(
@@ -54,7 +55,13 @@ def _add_decode_args(p: argparse.ArgumentParser, max_new_tokens: int, width: int
         "--adaptive",
         default=None,
         choices=ADAPTIVE,
-        help="adapt the depth between rounds (goodput: speculate or not, by measured tokens/s)",
+        help="adapt the depth between rounds (hf: +2 / -1 by full acceptance; entropy: by the draft's "
+        "confidence)",
+    )
+    g.add_argument(
+        "--plain-fallback",
+        action="store_true",
+        help="per request, plain rounds where they have measured more tokens/s than this tree",
     )
     g.add_argument("--depth-max", type=int, default=8, help="adaptive depth upper bound (default 8)")
     g.add_argument("--shape", type=Path, default=None, help="draft along a saved Sequoia TreeShape (JSON)")
@@ -208,6 +215,7 @@ def _configs(args) -> tuple[TreeConfig, SamplingConfig]:
             strategy=strategy,
             budget=args.budget,
             adaptive=args.adaptive,
+            plain_fallback=args.plain_fallback,
             depth_max=args.depth_max,
             shape=shape,
         )

@@ -16,11 +16,11 @@ STRATEGIES: tuple[str, ...] = ("auto", "iid", "without_replacement", "topk", "dy
 # and is at most this deep.
 AUTO_MAX_NODES = 16
 AUTO_MAX_DEPTH = 8
-ADAPTIVE: tuple[str, ...] = ("hf", "entropy", "goodput")
+# the depth policies of `TreeConfig.adaptive` (`treespec.adaptive.DepthPolicy`)
+ADAPTIVE: tuple[str, ...] = ("hf", "entropy")
 # who proposes (`treespec.drafters.DrafterFactory`): a draft model, a feature head, n-gram
 # tables, prompt lookup, or a draft model and n-grams merged
 DRAFTER_KINDS: tuple[str, ...] = ("model", "head", "ngram", "lookup", "merged")
-DEPTH_ADAPTIVE: tuple[str, ...] = ("hf", "entropy")  # the policies that move the depth itself
 # weight-only formats of the native backend's products (`treespec.backends.linear`): int8 with a
 # scale per row; int4 in groups of 32 (a GGUF file's Q4_0 / Q4_1 blocks as they are)
 QUANTIZATIONS: tuple[str, ...] = ("int8", "int4")
@@ -166,19 +166,21 @@ class TreeConfig:
       going to the shape's k-th child. `width` is unused.
     - "auto": see above.
 
-    Adaptive depth (`adaptive`), decided by the decode loop after each round, for every
-    drafter (`treespec.adaptive.DepthPolicy`):
-    - "hf": Hugging Face's heuristic; depth + 2 after a fully accepted round, - 1 otherwise.
-    - "entropy": EGAG-style; depth maps the EMA (factor `ema_beta`) of the draft's normalised
-      entropy along the accepted path linearly onto [depth_min, depth_max] (confident draft:
-      deeper). Drafters without a distribution (n-gram, lookup) use the round's rejection
-      rate, 1 - accepted / depth, instead.
-    - "goodput": per request, a round drafts `depth` deep or not at all (a plain round), by
-      which has measured more tokens per second for this request so far
+    Two decisions the decode loop takes after each round, for every drafter
+    (`treespec.adaptive.DepthPolicy`), each its own field:
+    - `adaptive`, how deep the next round drafts: None keeps `depth`; "hf" is Hugging Face's
+      heuristic (depth + 2 after a fully accepted round, - 1 otherwise); "entropy" is
+      EGAG-style (the EMA, factor `ema_beta`, of the draft's normalised entropy along the
+      accepted path maps linearly onto [depth_min, depth_max]: a confident draft goes
+      deeper; drafters without a distribution, n-gram and lookup, use the round's rejection
+      rate, 1 - accepted / depth, instead). Both stay within [depth_min, depth_max], starting
+      at `depth`.
+    - `plain_fallback`, whether the next round drafts at all: per request, speculative or
+      plain rounds, by which has measured more tokens per second for this request so far
       (`treespec.adaptive.GoodputSwitch`): speculation where this draft pays on this text and
       hardware, plain decoding where it does not. Decisions follow past timings, so at
       temperature > 0 an output is exact but no longer reproducible from its seed alone.
-    "hf" and "entropy" stay within [depth_min, depth_max]; `depth` is the starting depth.
+      The automatic tree needs no such flag: its plan already includes plain decoding.
 
     At temperature 0 the draft is read greedily: "iid" proposes the draft's argmax chain
     (its samples would all be equal), "without_replacement" takes the draft's top tokens
@@ -189,7 +191,8 @@ class TreeConfig:
     depth: int | None = None  # draft tokens per branch; a round emits 1 .. depth + 1 tokens (6)
     strategy: Strategy | None = None  # see the class docstring; None: "auto" if no shape is given
     budget: int | None = None  # "dynamic": draft nodes kept per round (default width * depth)
-    adaptive: str | None = None  # None (fixed depth), "hf", "entropy" or "goodput"
+    adaptive: str | None = None  # the depth policy: None (fixed depth), "hf" or "entropy"
+    plain_fallback: bool = False  # per request, plain rounds where they measure faster
     depth_min: int = 1  # adaptive depth lower bound
     depth_max: int = 8  # adaptive depth upper bound
     ema_beta: float = 0.8  # "entropy": weight of the past in the entropy EMA, in [0, 1)
@@ -197,6 +200,7 @@ class TreeConfig:
 
     def __post_init__(self) -> None:
         given = [n for n in ("width", "depth", "budget", "shape", "adaptive") if getattr(self, n) is not None]
+        given += ["plain_fallback"] if self.plain_fallback is not False else []
         if self.strategy is None:
             object.__setattr__(self, "strategy", "iid" if given else "auto")
         if self.strategy not in STRATEGIES:
@@ -224,9 +228,12 @@ class TreeConfig:
             raise ValueError("TreeConfig.shape must be a treespec.sequoia.TreeShape (see TreeShape.load)")
         if self.adaptive is not None and self.adaptive not in ADAPTIVE:
             raise ValueError(
-                f"TreeConfig.adaptive must be None, 'hf', 'entropy' or 'goodput'; got {self.adaptive!r}"
+                f"TreeConfig.adaptive (the depth policy) must be None, 'hf' or 'entropy', got "
+                f"{self.adaptive!r}; plain rounds where they measure faster are plain_fallback=True"
             )
-        if self.adaptive in DEPTH_ADAPTIVE and not self.depth_min <= self.depth <= self.depth_max:
+        if not isinstance(self.plain_fallback, bool):
+            raise ValueError(f"TreeConfig.plain_fallback must be True or False, got {self.plain_fallback!r}")
+        if self.adaptive is not None and not self.depth_min <= self.depth <= self.depth_max:
             raise ValueError(
                 f"adaptive depth needs depth_min <= depth <= depth_max, got {self.depth_min}, "
                 f"{self.depth}, {self.depth_max}"
@@ -235,9 +242,7 @@ class TreeConfig:
         if not isinstance(b, (int, float)) or isinstance(b, bool) or not 0 <= b < 1:
             raise ValueError(f"TreeConfig.ema_beta must be in [0, 1), got {self.ema_beta!r}")
         if self.max_nodes > MAX_TREE_NODES:
-            depth = (
-                f"depth_max={self.depth_max}" if self.adaptive in DEPTH_ADAPTIVE else f"depth={self.depth}"
-            )
+            depth = f"depth_max={self.depth_max}" if self.adaptive is not None else f"depth={self.depth}"
             depth += f", budget={self.budget}" if self.budget is not None else ""
             raise ValueError(
                 f"TreeConfig(width={self.width}, {depth}, strategy={self.strategy!r}) drafts up to "
@@ -255,7 +260,7 @@ class TreeConfig:
         """The deepest a round can go."""
         if self.auto:
             return AUTO_MAX_DEPTH
-        return self.depth_max if self.adaptive in DEPTH_ADAPTIVE else self.depth
+        return self.depth_max if self.adaptive is not None else self.depth
 
     @property
     def max_nodes(self) -> int:

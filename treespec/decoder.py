@@ -362,7 +362,7 @@ class SpeculativeDecoder:
         seed), never on what else the engine runs: each lane forwards alone, with the numbers
         of `generate()` (batch-invariant; vLLM's idea), at the cost of batching's speed-up. It
         excludes `speculate_max_live`, whose choice depends on the load. A sampled request with
-        `TreeConfig(adaptive="goodput")` opts out for itself: its rounds follow measured timings.
+        `TreeConfig(plain_fallback=True)` opts out for itself: its rounds follow measured timings.
 
         `shared_tree_nodes`: in a round with other requests, a request whose tree holds more
         nodes than this decodes plainly (a server's fairness: two clients' 64-node trees made
