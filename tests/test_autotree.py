@@ -69,6 +69,16 @@ def test_the_plan_follows_the_costs_and_the_acceptance():
     assert all(len(c) <= 1 for c in planner().plan(GREEDY, chain_only=True).tree.shape.children())
 
 
+def test_a_plain_round_cheaper_than_the_scored_token_turns_a_marginal_plan_plain():
+    """A plain step skips the tree's masks and walk: where it costs less than the scored t(1)
+    (compiled graphs: 0.82), a chain that wins against a plain unit of 1 loses against it."""
+    acc = {"T0": (0.45, 0.1, 0.05), "T1": (0.45, 0.1, 0.05)}
+    base = dataclasses.replace(costs(verify_slope=0.07, draft=0.15), overhead=0.14)
+    assert Planner(base, acc, "shipped").plan(GREEDY).speedup > 1
+    cheap_plain = Planner(dataclasses.replace(base, plain=0.82), acc, "shipped").plan(GREEDY)
+    assert cheap_plain.tree is None and "plain decoding" in cheap_plain.describe()
+
+
 def test_per_node_costs_shrink_the_tree_of_their_class_only():
     """The T>0 walk over a node (residuals, sampling) and a tree level's extra draft rows are
     costs of their own: where the T=1 walk is dear, T=1 plans fewer nodes while T=0 keeps its
