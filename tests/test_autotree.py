@@ -118,7 +118,10 @@ def test_a_requests_depth_follows_its_own_acceptance_and_probes_when_plain():
         TokenTree([0, 1, 2], [-1, 0, 1]),
         (ProposalGroup(0, Draw.DETERMINISTIC, (1,), (1,)), ProposalGroup(1, Draw.DETERMINISTIC, (2,), (2,))),
     )
-    for _ in range(200):  # everything rejected: plain rounds
+    for _ in range(200):  # everything rejected, for fewer rounds than the plan's weight outvotes
+        policy.update(None, chain, Walk((0,), 5, "correction"), start)
+    assert policy.depth == 1  # 0.7 x 64 / 264 = 0.17 still pays for a level on this cheap machine
+    for _ in range(400):  # and for more: plain rounds
         policy.update(None, chain, Walk((0,), 5, "correction"), start)
     assert policy.depth == 0
     assert [policy.next_depth() for _ in range(PROBE_EVERY)] == [0] * (PROBE_EVERY - 1) + [1]

@@ -23,12 +23,14 @@ speculation where none beats plain decoding.
                  (chains and trees of every width compete; `optimal_shape`), or plain decoding
     per request  `AutoDepth`: before each round, the depth at which the planned shape, cut
                  there, gives the most expected tokens per unit of cost under the request's own
-                 acceptance so far (its counts on top of the plan's vector, `PRIOR_WEIGHT`
-                 pseudo-visits); depth 0 is a plain round. A request that stays plain probes one
-                 depth-1 round every `PROBE_EVERY` rounds, so a text its draft predicts well is
-                 noticed. Decisions follow committed outcomes only: given the same costs an
-                 output is reproducible from its seed, and lossless (the depth of a round never
-                 depends on its own draws).
+                 acceptance so far (its counts on top of the plan's vector, `PLAN_WEIGHT`
+                 pseudo-visits: a short request's few rounds are too noisy to cut a plan
+                 that is right, and a cut shape can only get shallower, never deeper, so
+                 noise alone would cost depth); depth 0 is a plain round. A request that
+                 stays plain probes one depth-1 round every `PROBE_EVERY` rounds, so a text
+                 its draft predicts well is noticed. Decisions follow committed outcomes
+                 only: given the same costs an output is reproducible from its seed, and
+                 lossless (the depth of a round never depends on its own draws).
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ COST_ROUND_TOKENS = 96  # tokens of each short generation whose rounds are timed
 MIN_PLAIN_ROUND = 0.25  # a plain round measured below this many t(1) is a broken clock, not a cost
 COST_VERSION = 6  # bump when what is measured changes: older cache entries are ignored
 PRIOR = {"T0": (0.5, 0.1, 0.05), "T1": (0.4, 0.1, 0.05)}  # a drafter nothing is known of
-PRIOR_WEIGHT = 16.0  # a request's own visits weigh against the plan's vector as this many
+PRIOR_WEIGHT = 16.0  # PRIOR weighs against the counts remembered from earlier processes as this many visits
+PLAN_WEIGHT = 64.0  # the plan's vector weighs against a request's own visits as this many
 LEVEL_MIN_VISITS = 50  # a level's own rank-0 counts plan only with this many visits
 PROBE_EVERY = 8  # a request that decodes plainly drafts one depth-1 round this often
 ACCEPTANCE_FILE = "acceptance.json"  # beside a draft: its measured positional acceptance
@@ -594,14 +597,15 @@ class AutoDepth(DepthPolicy):
     def __init__(self, plan: Plan):
         super().__init__(plan.tree)
         self.plan, self.counts, self.plain_rounds = plan, AcceptanceCounts(), 0
-        self.cuts = _cuts(plan.tree.shape)  # (depth, nodes, parents) of the shape cut at each depth
+        # (depth, parents, cost in plain rounds) of the shape cut at each depth
+        self.cuts = [(d, parents, plan.round_cost(n, d)) for d, n, parents in _cuts(plan.tree.shape)]
         self.depth = self._best_depth()
 
     def _best_depth(self) -> int:
-        acc = self.counts.levels(self.plan.acceptance, PRIOR_WEIGHT)
+        acc = self.counts.levels(self.plan.acceptance, PLAN_WEIGHT)
         best, best_value = 0, 1.0  # plain decoding: one token for one forward
-        for depth, nodes, parents in self.cuts:
-            value = tree_expected_tokens(parents, acc) / self.plan.round_cost(nodes, depth)
+        for depth, parents, cost in self.cuts:
+            value = tree_expected_tokens(parents, acc) / cost
             if value > best_value * (1 + 1e-9):
                 best, best_value = depth, value
         return best
