@@ -10,7 +10,7 @@ speculation with the head (converted by `treespec.llamacpp.head_to_gguf`).
 
     python experiments/head_bench.py --head treespec/zoo/smollm2/head --n-prompts 6 \
         --max-new-tokens 128 --head-trees 1x1 1x2 1x3 2x2 2x3 --draft-trees 1x1 1x2 --tag amx \
-        [--llama-cpp DIR] [--quantize int8] [--compile]
+        [--llama-cpp DIR] [--quantize auto|int8|int4] [--compile]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.backends.head import load_head_runner
 from treespec.bench import machine_info
+from treespec.config import QUANTIZATIONS
 from treespec.llamacpp import LlamaCpp, LlamaCppBench, head_to_gguf
 from treespec.loading import checkpoint, load_runner, load_tokenizer, resolve_device, resolve_dtype
 from treespec.loading.gguf import smollm2_gguf
@@ -74,7 +75,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="the target's dtype (auto: as from_pretrained picks)")
     ap.add_argument("--head-dtype", default=None, help="the head's dtype (default: the target's)")
     ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--quantize", choices=("int8",), default=None, help="the target's weights")
+    ap.add_argument(
+        "--quantize", choices=("auto", *QUANTIZATIONS), default=None, help="the target's weights (default: dense)"
+    )
     ap.add_argument("--llama-cpp", type=Path, default=None, metavar="DIR", help="llama.cpp's build dir")
     ap.add_argument("--llama-draft-max", type=int, default=3, help="llama.cpp's EAGLE-3 chain length")
     ap.add_argument("--n-prompts", type=int, default=6)
@@ -123,7 +126,7 @@ def main() -> None:
         "dtype": str(dtype),
         "head_dtype": str(head_dtype),
         "compile": args.compile,
-        "quantize": args.quantize,
+        "quantize": target.quantize,
         "machine": machine_info("cpu"),
         "runs": {},
     }

@@ -31,9 +31,11 @@ from pick_default_tree import parse
 
 import treespec.engine as engine
 from treespec import SamplingConfig, SpeculativeDecoder
+from treespec.backends.head import HeadRunner
 from treespec.backends.native import NativeRunner
 from treespec.bench import machine_info
-from treespec.zoo import PAIRS, heldout_prompt_ids, load_prompts, pair
+from treespec.config import QUANTIZATIONS
+from treespec.zoo import PAIRS, heldout_prompt_ids, load_prompts, pair, pair_draft
 
 PARTS = ("target_forward", "target_prefill", "draft_forwards", "draft_prefill", "drafting_python", "verify", "rest")
 
@@ -66,6 +68,7 @@ class Timers:
             return f"{role}_prefill" if not need_logits else ("target_forward" if role == "target" else "draft_forwards")
 
         self.wrap(NativeRunner, "_packed_forward", forward_part)
+        self.wrap(HeadRunner, "_packed_forward", forward_part)
         self.wrap(engine, "propose_many", lambda _: "propose")
         self.wrap(engine, "verify", lambda _: "verify")
         self.wrap(engine.Engine, "step", lambda _: "step")
@@ -92,14 +95,20 @@ def main() -> None:
     ap.add_argument("--pair", default="pycode", choices=PAIRS)
     ap.add_argument("--chat", action="store_true", help="the pair's held-out chat instructions (smollm2)")
     ap.add_argument("--compile", action="store_true", help="inductor graphs for target and draft")
-    ap.add_argument("--quantize", choices=("int8",), default=None, help="the target's weights")
+    ap.add_argument("--quantize", choices=("auto", "none", *QUANTIZATIONS), default="none", help="the target's weights")
+    ap.add_argument("--drafter", default=None, help="model or head (default: what the pair drafts with)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
     acceptance = json.loads(args.sequoia.read_text())["acceptance"] if args.sequoia else None
     trees = {spec: None if spec == "plain" else parse(spec, acceptance) for spec in args.trees.split(",")}
     dec = SpeculativeDecoder.from_pretrained(
-        *pair(args.pair), dtype=args.dtype, backend="native", compile=args.compile, quantize=args.quantize
+        pair(args.pair)[0],
+        pair_draft(args.pair, args.drafter),
+        dtype=args.dtype,
+        backend="native",
+        compile=args.compile,
+        quantize=None if args.quantize == "none" else args.quantize,
     )
     prompts = heldout_prompt_ids(args.pair, dec.tokenizer, args.n_prompts) if args.chat else [
         dec.tokenizer(p)["input_ids"] for p in load_prompts(n=args.n_prompts)
