@@ -63,6 +63,7 @@ COST_VERSION = 6  # bump when what is measured changes: older cache entries are 
 PRIOR = {"T0": (0.5, 0.1, 0.05), "T1": (0.4, 0.1, 0.05)}  # a drafter nothing is known of
 PRIOR_WEIGHT = 16.0  # PRIOR weighs against the counts remembered from earlier processes as this many visits
 PLAN_WEIGHT = 64.0  # the plan's vector weighs against a request's own visits as this many
+DEPTH_MARGIN = 0.02  # a request leaves its depth for one expected this much faster, not less
 LEVEL_MIN_VISITS = 50  # a level's own rank-0 counts plan only with this many visits
 PROBE_EVERY = 8  # a request that decodes plainly drafts one depth-1 round this often
 ACCEPTANCE_FILE = "acceptance.json"  # beside a draft: its measured positional acceptance
@@ -601,13 +602,16 @@ class AutoDepth(DepthPolicy):
         self.cuts = [(d, parents, plan.round_cost(n, d)) for d, n, parents in _cuts(plan.tree.shape)]
         self.depth = self._best_depth()
 
-    def _best_depth(self) -> int:
+    def _best_depth(self, current: int | None = None) -> int:
         acc = self.counts.levels(self.plan.acceptance, PLAN_WEIGHT)
-        best, best_value = 0, 1.0  # plain decoding: one token for one forward
+        values = {0: 1.0}  # plain decoding: one token for one forward
+        best, best_value = 0, 1.0
         for depth, parents, cost in self.cuts:
-            value = tree_expected_tokens(parents, acc) / cost
+            values[depth] = value = tree_expected_tokens(parents, acc) / cost
             if value > best_value * (1 + 1e-9):
                 best, best_value = depth, value
+        if current is not None and values.get(current, 0.0) * (1 + DEPTH_MARGIN) >= best_value:
+            return current  # near-ties stay put: noise would move them either way
         return best
 
     def next_depth(self) -> int:
@@ -619,7 +623,7 @@ class AutoDepth(DepthPolicy):
 
     def update(self, drafter, draft: DraftTree, walk: Walk, round_depth: int) -> DepthStep:
         self.counts.count(draft.tree, walk)
-        self.depth = self._best_depth()
+        self.depth = self._best_depth(self.depth)
         return DepthStep(round_depth, None, False, self.depth)
 
 

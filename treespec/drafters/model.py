@@ -170,6 +170,9 @@ class ModelDrafter(Drafter):
         return sorted(ranked[: self.config.width])
 
     def _top_tokens(self, node: _Node, k: int) -> list[int]:
+        if k == 1:  # a chain's node (every level of a greedy chain): no count over V, no sort
+            top = int(node.score.argmax())
+            return [top] if node.score[top] > 0 else []
         k = min(k, int((node.score > 0).sum()))
         return torch.topk(node.score, k).indices.tolist()
 
