@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
+from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig, autotree
 from treespec.autotree import (
     PROBE_EVERY,
     AcceptanceCounts,
@@ -128,6 +128,29 @@ def test_a_requests_depth_follows_its_own_acceptance_and_probes_when_plain():
     for _ in range(300):  # everything accepted: as deep as the shape goes
         policy.update(None, chain, Walk((0, 1, 2), 5, "bonus"), 2)
     assert policy.depth == plan.tree.shape.depth
+
+
+def test_a_few_rejections_do_not_move_a_request_off_a_near_tie(monkeypatch):
+    """The plan's depth and the one above are nearly as good: a streak of six rejections at the
+    root (a short request's noise) keeps the depth; without the margin it would drop."""
+    plan = planner(acc0=(0.7,), verify_slope=0.1, draft=0.1).plan(GREEDY)  # a chain of 3
+    depth = plan.tree.shape.depth
+    tree = TokenTree(list(range(depth + 1)), [-1] + list(range(depth)))
+    chain = DraftTree(
+        tree, tuple(ProposalGroup(i, Draw.DETERMINISTIC, (i + 1,), (i + 1,)) for i in range(depth))
+    )
+
+    def depths() -> list[int]:
+        policy = AutoDepth(plan)
+        out = [policy.next_depth()]
+        for _ in range(6):
+            policy.update(None, chain, Walk((0,), 5, "correction"), depth)
+            out.append(policy.next_depth())
+        return out
+
+    assert depths() == [depth] * 7
+    monkeypatch.setattr(autotree, "DEPTH_MARGIN", 0.0)
+    assert depths()[-1] < depth
 
 
 def test_rank_zero_is_counted_by_level_and_plans_deeper_where_it_accepts_more():
