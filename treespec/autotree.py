@@ -59,7 +59,7 @@ COST_FEEDS = (1, 2, 3, 4, 5, 6, 8, 10, 13, 17)  # target feed sizes timed (the r
 COST_PREFIX = 128  # committed tokens before the timed feeds
 COST_ROUND_TOKENS = 96  # tokens of each short generation whose rounds are timed
 MIN_PLAIN_ROUND = 0.25  # a plain round measured below this many t(1) is a broken clock, not a cost
-COST_VERSION = 6  # bump when what is measured changes: older cache entries are ignored
+COST_VERSION = 7  # bump when what is measured changes: older cache entries are ignored
 PRIOR = {"T0": (0.5, 0.1, 0.05), "T1": (0.4, 0.1, 0.05)}  # a drafter nothing is known of
 PRIOR_WEIGHT = 16.0  # PRIOR weighs against the counts remembered from earlier processes as this many visits
 PLAN_WEIGHT = 64.0  # the plan's vector weighs against a request's own visits as this many
@@ -157,6 +157,26 @@ def _lane(runner):
         return runner
 
 
+def _compile_every_feed_size(runner, tokens: list[int], prefix: int) -> None:
+    """Under a compiler, one forward of every feed size a measurement may meet (1 ..
+    AUTO_MAX_NODES + 1 tokens) on a lane of `runner`'s own, so that no graph compiles inside a
+    timed run: a draft's catch-up size follows its acceptance, and a compile of tens of seconds
+    in a timed round made a compiled pair's per-node costs 10x what they were."""
+    if getattr(runner, "compiled", None) is None:
+        return
+    try:
+        lane = runner.lanes(1)[0]
+    except NotImplementedError:
+        return  # no lane of its own to warm without touching the runner's cache
+    room = (runner.max_positions or prefix + AUTO_MAX_NODES + 2) - AUTO_MAX_NODES - 2
+    lane.reset()
+    lane.prefill(tokens[: max(1, min(prefix, room))])
+    for n in range(1, AUTO_MAX_NODES + 2):
+        lane.score(TokenTree(tokens[prefix : prefix + n], [-1] + [0] * (n - 1)))
+        lane.commit([])
+    lane.reset()
+
+
 def measure_costs(decoder, repeats: int = 7) -> Costs:
     """This machine's costs for `decoder`: t(n)/t(1) of its target for feeds of n = 1 ..
     AUTO_MAX_NODES + 1 tokens (a root and its children after COST_PREFIX tokens, on a lane of
@@ -173,7 +193,11 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
     prefix = max(1, min(COST_PREFIX, room))
     g = torch.Generator().manual_seed(0)
     lane = _lane(target)
-    tokens = torch.randint(0, min(target.vocab_size, 1000), (prefix + max(COST_FEEDS),), generator=g).tolist()
+    vocab = min(target.vocab_size, getattr(decoder.draft_runner, "vocab_size", None) or 1000, 1000)
+    tokens = torch.randint(0, vocab, (prefix + AUTO_MAX_NODES + 1,), generator=g).tolist()
+    for runner in (target, decoder.draft_runner):
+        if runner is not None:
+            _compile_every_feed_size(runner, tokens, prefix)
     lane.reset()
     lane.prefill(tokens[:prefix])
     trees = {n: TokenTree(tokens[prefix : prefix + n], [-1] + [0] * (n - 1)) for n in COST_FEEDS}
