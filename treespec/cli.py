@@ -35,8 +35,8 @@ def _add_decode_args(p: argparse.ArgumentParser, max_new_tokens: int, width: int
     g = p.add_argument_group(
         "speculation and sampling",
         "with no --width, --depth, --strategy, --shape, --adaptive or --plain-fallback the tree is "
-        "automatic: for each "
-        "request the shape with the most expected tokens/s on this machine, or plain decoding",
+        "automatic: for each request the shape with the most expected tokens/s on this machine, or "
+        "plain decoding",
     )
     g.add_argument(
         "--width", type=int, default=width, help="tree width; 1 = linear speculation (default: automatic)"
