@@ -157,18 +157,12 @@ def _lane(runner):
         return runner
 
 
-def _compile_every_feed_size(runner, tokens: list[int], prefix: int) -> None:
-    """Under a compiler, one forward of every feed size a measurement may meet (1 ..
-    AUTO_MAX_NODES + 1 tokens) on a lane of `runner`'s own, so that no graph compiles inside a
-    timed run: a draft's catch-up size follows its acceptance, and a compile of tens of seconds
-    in a timed round made a compiled pair's per-node costs 10x what they were."""
-    if getattr(runner, "compiled", None) is None:
-        return
-    try:
-        lane = runner.lanes(1)[0]
-    except NotImplementedError:
-        return  # no lane of its own to warm without touching the runner's cache
-    room = (runner.max_positions or prefix + AUTO_MAX_NODES + 2) - AUTO_MAX_NODES - 2
+def _compile_every_feed_size(lane, tokens: list[int], prefix: int) -> None:
+    """One forward of every feed size a measurement may meet (1 .. AUTO_MAX_NODES + 1 tokens)
+    on `lane` (a compiled runner's, `_lane`), so that no graph compiles inside a timed run: a
+    draft's catch-up size follows its acceptance, and a compile of tens of seconds in a timed
+    round made a compiled pair's per-node costs 10x what they were."""
+    room = (lane.max_positions or prefix + AUTO_MAX_NODES + 2) - AUTO_MAX_NODES - 2
     lane.reset()
     lane.prefill(tokens[: max(1, min(prefix, room))])
     for n in range(1, AUTO_MAX_NODES + 2):
@@ -196,8 +190,8 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
     vocab = min(target.vocab_size, getattr(decoder.draft_runner, "vocab_size", None) or 1000, 1000)
     tokens = torch.randint(0, vocab, (prefix + AUTO_MAX_NODES + 1,), generator=g).tolist()
     for runner in (target, decoder.draft_runner):
-        if runner is not None:
-            _compile_every_feed_size(runner, tokens, prefix)
+        if getattr(runner, "compiled", None) is not None:  # under a compiler: every graph first
+            _compile_every_feed_size(lane if runner is target else _lane(runner), tokens, prefix)
     lane.reset()
     lane.prefill(tokens[:prefix])
     trees = {n: TokenTree(tokens[prefix : prefix + n], [-1] + [0] * (n - 1)) for n in COST_FEEDS}
