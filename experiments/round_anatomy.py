@@ -35,6 +35,7 @@ from treespec.backends.head import HeadRunner
 from treespec.backends.native import NativeRunner
 from treespec.bench import machine_info
 from treespec.config import QUANTIZATIONS
+from treespec.options import target_quantize
 from treespec.zoo import PAIRS, heldout_prompt_ids, load_prompts, pair, pair_draft
 
 PARTS = ("target_forward", "target_prefill", "draft_forwards", "draft_prefill", "drafting_python", "verify", "rest")
@@ -108,7 +109,7 @@ def main() -> None:
         dtype=args.dtype,
         backend="native",
         compile=args.compile,
-        quantize=None if args.quantize == "none" else args.quantize,
+        quantize=target_quantize(args),
     )
     prompts = heldout_prompt_ids(args.pair, dec.tokenizer, args.n_prompts) if args.chat else [
         dec.tokenizer(p)["input_ids"] for p in load_prompts(n=args.n_prompts)
