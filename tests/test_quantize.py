@@ -22,7 +22,7 @@ from treespec.backends.linear import (
     pack_nibbles,
     unpack_nibbles,
 )
-from treespec.backends.native import NativeRunner
+from treespec.backends.native import COMPILE_STATIC_MAX, CompiledForward, NativeRunner
 
 from .conftest import perturbed, tiny_llama
 from .llamas import GREEDY, PROMPTS
@@ -135,6 +135,23 @@ def test_compiled_quantized_runner_equals_the_eager_one(quantize):
         for r in (eager, nat):
             r.commit([0])
     assert not nat.compiled.failed
+    # int4: the decode step's graph and the dynamic one; int8 as float weights, a graph per size
+    assert nat.compiled.compiled == ({1, "dynamic"} if quantize == "int4" else {1, 5, "dynamic"})
+
+
+def test_int4_weights_compile_one_static_graph_and_an_autotuned_dynamic_one():
+    """Int4's product template holds across row counts: one static graph (the decode step) and
+    an autotuned dynamic graph; float and int8 weights keep a graph per small feed size and
+    oneDNN's packed products for the dynamic one. Nothing compiles here."""
+    model = build("gqa_tied")
+    for quantize, static_max, dynamic in (
+        ("int4", 1, CompiledForward.AUTOTUNED),
+        ("int8", COMPILE_STATIC_MAX, CompiledForward.PACKED),
+        (None, COMPILE_STATIC_MAX, CompiledForward.PACKED),
+    ):
+        graphs = CompiledForward(NativeRunner.from_hf(model, quantize=quantize))
+        assert graphs.static_max == static_max
+        assert graphs.config == {"static": CompiledForward.AUTOTUNED, "dynamic": dynamic}
 
 
 @pytest.mark.parametrize("quantize", ["int8", "int4"])

@@ -666,10 +666,13 @@ class CompiledForward:
     """A lane's forwards that need logits, of 1 to COMPILE_MAX_TOKENS tokens, as inductor graphs.
 
     Graphs compiled on first use (about a minute each on a small CPU): one per feed size from 1
-    to COMPILE_STATIC_MAX tokens (the decode step, a chain's verification, small trees), each
+    to `static_max` tokens (the decode step, a chain's verification, small trees), each
     with products tuned for its row count, and one for larger feeds up to COMPILE_MAX_TOKENS
     (the row count dynamic); all take the attended span and the cache capacity as dynamic
-    sizes, so none recompiles as the sequence or the cache grows. Inductor freezes the weights
+    sizes, so none recompiles as the sequence or the cache grows. Int4 weights get one static
+    graph (the decode step) and an autotuned dynamic one: their products' template, tuned at
+    one row count, holds at the others (feeds of 2-17 tokens as fast as through a graph per
+    size, for two graphs' compiling instead of nine; docs/performance.md). Inductor freezes the weights
     into the graphs, packs them for its own GEMM kernels (max-autotune's C++ templates, which
     beat oneDNN's calls on few rows) and fuses the norms, RoPE, SiLU gate and residual adds
     into a few C++ kernels; the wrapper that calls them replaces ~30 eager ops per layer.
@@ -685,20 +688,21 @@ class CompiledForward:
 
     # inductor settings, patched in around the call that compiles a graph (its first): freezing is read
     # outside what torch.compile(options=...) patches, and setting it process-wide would change
-    # every other torch.compile of the process. A static row count: max-autotune picks, per
-    # product, inductor's C++ GEMM template or oneDNN's packed product (the template wins on
-    # few rows); a dynamic one: oneDNN's packed products, no autotuning (a template tuned for
-    # one size of a dynamic row count loses badly at others; docs/performance.md).
-    CONFIG = {
-        "static": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"},
-        "dynamic": {"freezing": True, "max_autotune": False},
-    }
+    # every other torch.compile of the process. AUTOTUNED: max-autotune picks, per product,
+    # inductor's C++ GEMM template or the library's product (the template wins on few rows);
+    # PACKED: oneDNN's packed products, no autotuning. A static row count is autotuned; so is a
+    # dynamic one over int4 weights, while float weights' dynamic graph is PACKED (a float
+    # template tuned for one size of a dynamic row count loses badly at others;
+    # docs/performance.md).
+    AUTOTUNED = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+    PACKED = {"freezing": True, "max_autotune": False}
     # dynamo: a size seen twice must not turn dynamic by itself (each static size keeps its
     # graph), and there is room for every static size plus the dynamic graph
     DYNAMO = {"automatic_dynamic_shapes": False, "recompile_limit": COMPILE_STATIC_MAX + 4}
 
     def __init__(self, runner: NativeRunner, config: dict | None = None):
-        """`config`: inductor settings for every graph instead of `CONFIG` (tests use cheap ones)."""
+        """`config`: inductor settings for every graph instead of AUTOTUNED / PACKED (tests use
+        cheap ones)."""
         # dynamo keeps compiled graphs, and counts its recompile limit, per code object: a
         # forward of its own keeps this runner's graphs apart from every other runner's (a
         # target and its draft, or two dtypes, would share one cache and exhaust the limit)
@@ -713,10 +717,13 @@ class CompiledForward:
             options=None if skip is None else {"guard_filter_fn": skip},
         )
         self.custom_config = config
+        int4 = runner.quantize == "int4"
+        self.static_max = 1 if int4 else COMPILE_STATIC_MAX  # feed sizes with a graph of their own
         if config is not None:
             self.config = {"static": dict(config), "dynamic": dict(config)}
         else:
-            self.config = copy.deepcopy(self.CONFIG)
+            dynamic = self.AUTOTUNED if int4 else self.PACKED
+            self.config = {"static": dict(self.AUTOTUNED), "dynamic": dict(dynamic)}
         self.dynamo = {k: v for k, v in self.DYNAMO.items() if hasattr(torch._dynamo.config, k)}
         self.compiled: set[int | str] = set()  # graphs compiled: static feed sizes, "dynamic"
         self.failed = False
@@ -739,7 +746,7 @@ class CompiledForward:
             mask = causal_visible(n, S, runner.device)
         slots = torch.arange(S, span, device=runner.device)
         inputs = (feed.tokens, feed.positions, slots, mask, pool.cos, pool.sin_signed, pool.kv)
-        static = n <= COMPILE_STATIC_MAX
+        static = n <= self.static_max
         graph = n if static else "dynamic"
         try:
             if graph in self.compiled:
@@ -748,7 +755,7 @@ class CompiledForward:
                 return Scores(*self.graph(*inputs))
             if not static:
                 for t in (feed.tokens, feed.positions, slots, mask):
-                    torch._dynamo.mark_dynamic(t, 0, min=COMPILE_STATIC_MAX + 1, max=COMPILE_MAX_TOKENS)
+                    torch._dynamo.mark_dynamic(t, 0, min=self.static_max + 1, max=COMPILE_MAX_TOKENS)
             torch._dynamo.mark_dynamic(mask, 1)
             for t, dim in ((pool.kv, 4), (pool.cos, 0), (pool.sin_signed, 0)):
                 torch._dynamo.mark_dynamic(t, dim)
