@@ -139,19 +139,20 @@ def test_compiled_quantized_runner_equals_the_eager_one(quantize):
     assert nat.compiled.compiled == ({1, "dynamic"} if quantize == "int4" else {1, 5, "dynamic"})
 
 
-def test_int4_weights_compile_one_static_graph_and_an_autotuned_dynamic_one():
-    """Int4's product template holds across row counts: one static graph (the decode step) and
-    an autotuned dynamic graph; float and int8 weights keep a graph per small feed size and
-    oneDNN's packed products for the dynamic one. Nothing compiles here."""
+def test_each_weight_format_compiles_the_products_measured_faster():
+    """int4: one static graph (the decode step) and an autotuned dynamic one; bf16: oneDNN's
+    packed products in both, nothing tuned; float32 and int8: a tuned graph per small feed
+    size and untuned products for longer feeds. Nothing compiles here."""
     model = build("gqa_tied")
-    for quantize, static_max, dynamic in (
-        ("int4", 1, CompiledForward.AUTOTUNED),
-        ("int8", COMPILE_STATIC_MAX, CompiledForward.PACKED),
-        (None, COMPILE_STATIC_MAX, CompiledForward.PACKED),
+    auto, packed = CompiledForward.AUTOTUNED, CompiledForward.PACKED
+    for quantize, dtype, static, dynamic, static_max in (
+        ("int4", torch.float32, auto, auto, 1),
+        (None, torch.bfloat16, packed, packed, 1),
+        (None, torch.float32, auto, packed, COMPILE_STATIC_MAX),
+        ("int8", torch.bfloat16, auto, packed, COMPILE_STATIC_MAX),
     ):
-        graphs = CompiledForward(NativeRunner.from_hf(model, quantize=quantize))
-        assert graphs.static_max == static_max
-        assert graphs.config == {"static": CompiledForward.AUTOTUNED, "dynamic": dynamic}
+        graphs = CompiledForward(NativeRunner.from_hf(model, dtype=dtype, quantize=quantize))
+        assert (graphs.config, graphs.static_max) == ({"static": static, "dynamic": dynamic}, static_max)
 
 
 @pytest.mark.parametrize("quantize", ["int8", "int4"])

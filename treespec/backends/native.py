@@ -666,16 +666,14 @@ class CompiledForward:
     """A lane's forwards that need logits, of 1 to COMPILE_MAX_TOKENS tokens, as inductor graphs.
 
     Graphs compiled on first use (about a minute each on a small CPU): one per feed size from 1
-    to `static_max` tokens (the decode step, a chain's verification, small trees), each
-    with products tuned for its row count, and one for larger feeds up to COMPILE_MAX_TOKENS
-    (the row count dynamic); all take the attended span and the cache capacity as dynamic
-    sizes, so none recompiles as the sequence or the cache grows. Int4 weights get one static
-    graph (the decode step) and an autotuned dynamic one: their products' template, tuned at
-    one row count, holds at the others (feeds of 2-17 tokens as fast as through a graph per
-    size, for two graphs' compiling instead of nine; docs/performance.md). Inductor freezes the weights
-    into the graphs, packs them for its own GEMM kernels (max-autotune's C++ templates, which
-    beat oneDNN's calls on few rows) and fuses the norms, RoPE, SiLU gate and residual adds
-    into a few C++ kernels; the wrapper that calls them replaces ~30 eager ops per layer.
+    to `static_max` tokens (the decode step; with float32 or int8 weights also a chain's
+    verification and small trees, each with products tuned for its row count) and one for
+    larger feeds up to COMPILE_MAX_TOKENS (the row count dynamic); all take the attended span
+    and the cache capacity as dynamic sizes, so none recompiles as the sequence or the cache
+    grows. Which products each graph gets depends on the weights (`products`). Inductor
+    freezes the weights into the graphs, packs them for the products it picked and fuses the
+    norms, RoPE, SiLU gate and residual adds into a few C++ kernels; the wrapper that calls
+    them replaces ~30 eager ops per layer.
     Attention is SDPA over the lane's cache row under an explicit mask
     (`attention.graph_lane_attention`). The math is the eager forward's; fused
     kernels keep float32 intermediates where eager rounds bf16 after each op, so bf16 logits
@@ -689,11 +687,8 @@ class CompiledForward:
     # inductor settings, patched in around the call that compiles a graph (its first): freezing is read
     # outside what torch.compile(options=...) patches, and setting it process-wide would change
     # every other torch.compile of the process. AUTOTUNED: max-autotune picks, per product,
-    # inductor's C++ GEMM template or the library's product (the template wins on few rows);
-    # PACKED: oneDNN's packed products, no autotuning. A static row count is autotuned; so is a
-    # dynamic one over int4 weights, while float weights' dynamic graph is PACKED (a float
-    # template tuned for one size of a dynamic row count loses badly at others;
-    # docs/performance.md).
+    # inductor's C++ GEMM template or the library's kernel; PACKED: the library's products
+    # (oneDNN's packed ones for float weights), no autotuning.
     AUTOTUNED = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
     PACKED = {"freezing": True, "max_autotune": False}
     # dynamo: a size seen twice must not turn dynamic by itself (each static size keeps its
@@ -717,16 +712,30 @@ class CompiledForward:
             options=None if skip is None else {"guard_filter_fn": skip},
         )
         self.custom_config = config
-        int4 = runner.quantize == "int4"
-        self.static_max = 1 if int4 else COMPILE_STATIC_MAX  # feed sizes with a graph of their own
+        static, dynamic, self.static_max = self.products(runner.quantize, runner.dtype)
         if config is not None:
-            self.config = {"static": dict(config), "dynamic": dict(config)}
-        else:
-            dynamic = self.AUTOTUNED if int4 else self.PACKED
-            self.config = {"static": dict(self.AUTOTUNED), "dynamic": dict(dynamic)}
+            static = dynamic = config
+        self.config = {"static": dict(static), "dynamic": dict(dynamic)}
         self.dynamo = {k: v for k, v in self.DYNAMO.items() if hasattr(torch._dynamo.config, k)}
         self.compiled: set[int | str] = set()  # graphs compiled: static feed sizes, "dynamic"
         self.failed = False
+
+    @classmethod
+    def products(cls, quantize: str | None, dtype: torch.dtype) -> tuple[dict, dict, int]:
+        """(the static graphs' settings, the dynamic graph's, the largest feed with a graph of
+        its own) for weights in `quantize` computing in `dtype`; each choice the faster inside
+        the model on a Zen 5 core (docs/performance.md, "Which products a compiled graph
+        gets"). Int4: inductor's micro-kernel at every row count (tuned at one, it holds at the
+        others), so one static graph and an autotuned dynamic one. bf16 weights: oneDNN's
+        packed products (the bf16 template autotuning picks, fast on one cached matrix, is
+        1.5x slower inside the model), so nothing to tune per size. float32 and int8: a tuned
+        graph per small feed size, and oneDNN's / torch's products for longer feeds (a float
+        template tuned at one row count loses at others)."""
+        if quantize == "int4":
+            return cls.AUTOTUNED, cls.AUTOTUNED, 1
+        if quantize is None and dtype == torch.bfloat16:
+            return cls.PACKED, cls.PACKED, 1
+        return cls.AUTOTUNED, cls.PACKED, COMPILE_STATIC_MAX
 
     def __call__(self, runner: NativeRunner, feed: Feed, S: int) -> Scores | None:
         """The `Scores` of `feed` after the S slots `runner` holds (its cache written), or None
