@@ -701,6 +701,30 @@ def test_compiled_forward_matches_hf(monkeypatch):
 
 
 @pytest.mark.cpu
+def test_a_cache_grown_while_decoding_recompiles_no_graph(monkeypatch):
+    """The pool is made outside inference mode and grows inside it (forwards run under
+    `torch.inference_mode`): its tensors must stay ordinary ones, or every graph compiled
+    before the growth recompiles for the new dispatch keys, and past dynamo's recompile limit
+    the graph's code runs eagerly (the compiled pycode pair decoded at half eager's speed)."""
+    monkeypatch.setattr(native, "INITIAL_CAPACITY", 8)
+    model = build("gqa_tied")
+    nat, eager = compiled_runner(model, CHEAP), NativeRunner.from_hf(model)
+    rng = random.Random(5)
+    prompt = [rng.randrange(VOCAB) for _ in range(3)]
+    for r in (nat, eager):
+        r.prefill(prompt)
+    one = lambda: TokenTree([rng.randrange(VOCAB)], [-1])  # noqa: E731
+    for _ in range(20):  # past 8 slots: the pool grows inside a forward
+        tree = one()
+        assert max_diff(eager.score(tree), nat.score(tree)) < 1e-4
+        for r in (nat, eager):
+            r.commit([0])
+        if _ == 0:
+            before = unique_graphs()  # the n = 1 graph, compiled before the growth
+    assert nat.capacity > 8 and unique_graphs() == before and not nat.compiled.failed
+
+
+@pytest.mark.cpu
 def test_compiled_forward_returns_the_taps_features_and_keeps_graphs_per_taps():
     """A compiled target tapped for a feature head returns the eager forward's features with its
     logits; switching taps back and forth (decoders with and without a head sharing one runner)
