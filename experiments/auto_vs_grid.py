@@ -6,10 +6,11 @@
 
 One process, held-out prompts, every configuration run on the same prompt one after another
 (interleaved; `--repeats` times over the prompts), after an untimed warm-up of each; per
-temperature, each configuration's median tokens/s over the runs, tokens/step and acceptance by depth, and the automatic tree's ratio to
-the best fixed configuration and to plain decoding (issue 39's bar: >= 0.95x the best, >= 1.0x
-plain). The grid: chains of depth 1-6, i.i.d. trees 2x1 to 4x4, a dynamic (EAGLE-2) tree and
-plain decoding. Writes results/auto_vs_grid_<pair>_<tag>.json.
+temperature, each configuration's median tokens/s over the runs, tokens/step and acceptance
+by depth, and the automatic tree's ratio to the best fixed configuration and to plain decoding
+(issue 39's bar: >= 0.95x the best, >= 1.0x plain). The grid: chains of depth 1-6, i.i.d.
+trees 2x1 to 4x4, a dynamic (EAGLE-2) tree and plain decoding. Writes
+results/auto_vs_grid_<pair>_<tag>.json.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from head_bench import summarise
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.bench import machine_info
+from treespec.config import QUANTIZATIONS
 from treespec.zoo import heldout_prompt_ids, pair, pair_draft
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -44,9 +46,14 @@ def main() -> None:
     ap.add_argument("--drafter", default=None, help="model or head (default: what the pair drafts with)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument(
+        "--quantize", choices=("auto", "none", *QUANTIZATIONS), default="auto", help="the target's weights"
+    )
     ap.add_argument("--n-prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=1, help="runs of every prompt and configuration (medians over all)")
+    ap.add_argument(
+        "--repeats", type=int, default=1, help="runs of every prompt and configuration (medians over all)"
+    )
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--tag", default="cpu")
     args = ap.parse_args()
@@ -54,7 +61,11 @@ def main() -> None:
     target, draft = pair(args.pair)[0], pair_draft(args.pair, args.drafter)
     t0 = time.perf_counter()
     dec = SpeculativeDecoder.from_pretrained(
-        target=target, draft=draft, dtype=args.dtype, compile=args.compile
+        target=target,
+        draft=draft,
+        dtype=args.dtype,
+        compile=args.compile,
+        quantize=None if args.quantize == "none" else args.quantize,
     )
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -69,6 +80,7 @@ def main() -> None:
         "draft": str(draft),
         "dtype": str(dec.target_runner.dtype),
         "compile": args.compile,
+        "quantize": getattr(dec.target_runner, "quantize", None),
         "machine": machine_info("cpu"),
         "load_seconds": round(load_s, 2),
         "costs_seconds": round(costs_s, 2),
