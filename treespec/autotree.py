@@ -59,7 +59,7 @@ COST_FEEDS = (1, 2, 3, 4, 5, 6, 8, 10, 13, 17)  # target feed sizes timed (the r
 COST_PREFIX = 128  # committed tokens before the timed feeds
 COST_ROUND_TOKENS = 96  # tokens of each short generation whose rounds are timed
 MIN_PLAIN_ROUND = 0.25  # a plain round measured below this many t(1) is a broken clock, not a cost
-COST_VERSION = 8  # bump when what is measured changes: older cache entries are ignored
+COST_VERSION = 9  # bump when what is measured changes: older cache entries are ignored
 PRIOR = {"T0": (0.5, 0.1, 0.05), "T1": (0.4, 0.1, 0.05)}  # a drafter nothing is known of
 PRIOR_WEIGHT = 16.0  # PRIOR weighs against the counts remembered from earlier processes as this many visits
 PLAN_WEIGHT = 64.0  # the plan's vector weighs against a request's own visits as this many
@@ -175,7 +175,7 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
     """This machine's costs for `decoder`: t(n)/t(1) of its target for feeds of n = 1 ..
     AUTO_MAX_NODES + 1 tokens (a root and its children after COST_PREFIX tokens, on a lane of
     its own, the sizes interleaved; those between COST_FEEDS interpolated); then, from short
-    generations at temperature 1 as the drafter really runs them (forwards, sampling,
+    generations after the same prefix, at temperature 1, as the drafter really runs them (forwards, sampling,
     bookkeeping): a plain round's time, c (what a further level adds to a chain of 4 over a
     chain of 1), a chain's walk per node and a speculative round's fixed cost; and the per-node
     costs of trees (a level's further draft rows, the walk per node at T=0 and T>0) from a
@@ -216,13 +216,18 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
     c, node_draft, walk, chain_walk, plain, overhead = 0.0, 0.0, {"T0": 0.0, "T1": 0.0}, 0.0, 1.0, 0.0
     if decoder.drafter.needs_draft_model and decoder.draft_runner is not None:
         engine = decoder.engine(max_live=1)  # lanes of its own: the decoder may be mid-generate()
+        new_tokens = max(1, min(COST_ROUND_TOKENS, room))
+        # the generations start after the prefix t(1) was timed after, where the model has room
+        # for both: from an 8-token prompt a plain step ran 11 % faster than from 128 (compiled
+        # bf16 SmolLM2), and a plain unit measured short priced every shape 10-15 % too dear
+        start = prefix if target.max_positions is None else max(8, min(prefix, room - new_tokens))
 
         def rounds(tree: TreeConfig | None, temperature: float, runs: int = 1) -> list:
             """The stats of `runs` short generations, after one that pays for allocations."""
             out = []
             for _ in range(runs + 1):
                 i = engine.add(
-                    tokens[:8], max(1, min(COST_ROUND_TOKENS, room)), tree=tree,
+                    tokens[:start], new_tokens, tree=tree,
                     sampling=SamplingConfig(temperature=temperature), seed=0, ignore_eos=True,
                 )  # fmt: skip
                 out.append(engine.run()[i].stats)
