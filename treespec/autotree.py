@@ -175,13 +175,13 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
     """This machine's costs for `decoder`: t(n)/t(1) of its target for feeds of n = 1 ..
     AUTO_MAX_NODES + 1 tokens (a root and its children after COST_PREFIX tokens, on a lane of
     its own, the sizes interleaved; those between COST_FEEDS interpolated); then, from short
-    generations after the same prefix, at temperature 1, as the drafter really runs them (forwards, sampling,
-    bookkeeping): a plain round's time, c (what a further level adds to a chain of 4 over a
-    chain of 1), a chain's walk per node and a speculative round's fixed cost; and the per-node
-    costs of trees (a level's further draft rows, the walk per node at T=0 and T>0) from a
-    Sequoia shape at both temperatures (all neutral where nothing is drafted by a model). A few
-    seconds on a 2-core CPU for SmolLM2-135M with its head; under a compiler, each feed size
-    compiles once."""
+    generations after the same prefix, at temperature 1, as the drafter really runs them
+    (forwards, sampling, bookkeeping): a plain round's time, c (what a further level adds to a
+    chain of 4 over a chain of 1), a chain's walk per node and a speculative round's fixed
+    cost; and the per-node costs of trees (a level's further draft rows, the walk per node at
+    T=0 and T>0) from a Sequoia shape at both temperatures (all neutral where nothing is
+    drafted by a model). A few seconds on a 2-core CPU for SmolLM2-135M with its head; under a
+    compiler, each feed size compiles once."""
     target = decoder.target_runner
     room = (target.max_positions or COST_PREFIX + 64) - max(COST_FEEDS) - 1  # a short model's context
     prefix = max(1, min(COST_PREFIX, room))
