@@ -27,6 +27,7 @@ from head_bench import summarise
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.bench import machine_info
 from treespec.config import QUANTIZATIONS
+from treespec.options import target_quantize
 from treespec.zoo import heldout_prompt_ids, pair, pair_draft
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -65,7 +66,7 @@ def main() -> None:
         draft=draft,
         dtype=args.dtype,
         compile=args.compile,
-        quantize=None if args.quantize == "none" else args.quantize,
+        quantize=target_quantize(args),
     )
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()

@@ -714,12 +714,12 @@ def test_a_cache_grown_while_decoding_recompiles_no_graph(monkeypatch):
     for r in (nat, eager):
         r.prefill(prompt)
     one = lambda: TokenTree([rng.randrange(VOCAB)], [-1])  # noqa: E731
-    for _ in range(20):  # past 8 slots: the pool grows inside a forward
+    for step in range(20):  # past 8 slots: the pool grows inside a forward
         tree = one()
         assert max_diff(eager.score(tree), nat.score(tree)) < 1e-4
         for r in (nat, eager):
             r.commit([0])
-        if _ == 0:
+        if step == 0:
             before = unique_graphs()  # the n = 1 graph, compiled before the growth
     assert nat.capacity > 8 and unique_graphs() == before and not nat.compiled.failed
 

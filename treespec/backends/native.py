@@ -209,16 +209,13 @@ class KVPool:
                 f"at once (max_live / max_kv_tokens) or shorter ones"
             )
 
+    @torch.inference_mode(False)
     def grow(self, capacity: int, rows: int) -> None:
         """Reallocate for `rows` lanes of `capacity` slots (keeping what the cache holds) and the
         RoPE tables for positions [0, capacity): positions never exceed the slot count. A cache
         that would not fit in the memory available now is refused before anything is allocated.
         The tensors are ordinary ones wherever it grows (inside a forward's inference mode too):
         a compiled graph guards on its inputs' dispatch keys, and would recompile."""
-        with torch.inference_mode(False):
-            self._grow(capacity, rows)
-
-    def _grow(self, capacity: int, rows: int) -> None:
         s, old = self.shape, self.kv
         self._check_memory(rows, capacity)
         self.kv = torch.zeros(
