@@ -465,6 +465,13 @@ def test_projection_stays_plain_where_packing_does_not_pay_or_apply():
     assert plain.packed is None and plain.weight_t.data_ptr() == w64.data_ptr()  # a view: F.linear's own call
     x = torch.randn(3, 512, dtype=torch.float64)
     assert torch.equal(plain(x), torch.nn.functional.linear(x, w64))
+    # unpacked bf16 (an AVX2-only core) keeps F.linear's layout too: torch's bf16 kernel reads
+    # W [out, in] row by row, and through a W^T laid out [in, out] took 17x longer
+    w16 = torch.randn(600, 512).bfloat16()
+    plain = Projection(w16, pack=False)
+    assert plain.weight_t.data_ptr() == w16.data_ptr()
+    x = torch.randn(3, 512).bfloat16()
+    assert torch.equal(plain(x), torch.nn.functional.linear(x, w16))
 
 
 @pytest.mark.cpu

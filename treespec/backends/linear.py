@@ -52,14 +52,16 @@ class Projection:
             else None
         )
         # unpacked: W^T [in, out]. A transposed view makes x @ W^T the very BLAS call F.linear
-        # makes (float64: bitwise HF; CUDA: cuBLAS transposes for free); a CPU float32/bf16
-        # weight is laid out [in, out], which multiplies faster per row than F.linear's layout
+        # makes (float64: bitwise HF; CUDA: cuBLAS transposes for free; bf16 on a CPU without
+        # oneDNN's bf16: torch's own bf16 kernel, whose one-row product reads W [out, in] row by
+        # row, 17x faster than through W^T laid out [in, out]); a CPU float32 weight is laid out
+        # [in, out], which MKL multiplies faster per row than F.linear's layout
         if self.packed is not None:
             self.weight_t = None  # the packed copy replaces it
-        elif weight.device.type == "cpu" and weight.dtype != torch.float64:
+        elif weight.device.type == "cpu" and weight.dtype == torch.float32:
             self.weight_t = weight.t().contiguous()
         else:
-            self.weight_t = weight.t()
+            self.weight_t = weight.contiguous().t()
 
     @property
     def weight(self) -> torch.Tensor | None:
@@ -108,9 +110,10 @@ def check_quantize(quantize: str, dtype: torch.dtype) -> None:
 class QuantizedProjection:
     """y = x @ (Q * s)^T + b with Q [out, in] int8 and s [out] one scale per output row
     (symmetric, s = max|W_row| / 127; gpt-fast's weight-only int8): half the bytes of bf16
-    per product, through torch's `_weight_int8pack_mm` kernel (AVX-512 on CPU; inductor lowers
-    it in compiled graphs). A different matrix from W, so a different model: lossless for a
-    draft (any q is), the quantized model's own distribution for a target."""
+    per product, through torch's `_weight_int8pack_mm` kernel (fast with bf16 inputs on CPU,
+    slow with float32 ones; inductor lowers it in compiled graphs). A different matrix from
+    W, so a different model: lossless for a draft (any q is), the quantized model's own
+    distribution for a target."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         check_quantize("int8", weight.dtype)
@@ -146,7 +149,8 @@ class Int4Projection:
     the scales in the compute dtype: exact in float32 and float16, rounded to bfloat16's 8 bits
     there); any other weight is quantized with Q4_1's rule (`quantize`). Like int8, another
     model than the float weights': lossless for a draft, the 4-bit model's own for a target.
-    The kernel is fast in bfloat16 on AVX512 cores and slow in float32 (docs/performance.md)."""
+    The kernel is fast in bfloat16 (on AVX512 and AVX2 cores) and slow in float32
+    (docs/performance.md)."""
 
     def __init__(
         self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None, dtype
