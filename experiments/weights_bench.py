@@ -12,8 +12,12 @@ untimed warm-up of each; per temperature, median tokens/s, tokens/step and accep
 The configurations: plain decoding, the automatic tree (`TreeConfig()`, planned from this
 format's own measured costs) and chains of depth 1-3. `--llama-cpp DIR` adds llama.cpp's plain
 decoding of the GGUF file (its own timers: prompt and decode, loading excluded). Also records
-what `quantize="auto"` picks here (`loading.resolve_quantize`). Writes
-results/weights_<pair>_<tag>.json.
+what `dtype="auto"` with `quantize="auto"` picks here (`loading.resolve_weights`). Writes
+results/weights_<pair>_<tag>.json. A format may name its own dtype (`int4:bfloat16`), and
+"auto" is `quantize="auto"`:
+
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python experiments/weights_bench.py \
+        --formats none:float32 int4:bfloat16 int8:bfloat16 none:bfloat16 --tag as_avx2
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from head_bench import summarise
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.bench import machine_info
 from treespec.llamacpp import LlamaCpp
-from treespec.loading import checkpoint, resolve_quantize
+from treespec.loading import checkpoint, resolve_weights
 from treespec.zoo import heldout_prompt_ids, pair, pair_draft
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -46,7 +50,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", default="smollm2")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--formats", nargs="+", default=["none", "int8", "int4"], help="quantize settings")
+    ap.add_argument(
+        "--formats",
+        nargs="+",
+        default=["none", "int8", "int4"],
+        help="quantize settings: FORMAT or FORMAT:DTYPE",
+    )
     ap.add_argument("--n-prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1)
@@ -57,14 +66,16 @@ def main() -> None:
 
     target, draft = pair(args.pair)[0], pair_draft(args.pair, None)
     decs = {}
-    for fmt in args.formats:
+    for spec in args.formats:
         t0 = time.perf_counter()
+        fmt, _, dtype = spec.partition(":")
         q = None if fmt == "none" else fmt
-        decs[fmt] = SpeculativeDecoder.from_pretrained(target=target, draft=draft, dtype=args.dtype, quantize=q)
-        print(f"loaded {fmt} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        decs[spec] = SpeculativeDecoder.from_pretrained(
+            target=target, draft=draft, dtype=dtype or args.dtype, quantize=q
+        )
+        print(f"loaded {spec} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     first = next(iter(decs.values()))
-    dtype = first.target_runner.dtype
-    auto = resolve_quantize("auto", checkpoint(target), dtype, torch.device("cpu"))
+    dtype, auto = resolve_weights("auto", "auto", checkpoint(target), torch.device("cpu"))
     tokenizer = first.tokenizer
     prompts = heldout_prompt_ids(args.pair, tokenizer, args.n_prompts)
     llama = LlamaCpp.find(args.llama_cpp) if args.llama_cpp else None
@@ -72,8 +83,8 @@ def main() -> None:
         "what": "the target's weight formats, plain and speculative, beside llama.cpp",
         "command": " ".join(sys.argv),
         "pair": args.pair,
-        "dtype": str(dtype),
-        "auto_quantize_here": auto,
+        "weights": {spec: [str(d.target_runner.dtype), d.target_runner.quantize] for spec, d in decs.items()},
+        "auto_weights_here": [str(dtype), auto],
         "machine": machine_info("cpu"),
         "repeats": args.repeats,
         "runs": {},
@@ -92,13 +103,23 @@ def main() -> None:
                 seed = i + r * len(prompts)
                 for fmt, name in names:
                     t0 = time.perf_counter()
-                    o = decs[fmt].generate(prompt, args.max_new_tokens, tree=CONFIGS[name], sampling=sampling, seed=seed)
+                    o = decs[fmt].generate(
+                        prompt, args.max_new_tokens, tree=CONFIGS[name], sampling=sampling, seed=seed
+                    )
                     secs[fmt, name].append(time.perf_counter() - t0)
                     outs[fmt, name].append(o)
                 if llama is not None:
                     text = tokenizer.decode(prompt)
-                    llama_tps.append(llama.decode(Path(target), text, args.max_new_tokens, temperature, seed).tokens_per_second)
-                print(f"\rT={temperature} repeat {r + 1}, prompt {i + 1}/{len(prompts)}", end="", file=sys.stderr)
+                    llama_tps.append(
+                        llama.decode(
+                            Path(target), text, args.max_new_tokens, temperature, seed
+                        ).tokens_per_second
+                    )
+                print(
+                    f"\rT={temperature} repeat {r + 1}, prompt {i + 1}/{len(prompts)}",
+                    end="",
+                    file=sys.stderr,
+                )
         run = {f"{fmt} {name}": summarise(outs[fmt, name], secs[fmt, name]) for fmt, name in names}
         base = run[f"{args.formats[0]} plain"]["tokens_per_second"]
         for r in run.values():

@@ -23,7 +23,7 @@ import treespec.loading.gguf as tg
 from treespec.backends import cpu
 from treespec.backends.linear import Int4Projection, QuantizedProjection
 from treespec.backends.native import NativeRunner
-from treespec.loading import load_runner
+from treespec.loading import load_runner, resolve_weights
 from treespec.loading.gguf import convert, gguf_file, is_gguf, smollm2_gguf
 
 from .conftest import tiny_llama
@@ -181,13 +181,55 @@ def test_int4_runs_the_files_own_blocks(qtype, tmp_path):
     # "auto" runs the blocks where this CPU multiplies int4 faster than the dtype, else the
     # dequantised weights; a checkpoint without blocks is never quantized
     for faster in (True, False):
-        cpu.int4_matmul_is_faster.cache_clear()
-        with patch.object(cpu, "int4_matmul_is_faster", lambda dtype: faster):
+        with patch.object(cpu, "int4_matmul_is_faster", lambda dtype, dense=None: faster):
             got = load_runner(out, torch.float32, torch.device("cpu"), quantize="auto").quantize
             assert got == ("int4" if faster else None)
             dense = tmp_path / "dense"
             model.save_pretrained(dense)
             assert load_runner(dense, torch.float32, torch.device("cpu"), quantize="auto").quantize is None
+
+
+def test_auto_weights_run_a_files_blocks_in_the_dtype_that_multiplies_them_fastest(tmp_path):
+    """`resolve_weights`: where the auto dtype is float32 (an AVX2-only core) and int4 in
+    float32 is slow but int4 in bf16 beats dense float32, dtype="auto" with quantize="auto"
+    runs the file's blocks in bf16; a dtype or a format given is kept."""
+    write_gguf(tiny(), tmp_path / "m.gguf", Q.Q4_1, tokenizer=False)
+    out, cpu_ = convert(tmp_path / "m.gguf", tmp_path / "cache"), torch.device("cpu")
+    fp32, bf16 = torch.float32, torch.bfloat16
+
+    def avx2_like(dtype, dense=None):  # int4 fast in bf16 only, dense bf16 as fast as int4
+        return dtype == bf16 and (dense or dtype) == fp32
+
+    with (
+        patch.object(cpu, "int4_matmul_is_faster", avx2_like),
+        patch("treespec.loading.auto_dtype", lambda device, role="target": fp32),
+    ):
+        assert resolve_weights("auto", "auto", out, cpu_) == (bf16, "int4")
+        assert resolve_weights(fp32, "auto", out, cpu_) == (fp32, None)  # the dtype was given
+        assert resolve_weights("float32", "auto", out, cpu_) == (fp32, None)
+        assert resolve_weights("auto", None, out, cpu_) == (fp32, None)  # no quantization asked
+        assert resolve_weights("auto", "int8", out, cpu_) == (fp32, "int8")
+        assert resolve_weights("auto", "auto", out, cpu_, backend="hf") == (fp32, None)
+        assert resolve_weights("auto", "auto", out, cpu_, tp=object()) == (fp32, None)
+        assert resolve_weights("auto", "auto", out, torch.device("meta")) == (fp32, None)
+        dense = tmp_path / "dense"
+        tiny().save_pretrained(dense)
+        assert resolve_weights("auto", "auto", dense, cpu_) == (fp32, None)  # no blocks
+    with patch.object(cpu, "int4_matmul_is_faster", lambda dtype, dense=None: dtype == fp32):
+        assert resolve_weights(fp32, "auto", out, cpu_) == (fp32, "int4")
+
+
+def test_int4_measurement_streams_distinct_weights_and_gives_up_on_slow_kernels():
+    """int4_matmul_is_faster reads its weights as a forward does (distinct copies, not one
+    cached matrix) and stops timing a kernel as soon as it is clearly slower."""
+    calls = []
+    assert cpu._median_seconds(lambda: calls.append(1), calls=5, warmup=2) >= 0
+    assert len(calls) == 7
+    calls.clear()
+    assert cpu._median_seconds(lambda: calls.append(1), calls=5, warmup=2, stop_above=-1.0) >= 0
+    assert len(calls) == 3  # the warm-up and the first timed call, over the bar
+    assert cpu.int4_matmul_is_faster(torch.float64) is False  # int4 cannot compute in float64
+    assert isinstance(cpu.int4_matmul_is_faster(torch.bfloat16, torch.float32), bool)
 
 
 def test_int4_quantizes_weights_without_blocks(tmp_path):

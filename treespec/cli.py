@@ -388,17 +388,16 @@ def cmd_bench(args) -> None:
         raise CliError("bench compares against HF assisted generation: give --draft (or a --pair)")
     from .backends import hf
     from .bench import machine_info
-    from .loading import checkpoint, resolve_device, resolve_dtype, resolve_quantize
+    from .loading import checkpoint, resolve_device, resolve_dtype, resolve_weights
 
     if args.backend == "hf" and (args.quantize not in ("auto", "none") or args.draft_quantize):
         raise CliError("--quantize / --draft-quantize need the native backend; drop --backend hf")
     llama = _find_llama_cpp(args, paths[0])  # before loading: a wrong --llama-cpp fails at once
     paths = tuple(checkpoint(p) for p in paths)  # a GGUF file: its converted directory
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device, "target")
-    draft_dtype = resolve_dtype(args.dtype if args.draft_dtype is None else args.draft_dtype, device, "draft")
     quantize = None if args.backend == "hf" else target_quantize(args)
-    quantize = resolve_quantize(quantize, paths[0], dtype, device)
+    dtype, quantize = resolve_weights(args.dtype, quantize, paths[0], device, args.backend)
+    draft_dtype = resolve_dtype(args.dtype if args.draft_dtype is None else args.draft_dtype, device, "draft")
     target, draft = hf.load_model(paths[0], dtype, device), hf.load_model(paths[1], draft_dtype, device)
     tokenizer = hf.load_tokenizer(paths[0])
     if prompts is None:  # the held-out prompts: chat instructions for a chat model

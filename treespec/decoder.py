@@ -134,8 +134,9 @@ class SpeculativeDecoder:
         another model, and the output is distributed exactly as that quantized model's. "int4"
         runs a GGUF target's own Q4_0 / Q4_1 blocks as they are: the file's model, as llama.cpp
         runs it. `quantize="auto"` (the default) picks "int4" for such a GGUF target where this
-        CPU multiplies int4 faster than `dtype` (measured once per process), else None: the
-        file's weights dequantized into `dtype` (`loading.resolve_quantize`).
+        CPU multiplies int4 faster than dense (measured once per process; with `dtype="auto"`
+        in bf16 where that is faster than the auto dtype, as on AVX2-only cores), else None:
+        the file's weights dequantized into `dtype` (`loading.resolve_weights`).
         `tp`: tensor parallelism, the target split over this many processes launched by torchrun
         (`treespec.parallel`, docs/parallel.md; native backend). None: over every process
         launched (1 without torchrun); 1: each process a whole target. Every rank must make
@@ -171,9 +172,12 @@ class SpeculativeDecoder:
             }  # fmt: skip
             _prepare_ranks(target, draft, settings)
         # "auto" measures this machine's products: rank 0's measurement decides for every rank
+        target_dtype, quantize = loading.resolve_weights(
+            dtype, quantize, loading.checkpoint(target), device, backend, group
+        )
         dtypes = parallel.agree(
             (
-                loading.resolve_dtype(dtype, device, "target"),
+                target_dtype,
                 loading.resolve_dtype(dtype if draft_dtype is None else draft_dtype, device, "draft"),
             )
         )

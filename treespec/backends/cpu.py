@@ -4,6 +4,7 @@ fp32 here and whether int4 products beat the dtype's own."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import time
 
@@ -78,39 +79,63 @@ def bf16_matmul_is_faster(margin: float = 0.9) -> bool:
     for dtype in (torch.float32, torch.bfloat16):
         proj = Projection(weight.to(dtype))
         for rows in (1, 16):
-            median[dtype, rows] = _median_seconds(proj, torch.randn(rows, 1024, generator=g).to(dtype))
+            x = torch.randn(rows, 1024, generator=g).to(dtype)
+            median[dtype, rows] = _median_seconds(functools.partial(proj, x))
     return all(median[torch.bfloat16, rows] < margin * median[torch.float32, rows] for rows in (1, 16))
 
 
-@functools.cache
-def int4_matmul_is_faster(dtype: torch.dtype, margin: float = 0.9) -> bool:
-    """Whether an int4 product (`linear.Int4Projection`) of one row takes under `margin` of the
-    dense one in `dtype` (`linear.Projection`, packed where oneDNN can) on this CPU: the decode
-    step's product, 1 x 1024 @ 1024 x 2048, median of 15 after a warm-up. torch's int4 kernel
-    is fast in bf16 on AVX512 cores and far slower than dense in float32; a tree's many rows
-    favour dense weights, which the automatic tree accounts for with the measured t(n). About
-    20 ms, once per process and dtype; False where int4 cannot compute in `dtype`."""
-    from .linear import QUANTIZABLE_DTYPES, Int4Projection, Projection
+STREAMED_COPIES = 16  # the weights int4_matmul_is_faster reads in turn: 16 x 8 MB in fp32, 4x a 32 MB L3
+
+
+def int4_matmul_is_faster(dtype: torch.dtype, dense: torch.dtype | None = None, margin: float = 0.9) -> bool:
+    """Whether int4 products computing in `dtype` (`linear.Int4Projection`) of one row take
+    under `margin` of the dense ones in `dense` (default: `dtype`; `linear.Projection`, packed
+    where oneDNN can) on this CPU: the decode step's product, 1 x 1024 @ 1024 x 2048, over
+    `STREAMED_COPIES` distinct weights in turn, as a forward reads its layers' weights from
+    memory (one weight, left in the cache, favours the dense product: on a 2-core Zen 5 run
+    as an AVX2 core, int4 in bf16 took 1.2x dense fp32's time cached, 0.5x in a whole decode
+    step); medians of 15 sweeps. torch's int4 kernel is fast with bf16 inputs (AVX512 and
+    AVX2 cores alike) and far slower than dense with float32 ones; a tree's many rows favour
+    dense weights, which the automatic tree accounts for with the measured t(n). About 0.1 s
+    a dtype, once per process; False where int4 cannot compute in `dtype`."""
+    from .linear import QUANTIZABLE_DTYPES
 
     if dtype not in QUANTIZABLE_DTYPES:
         return False
+    bar = margin * _streamed_seconds("dense", dense or dtype)
+    return _streamed_seconds("int4", dtype, stop_above=3 * bar) < bar
+
+
+@functools.cache
+def _streamed_seconds(kind: str, dtype: torch.dtype, stop_above: float = float("inf")) -> float:
+    """A sweep of one-row products over `STREAMED_COPIES` copies of one 2048 x 1024 weight,
+    `kind` "dense" or "int4", computing in `dtype`: the median of 15 after a warm-up."""
+    from .linear import Int4Projection, Projection
+
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(2048, 1024, generator=g).to(dtype)
     x = torch.randn(1, 1024, generator=g).to(dtype)
-    median = {
-        kind: _median_seconds(proj, x)
-        for kind, proj in (("dense", Projection(weight)), ("int4", Int4Projection.quantize(weight)))
-    }
-    return median["int4"] < margin * median["dense"]
+    if kind == "dense":
+        products = [Projection(weight.clone()) for _ in range(STREAMED_COPIES)]
+    else:
+        int4 = Int4Projection.quantize(weight)
+        products = [copy.copy(int4) for _ in range(STREAMED_COPIES)]
+        for p in products:  # the same numbers at distinct addresses
+            p.packed, p.scales_and_zeros = p.packed.clone(), p.scales_and_zeros.clone()
+    return _median_seconds(lambda: [p(x) for p in products], warmup=1, stop_above=stop_above)
 
 
-def _median_seconds(product, x: torch.Tensor, calls: int = 15, warmup: int = 3) -> float:
-    """The median time of `calls` calls `product(x)` after `warmup` untimed ones (the first
-    calls pay for allocation and primitive creation)."""
+def _median_seconds(run, calls: int = 15, warmup: int = 3, stop_above: float = float("inf")) -> float:
+    """The median time of `calls` calls `run()` after `warmup` untimed ones (the first calls
+    pay for allocation and primitive creation); a call taking over `stop_above` seconds ends
+    the measurement at once with its time (what is that slow is not worth timing further)."""
     times = []
     for i in range(warmup + calls):
         t0 = time.perf_counter()
-        product(x)
+        run()
+        seconds = time.perf_counter() - t0
         if i >= warmup:
-            times.append(time.perf_counter() - t0)
+            if seconds > stop_above:
+                return seconds
+            times.append(seconds)
     return sorted(times)[len(times) // 2]

@@ -1,6 +1,7 @@
 """Loading models, tokenizers and checkpoints: devices, dtypes, local directories, hub ids, GGUF.
 
     resolve_device / resolve_dtype   what a user typed, as a torch device and dtype that exist
+    resolve_weights                  the target's dtype and weight format, "auto" decided
     checkpoint(path)                 a model directory: a local one, a hub id, or a GGUF file
                                      converted once into a cached directory (`loading.gguf`)
     load_runner(path, ...)           a `Runner`: the native backend straight from safetensors
@@ -67,20 +68,34 @@ def resolve_dtype(dtype, device: torch.device, role: str = "target") -> torch.dt
     return getattr(torch, dtype)
 
 
-def resolve_quantize(quantize, local, dtype: torch.dtype, device: torch.device, tp=None) -> str | None:
-    """The native runner's weight format: `quantize` as given (None, "int8", "int4"), or for
-    "auto" "int4" where the checkpoint directory `local` carries a GGUF file's own 4-bit blocks
-    (the file's model exactly, a quarter of bf16's bytes), this CPU multiplies int4 faster
-    than `dtype` (`backends.cpu.int4_matmul_is_faster`) and the target is whole (no `tp`),
-    else None: the dequantized weights."""
+def resolve_weights(
+    dtype, quantize, local, device: torch.device, backend: str = "auto", tp=None
+) -> tuple[torch.dtype, str | None]:
+    """The target's dtype and weight format, from what was asked ("auto" for either, or a
+    dtype and None / "int8" / "int4"), decided here and nowhere else.
+
+    `quantize="auto"` is "int4" where the checkpoint directory `local` carries a GGUF file's
+    own 4-bit blocks (the file's model exactly, a quarter of bf16's bytes), the native
+    backend runs the whole target (no `tp`) on a CPU, and a one-row int4 product measures
+    under 0.9x the dense one (`backends.cpu.int4_matmul_is_faster`); with `dtype="auto"` too,
+    int4 may compute in bf16 where the auto dtype is float32: torch's int4 kernel is fast
+    with bf16 inputs on every x86 core and slow with float32 ones, so an AVX2-only core, whose
+    dense products stay float32, runs the file's blocks fastest in bf16. Else None: the
+    file's weights dequantized into the dtype."""
+    resolved = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, device, "target")
     if quantize != "auto":
-        return quantize
+        return resolved, quantize
     from ..backends.checkpoint import BLOCKS_FILE
     from ..backends.cpu import int4_matmul_is_faster
 
     blocks = isinstance(local, Path) and (local / BLOCKS_FILE).is_file()
-    whole = tp is None
-    return "int4" if blocks and whole and device.type == "cpu" and int4_matmul_is_faster(dtype) else None
+    if not (blocks and tp is None and device.type == "cpu" and backend != "hf"):
+        return resolved, None
+    if int4_matmul_is_faster(resolved):
+        return resolved, "int4"
+    if dtype == "auto" and resolved != torch.bfloat16 and int4_matmul_is_faster(torch.bfloat16, resolved):
+        return torch.bfloat16, "int4"
+    return resolved, None
 
 
 def checkpoint(path) -> str | Path:
@@ -112,7 +127,7 @@ def load_runner(
     when the backend allows it and the directory holds a supported checkpoint, else through HF.
     `compile`: the native runner's inductor forward (`NativeRunner(compile=True)`; ignored,
     with a warning, where it cannot compile; the HF backend has none). `quantize`: the native
-    runner's weight-only quantization (`NativeRunner(quantize=...)`; "auto": `resolve_quantize`);
+    runner's weight-only quantization (`NativeRunner(quantize=...)`; "auto": `resolve_weights`);
     a ValueError where the checkpoint runs on the HF backend (but for "auto", which is None there).
     A draft with a subset vocabulary (`vocab_map.json` beside its weights) is wrapped so that
     it reads and proposes the target's token ids (`backends.subset`).
@@ -137,7 +152,7 @@ def load_runner(
         from ..backends.native import NativeRunner
 
         if use_native(backend, unsupported_reason(read_json(local / "config.json")), repr(str(path))):
-            quantize = resolve_quantize(quantize, local, dtype, device, tp)
+            quantize = resolve_weights(dtype, quantize, local, device, backend, tp)[1]
             runner = NativeRunner.from_pretrained(
                 local, dtype=dtype, device=device, compile=compile, quantize=quantize, tp=tp
             )
