@@ -55,11 +55,11 @@ from .proposal import DepthStep, DraftTree, Walk
 from .sequoia import TreeShape, by_level, optimal_shape, tree_expected_tokens
 from .tree import TokenTree
 
-COST_FEEDS = (1, 2, 3, 4, 5, 6, 8, 10, 13, 17)  # target feed sizes timed (the rest interpolated)
+COST_FEEDS = tuple(range(1, AUTO_MAX_NODES + 2))  # target feed sizes timed: every one a round may score
 COST_PREFIX = 128  # committed tokens before the timed feeds
 COST_ROUND_TOKENS = 96  # tokens of each short generation whose rounds are timed
 MIN_PLAIN_ROUND = 0.25  # a plain round measured below this many t(1) is a broken clock, not a cost
-COST_VERSION = 9  # bump when what is measured changes: older cache entries are ignored
+COST_VERSION = 10  # bump when what is measured changes: older cache entries are ignored
 PRIOR = {"T0": (0.5, 0.1, 0.05), "T1": (0.4, 0.1, 0.05)}  # a drafter nothing is known of
 PRIOR_WEIGHT = 16.0  # PRIOR weighs against the counts remembered from earlier processes as this many visits
 PLAN_WEIGHT = 64.0  # the plan's vector weighs against a request's own visits as this many
@@ -174,8 +174,9 @@ def _compile_every_feed_size(lane, tokens: list[int], prefix: int) -> None:
 def measure_costs(decoder, repeats: int = 7) -> Costs:
     """This machine's costs for `decoder`: t(n)/t(1) of its target for feeds of n = 1 ..
     AUTO_MAX_NODES + 1 tokens (a root and its children after COST_PREFIX tokens, on a lane of
-    its own, the sizes interleaved; those between COST_FEEDS interpolated); then, from short
-    generations after the same prefix, at temperature 1, as the drafter really runs them
+    its own, the sizes interleaved, each one timed: kernels that work in blocks of rows make
+    t(n) a staircase that interpolation misses); then, from short generations after the same
+    prefix, at temperature 1, as the drafter really runs them
     (forwards, sampling, bookkeeping): a plain round's time, c (what a further level adds to a
     chain of 4 over a chain of 1), a chain's walk per node and a speculative round's fixed
     cost; and the per-node costs of trees (a level's further draft rows, the walk per node at
@@ -206,13 +207,9 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
     timed = {n: statistics.median(t) for n, t in times.items()}
     lane.reset()
     t1 = timed[1]
-    sizes = sorted(timed)
     verify: list[float] = []
-    for n in range(1, AUTO_MAX_NODES + 2):  # linear between the timed sizes
-        hi = next(s for s in sizes if s >= n)
-        lo = max(s for s in sizes if s <= n)
-        t = timed[lo] if hi == lo else timed[lo] + (timed[hi] - timed[lo]) * (n - lo) / (hi - lo)
-        verify.append(max(1.0, t / t1, verify[-1] if verify else 1.0))  # more rows never cost less
+    for n in COST_FEEDS:
+        verify.append(max(1.0, timed[n] / t1, verify[-1] if verify else 1.0))  # more rows never cost less
     c, node_draft, walk, chain_walk, plain, overhead = 0.0, 0.0, {"T0": 0.0, "T1": 0.0}, 0.0, 1.0, 0.0
     if decoder.drafter.needs_draft_model and decoder.draft_runner is not None:
         engine = decoder.engine(max_live=1)  # lanes of its own: the decoder may be mid-generate()
