@@ -94,9 +94,9 @@ def int4_matmul_is_faster(dtype: torch.dtype, dense: torch.dtype | None = None, 
     `STREAMED_COPIES` distinct weights in turn, as a forward reads its layers' weights from
     memory (one weight, left in the cache, favours the dense product: on a 2-core Zen 5 run
     as an AVX2 core, int4 in bf16 took 1.2x dense fp32's time cached, 0.5x in a whole decode
-    step); medians of 15 sweeps. torch's int4 kernel is fast with bf16 inputs (AVX512 and
+    step); medians of 7 sweeps. torch's int4 kernel is fast with bf16 inputs (AVX512 and
     AVX2 cores alike) and far slower than dense with float32 ones; a tree's many rows favour
-    dense weights, which the automatic tree accounts for with the measured t(n). About 0.1 s
+    dense weights, which the automatic tree accounts for with the measured t(n). About 50 ms
     a dtype, once per process; False where int4 cannot compute in `dtype`."""
     from .linear import QUANTIZABLE_DTYPES
 
@@ -109,20 +109,21 @@ def int4_matmul_is_faster(dtype: torch.dtype, dense: torch.dtype | None = None, 
 @functools.cache
 def _streamed_seconds(kind: str, dtype: torch.dtype, stop_above: float = float("inf")) -> float:
     """A sweep of one-row products over `STREAMED_COPIES` copies of one 2048 x 1024 weight,
-    `kind` "dense" or "int4", computing in `dtype`: the median of 15 after a warm-up."""
+    `kind` "dense" or "int4", computing in `dtype`: the median of 7 after a warm-up."""
     from .linear import Int4Projection, Projection
 
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(2048, 1024, generator=g).to(dtype)
     x = torch.randn(1, 1024, generator=g).to(dtype)
-    if kind == "dense":
-        products = [Projection(weight.clone()) for _ in range(STREAMED_COPIES)]
-    else:
-        int4 = Int4Projection.quantize(weight)
-        products = [copy.copy(int4) for _ in range(STREAMED_COPIES)]
-        for p in products:  # the same numbers at distinct addresses
-            p.packed, p.scales_and_zeros = p.packed.clone(), p.scales_and_zeros.clone()
-    return _median_seconds(lambda: [p(x) for p in products], warmup=1, stop_above=stop_above)
+    product = Projection(weight) if kind == "dense" else Int4Projection.quantize(weight)
+    products = []
+    for _ in range(STREAMED_COPIES):  # the same numbers at distinct addresses
+        c = copy.copy(product)
+        for name, value in vars(product).items():
+            if isinstance(value, torch.Tensor):
+                setattr(c, name, value.clone())  # oneDNN's packed layout clones as itself
+        products.append(c)
+    return _median_seconds(lambda: [p(x) for p in products], calls=7, warmup=1, stop_above=stop_above)
 
 
 def _median_seconds(run, calls: int = 15, warmup: int = 3, stop_above: float = float("inf")) -> float:
