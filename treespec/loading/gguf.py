@@ -30,6 +30,7 @@ and renamed into place, so an interrupted one never leaves a directory that load
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -111,7 +112,14 @@ def default_cache_dir() -> Path:
 
 
 def _content_key(path: Path) -> str:
-    """The first 16 hex digits of the file's SHA-256 (as `sha256sum` prints it)."""
+    """The first 16 hex digits of the file's SHA-256 (as `sha256sum` prints it); hashed once per
+    process while the file's size and modification time stay (a start asks three times)."""
+    st = path.stat()
+    return _sha256_prefix(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=32)
+def _sha256_prefix(path: str, size: int, mtime_ns: int) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
