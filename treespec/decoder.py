@@ -123,7 +123,8 @@ class SpeculativeDecoder:
         With no arguments, loads the bundled pair (see `treespec.zoo`), drafting with its feature
         head where it ships one (`drafter=None`; "model" for its draft model). `dtype="auto"` is
         bf16 on CUDA; on a CPU, bf16 for the target where the CPU has AMX or AVX512-BF16 and
-        bf16 products measure faster, fp32 for the draft (`treespec.backends.auto_dtype`); a
+        bf16 products measure faster, or where it runs a GGUF file's 4-bit blocks faster in bf16
+        (`quantize` below), fp32 for the draft (`treespec.backends.auto_dtype`); a
         feature head runs in the target's dtype (bf16 made SmolLM2's head forward 0.89 -> 0.64 ms
         on a 2-core Zen 5). `draft_dtype` overrides the draft's (default: `dtype`). `device`
         defaults to the CPU. The native backend reads the weights straight from safetensors;
