@@ -11,6 +11,11 @@ products alone differ. One process; the variants and sizes interleaved, medians 
 rounds of 20 forwards after a 128-token prefix (`native_overhead.forward_ms`), in ms. The
 table of docs/performance.md ("Which products a compiled graph gets") came from these runs;
 `CompiledForward.products` holds the choice.
+
+The row "products" is the floor the forwards are compared with: the eager runner's products
+alone (every layer's q/k/v, o, gate/up and down, then the output layer, each a [n, in] input
+through its `Projection` in the forward's order, the weights streamed from memory as in a
+forward), nothing else of the forward.
 """
 
 from __future__ import annotations
@@ -26,6 +31,22 @@ from native_overhead import forward_ms
 from treespec.backends.native import COMPILE_STATIC_MAX, CompiledForward, NativeRunner
 from treespec.bench import machine_info
 from treespec.config import QUANTIZATIONS
+
+
+def products_ms(runner: NativeRunner, n: int, repeats: int) -> float:
+    """Median ms of a forward's products alone for n rows: each projection of each layer, then
+    the output layer, in order (see the module docstring)."""
+    projections = [p for layer in runner.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    projections.append(runner.lm_head)
+    inputs = {p.in_features: torch.randn(n, p.in_features, dtype=runner.dtype) for p in projections}
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 2):  # two warm-up calls
+            t0 = time.perf_counter()
+            for p in projections:
+                p(inputs[p.in_features])
+            times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times[2:])
 
 
 def main() -> None:
@@ -62,11 +83,12 @@ def main() -> None:
             t0 = time.perf_counter()
             forward_ms(r, n, time.perf_counter, repeats=1)
             compile_s[f"{name} n={n}"] = round(time.perf_counter() - t0, 1)
-    times = {name: {n: [] for n in sizes} for name in runners}
+    times = {name: {n: [] for n in sizes} for name in (*runners, "products")}
     for _ in range(args.rounds):
         for n in sizes:
             for name, r in runners.items():
                 times[name][n].append(forward_ms(r, n, time.perf_counter, repeats=20))
+            times["products"][n].append(products_ms(runners["eager"], n, repeats=20))
     medians = {name: {n: round(statistics.median(t), 3) for n, t in d.items()} for name, d in times.items()}
     for name, d in medians.items():
         print(f"{name:9s} " + "  ".join(f"t({n}) {ms:.2f} ms" for n, ms in d.items()))
