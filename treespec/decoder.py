@@ -173,9 +173,7 @@ class SpeculativeDecoder:
             }  # fmt: skip
             _prepare_ranks(target, draft, settings)
         # "auto" measures this machine's products: rank 0's measurement decides for every rank
-        target_dtype, quantize = loading.resolve_weights(
-            dtype, quantize, loading.checkpoint(target), device, backend, group
-        )
+        target_dtype, quantize = loading.resolve_weights(dtype, quantize, target, device, backend, group)
         dtypes = parallel.agree(
             (
                 target_dtype,

@@ -69,27 +69,30 @@ def resolve_dtype(dtype, device: torch.device, role: str = "target") -> torch.dt
 
 
 def resolve_weights(
-    dtype, quantize, local, device: torch.device, backend: str = "auto", tp=None
+    dtype, quantize, path, device: torch.device, backend: str = "auto", tp=None
 ) -> tuple[torch.dtype, str | None]:
     """The target's dtype and weight format, from what was asked ("auto" for either, or a
     dtype and None / "int8" / "int4"), decided here and nowhere else.
 
-    `quantize="auto"` is "int4" where the checkpoint directory `local` carries a GGUF file's
-    own 4-bit blocks (the file's model exactly, a quarter of bf16's bytes), the native
-    backend runs the whole target (no `tp`) on a CPU, and a one-row int4 product measures
-    under 0.9x the dense one (`backends.cpu.int4_matmul_is_faster`); with `dtype="auto"` too,
-    int4 may compute in bf16 where the auto dtype is float32: torch's int4 kernel is fast
-    with bf16 inputs on every x86 core and slow with float32 ones, so an AVX2-only core, whose
-    dense products stay float32, runs the file's blocks fastest in bf16. Else None: the
-    file's weights dequantized into the dtype."""
+    `quantize="auto"` is "int4" where the checkpoint at `path` (`checkpoint`, asked only
+    then: a bad dtype fails first) carries a GGUF file's own 4-bit blocks (the file's model
+    exactly, a quarter of bf16's bytes), the native backend runs the whole target (no `tp`)
+    on a CPU, and a one-row int4 product measures under 0.9x the dense one
+    (`backends.cpu.int4_matmul_is_faster`); with `dtype="auto"` too, int4 may compute in bf16
+    where the auto dtype is float32: torch's int4 kernel is fast with bf16 inputs on AVX512
+    and AVX2 cores and slow with float32 ones, so an AVX2-only core, whose dense products
+    stay float32, runs the file's blocks fastest in bf16. Else None: the file's weights
+    dequantized into the dtype."""
     resolved = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, device, "target")
     if quantize != "auto":
         return resolved, quantize
     from ..backends.checkpoint import BLOCKS_FILE
     from ..backends.cpu import int4_matmul_is_faster
 
-    blocks = isinstance(local, Path) and (local / BLOCKS_FILE).is_file()
-    if not (blocks and tp is None and device.type == "cpu" and backend != "hf"):
+    if not (tp is None and device.type == "cpu" and backend != "hf"):
+        return resolved, None
+    local = checkpoint(path)
+    if not (isinstance(local, Path) and (local / BLOCKS_FILE).is_file()):
         return resolved, None
     if int4_matmul_is_faster(resolved):
         return resolved, "int4"
