@@ -46,6 +46,7 @@ def test_generate_show_tree_colours_tokens_and_prints_stats(capsys):
     assert "\033[32m" in out or "\033[36m" in out  # accepted (green) or bonus (cyan) tokens
     assert "tokens/step" in out and "acceptance by depth" in out and "tokens/s" in out
     assert "acceptance rate" in out and "mean accepted length" in out
+    assert "target weights: dense, computing in " in out  # a checkpoint without 4-bit blocks
 
 
 @pytest.mark.parametrize(

@@ -347,6 +347,9 @@ def cmd_generate(args) -> None:
         )
         if out.plan is not None:
             print(f"tree: {out.plan}")
+        target = dec.target_runner  # what dtype="auto" / quantize="auto" chose, or what was asked
+        weights, dtype = getattr(target, "quantize", None) or "dense", getattr(target, "dtype", "?")
+        print(f"target weights: {weights}, computing in {str(dtype).removeprefix('torch.')}")
         if s.tree_nodes:
             print(
                 f"acceptance rate {s.acceptance_rate:.2f} ({s.accepted_tokens} of {s.tree_nodes} "
