@@ -82,6 +82,7 @@ def main() -> None:
         "dtype": str(dec.target_runner.dtype),
         "compile": args.compile,
         "quantize": getattr(dec.target_runner, "quantize", None),
+        "draft_quantize": getattr(dec.draft_runner, "quantize", None),
         "machine": machine_info("cpu"),
         "load_seconds": round(load_s, 2),
         "costs_seconds": round(costs_s, 2),

@@ -449,6 +449,66 @@ def test_from_pretrained_loads_a_head_directory_over_its_target(tmp_path):
     assert out.stats.draft_forwards > 0
 
 
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_a_quantized_head_proposes_close_to_the_dense_one_and_stays_exact(tmp_path, quantize):
+    """`draft_quantize` reaches a head (it was ignored there): its products are weight-only
+    quantized, its logits stay near the dense head's, and the output is still the target's."""
+    from treespec.backends.linear import Int4Projection, QuantizedProjection
+
+    target = tiny_llama(0).float()
+    target.save_pretrained(tmp_path / "target")
+    cfg, w = random_head(target, draft_vocab=48, seed=12)  # int4: output rows a multiple of 16
+    save_head(tmp_path / "head", cfg, w)
+    decs = {
+        q: SpeculativeDecoder.from_pretrained(
+            target=tmp_path / "target", draft=tmp_path / "head", dtype="float32", draft_quantize=q
+        )
+        for q in (None, quantize)
+    }
+    head = decs[quantize].draft_runner
+    kind = QuantizedProjection if quantize == "int8" else Int4Projection
+    assert all(isinstance(p, kind) for p in (head.fc, head.lm_head, head.layers[0].qkv, head.layers[0].down))
+    g = torch.Generator().manual_seed(0)
+    tokens, hidden = (
+        torch.randint(0, cfg.vocab_size, (6,), generator=g).tolist(),
+        torch.randn(6, cfg.hidden_size, generator=g),
+    )
+    other = HeadRunner(
+        *random_head(target, draft_vocab=48, seed=13), decs[None].target_runner.input_embeddings()
+    )
+    probs = {}
+    for q, runner in ((None, decs[None].draft_runner), (quantize, head), ("other", other)):
+        runner.reset()
+        probs[q] = runner.extend(tokens, list(range(-1, 5)), hidden).softmax(-1)  # [6, V]
+    tv = 0.5 * (probs[None] - probs[quantize]).abs().sum(-1)
+    tv_other = 0.5 * (probs[None] - probs["other"]).abs().sum(-1)
+    assert tv.max() < 0.25 * tv_other.min(), (tv, tv_other)  # near the dense head, far from another
+    prompt = PROMPTS[3]
+    out = decs[quantize].generate(prompt, 10, tree=TreeConfig(2, 3), sampling=GREEDY, ignore_eos=True)
+    assert out.token_ids == hf_greedy(target, prompt, 10, stop_at_eos=False)
+    assert out.stats.draft_forwards > 0
+
+
+def test_draft_quantize_auto_quantizes_a_head_only_where_int4_is_faster_and_fits(tmp_path, monkeypatch):
+    """`draft_quantize="auto"` (the default): int4 where this CPU's int4 products beat dense ones
+    in the head's dtype and the head's rows suit torch's int4 layout, else dense."""
+    from treespec.backends import cpu
+
+    target = tiny_llama(0).float()
+    target.save_pretrained(tmp_path / "target")
+    for rows in (48, 50):
+        cfg, w = random_head(target, draft_vocab=rows, seed=12)
+        save_head(tmp_path / f"head{rows}", cfg, w)
+    for faster in (True, False):
+        monkeypatch.setattr(cpu, "int4_matmul_is_faster", lambda dtype, dense=None, f=faster: f)
+        for rows in (48, 50):
+            dec = SpeculativeDecoder.from_pretrained(
+                target=tmp_path / "target", draft=tmp_path / f"head{rows}", dtype="float32"
+            )
+            assert dec.draft_runner.quantize == ("int4" if faster and rows == 48 else None)
+            assert dec._origin["draft_quantize"] == dec.draft_runner.quantize  # the costs' key
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_chats_next_turn_reuses_the_cached_prefix_with_a_head(temperature, monkeypatch):
     """`prefix_reuse` on the target and its head (`treespec chat`): the second turn prefills only

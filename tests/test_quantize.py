@@ -89,6 +89,8 @@ def test_int4_projection_multiplies_by_its_dequantized_matrix(dtype):
     assert ((quantized.weight.float() - w.to(dtype).float()).abs() <= step * (0.5 + 1e-3) + rounding).all()
     with pytest.raises(ValueError, match="whole groups of 32"):
         Int4Projection.quantize(torch.randn(8, 48))
+    with pytest.raises(ValueError, match="a multiple of 16 output rows .* use int8"):
+        Int4Projection.quantize(torch.randn(50, 64))  # before torch's own RuntimeError
 
 
 @pytest.mark.parametrize(

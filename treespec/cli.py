@@ -393,7 +393,8 @@ def cmd_bench(args) -> None:
     from .bench import machine_info
     from .loading import checkpoint, resolve_device, resolve_dtype, resolve_weights
 
-    if args.backend == "hf" and (args.quantize not in ("auto", "none") or args.draft_quantize):
+    draft_quantize = None if args.draft_quantize in ("auto", "none") else args.draft_quantize  # HF's draft
+    if args.backend == "hf" and (args.quantize not in ("auto", "none") or draft_quantize):
         raise CliError("--quantize / --draft-quantize need the native backend; drop --backend hf")
     llama = _find_llama_cpp(args, paths[0])  # before loading: a wrong --llama-cpp fails at once
     paths = tuple(checkpoint(p) for p in paths)  # a GGUF file: its converted directory
@@ -409,10 +410,10 @@ def cmd_bench(args) -> None:
     backends = ("native", "hf") if args.backend == "auto" else (args.backend,)
     draft_vocab = VocabMap.load(paths[1]) if isinstance(paths[1], Path) else None
     runners = None
-    if quantize or args.draft_quantize:  # treespec's rows run the quantized weights; HF's stay as loaded
+    if quantize or draft_quantize:  # treespec's rows run the quantized weights; HF's stay as loaded
         backends = ("native",)
         runners = native_runners(
-            target, draft, args.compile, quantize, args.draft_quantize, draft_vocab, target_dir=paths[0]
+            target, draft, args.compile, quantize, draft_quantize, draft_vocab, target_dir=paths[0]
         )
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
     # a progress line redrawn in place: terminal control codes, so only on a terminal

@@ -115,7 +115,7 @@ class SpeculativeDecoder:
         draft_dtype: torch.dtype | str | None = None,
         compile: bool = False,
         quantize: str | None = "auto",
-        draft_quantize: str | None = None,
+        draft_quantize: str | None = "auto",
         tp: int | None = None,
     ) -> SpeculativeDecoder:
         """Load target, draft and the target's tokenizer: local directories, GGUF files or HF ids.
@@ -131,7 +131,10 @@ class SpeculativeDecoder:
         `compile=True` runs its forwards as inductor graphs (minutes of compilation on first use;
         docs/performance.md).
         `quantize` / `draft_quantize` ("int8", "int4"; native backend): weight-only int8 or int4
-        for the target / the draft. A quantized draft is still lossless; a quantized target is
+        for the target / the draft (a draft model or a feature head). A quantized draft is still
+        lossless; `draft_quantize="auto"` (the default) runs a feature head's products as int4
+        where int4 measures faster than dense here (`backends.head.load_head_runner`; a draft
+        model is quantized by "auto" only as a target would be). A quantized target is
         another model, and the output is distributed exactly as that quantized model's. "int4"
         runs a GGUF target's own Q4_0 / Q4_1 blocks as they are: the file's model, as llama.cpp
         runs it. `quantize="auto"` (the default) picks "int4" for such a GGUF target where this
@@ -185,7 +188,11 @@ class SpeculativeDecoder:
         target_runner = loading.load_runner(target, dtypes[0], device, backend, compile, quantize, group)
         # a feature head computes with its target's features: in the target's dtype unless told
         head_dtype = dtypes[0] if draft_dtype is None else dtypes[1]
-        head = None if draft is None else load_head_runner(draft, target_runner, head_dtype, device)
+        head = (
+            None
+            if draft is None
+            else load_head_runner(draft, target_runner, head_dtype, device, draft_quantize)
+        )
         runners = [
             target_runner,
             head
@@ -205,7 +212,8 @@ class SpeculativeDecoder:
             "target": files_key(target), "draft": files_key(draft), "drafter": dec.drafter.name,
             "dtypes": [str(d) for d in dtypes], "device": str(device), "backend": backend,
             "compile": compile, "quantize": target_runner.quantize,
-            "draft_quantize": draft_quantize, "tp": 1 if group is None else group.world,
+            "draft_quantize": getattr(runners[1], "quantize", draft_quantize),
+            "tp": 1 if group is None else group.world,
         }  # fmt: skip
         dec._shipped_acceptance = load_acceptance(draft) if draft is not None else None
         return dec

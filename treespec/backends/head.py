@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from .base import Feed, Scores
 from .checkpoint import LlamaShape
-from .linear import Projection
+from .linear import Int4Projection, Projection, QuantizedProjection, check_quantize
 from .native import KVPool, Layer, NativeRunner, rms_norm, rotate, split_scores
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # what save_head writes
@@ -245,10 +245,16 @@ class HeadRunner(NativeRunner):
         embed: torch.Tensor,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        quantize: str | None = None,
     ):
         """`embed`: the target's embedding matrix [V, hidden] (EAGLE-3 heads share it), unless
-        `weights` holds an `embed_tokens.weight` of the head's own."""
+        `weights` holds an `embed_tokens.weight` of the head's own. `quantize` ("int8", "int4"):
+        the head's products weight-only quantized (`linear.QuantizedProjection`,
+        `linear.Int4Projection`); a head's q only proposes, so the output stays lossless."""
         check_head_weights(cfg, weights)
+        if quantize is not None:
+            check_quantize(quantize, dtype)
+        self.quantize = quantize
         self.cfg = cfg
         self.shape = s = cfg.shape
         self.device, self.dtype = torch.device(device), dtype
@@ -258,6 +264,11 @@ class HeadRunner(NativeRunner):
         def get(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype)
 
+        def product(weight: torch.Tensor):
+            if quantize == "int8":
+                return QuantizedProjection(weight)
+            return Int4Projection.quantize(weight) if quantize == "int4" else Projection(weight)
+
         own = weights.get("embed_tokens.weight")
         self.embed = (own if own is not None else embed).to(device=self.device, dtype=dtype)  # [V, hidden]
         if tuple(self.embed.shape) != (cfg.vocab_size, cfg.hidden_size):
@@ -266,22 +277,22 @@ class HeadRunner(NativeRunner):
                 f"{tuple(self.embed.shape)} (a head made for another target?)"
             )
         a, m = "midlayer.self_attn.", "midlayer.mlp."
-        self.fc = Projection(get("fc.weight"))  # taps * target hidden -> hidden
+        self.fc = product(get("fc.weight"))  # taps * target hidden -> hidden
         self.hidden_norm = get("midlayer.hidden_norm.weight")  # [hidden]
         self.layers = [
             Layer(
                 attn_norm=get("midlayer.input_layernorm.weight"),  # the embedding's norm
-                qkv=Projection(
+                qkv=product(
                     torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")])
                 ),
-                o=Projection(get(a + "o_proj.weight")),
+                o=product(get(a + "o_proj.weight")),
                 mlp_norm=get("midlayer.post_attention_layernorm.weight"),
-                gate_up=Projection(torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])),
-                down=Projection(get(m + "down_proj.weight")),
+                gate_up=product(torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])),
+                down=product(get(m + "down_proj.weight")),
             )
         ]
         self.norm = get("norm.weight")
-        self.lm_head = Projection(get("lm_head.weight"))  # hidden -> K
+        self.lm_head = product(get("lm_head.weight"))  # hidden -> K
         self.ids = (
             torch.arange(cfg.draft_vocab_size, device=self.device) + weights["d2t"].to(self.device).long()
         )  # [K]
@@ -328,9 +339,15 @@ class HeadRunner(NativeRunner):
         return split_scores(logits, out, ns)
 
 
-def load_head_runner(path, target, dtype: torch.dtype, device) -> HeadRunner | None:
+def load_head_runner(
+    path, target, dtype: torch.dtype, device, quantize: str | None = None
+) -> HeadRunner | None:
     """A `HeadRunner` for the EAGLE-3 checkpoint in the local directory `path`, over the
-    embedding of `target` (a runner); None when `path` is not a head."""
+    embedding of `target` (a runner), its products `quantize`d (None, "int8", "int4"; "auto":
+    int4 on a CPU whose int4 products in `dtype` measure faster than dense ones,
+    `cpu.int4_matmul_is_faster`, where the head's shapes suit torch's int4 layout; int8's
+    one scale per row cost the SmolLM2 head acceptance, int4's groups of 32 did not); None
+    when `path` is not a head."""
     if not isinstance(path, (str, Path)) or not is_head(path):
         return None
     embed = target.input_embeddings()
@@ -339,4 +356,15 @@ def load_head_runner(path, target, dtype: torch.dtype, device) -> HeadRunner | N
             f"a feature head needs its target's embedding; {type(target).__name__} has none to share"
         )
     cfg, weights = load_head(path, target.n_layers)
-    return HeadRunner(cfg, weights, embed, dtype=dtype, device=device)
+    if quantize == "auto":
+        from . import cpu
+        from .linear import INT4_GROUP, INT4_ROWS
+
+        products = ("fc.weight", "lm_head.weight")
+        shapes = [
+            tuple(w.shape) for name, w in weights.items() if name in products or name.endswith("proj.weight")
+        ]
+        fits = all(out % INT4_ROWS == 0 and inp % INT4_GROUP == 0 for out, inp in shapes)
+        faster = fits and torch.device(device).type == "cpu" and cpu.int4_matmul_is_faster(dtype)
+        quantize = "int4" if faster else None
+    return HeadRunner(cfg, weights, embed, dtype=dtype, device=device, quantize=quantize)

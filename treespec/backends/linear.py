@@ -97,6 +97,7 @@ def _packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
 
 QUANTIZABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what quantized products compute in
 INT4_GROUP = 32  # input columns per int4 scale and offset: one GGUF Q4_0 / Q4_1 block
+INT4_ROWS = 16  # torch's int4 layout packs output rows in multiples of this
 
 
 def check_quantize(quantize: str, dtype: torch.dtype) -> None:
@@ -168,6 +169,11 @@ class Int4Projection:
             raise ValueError(
                 f"int4 weights need rows of whole groups of {INT4_GROUP} with one scale and offset "
                 f"each: got q {tuple(q.shape)}, scales {tuple(scales.shape)}, zeros {tuple(zeros.shape)}"
+            )
+        if self.out_features % INT4_ROWS:
+            raise ValueError(
+                f"int4 weights need a multiple of {INT4_ROWS} output rows (torch's int4 layout), not "
+                f"{self.out_features}; use int8 for this one"
             )
         self.bias = bias
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
