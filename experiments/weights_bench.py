@@ -35,7 +35,7 @@ from head_bench import summarise
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.bench import machine_info
 from treespec.llamacpp import LlamaCpp
-from treespec.loading import checkpoint, resolve_weights
+from treespec.loading import resolve_weights
 from treespec.zoo import heldout_prompt_ids, pair, pair_draft
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -75,7 +75,7 @@ def main() -> None:
         )
         print(f"loaded {spec} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     first = next(iter(decs.values()))
-    dtype, auto = resolve_weights("auto", "auto", checkpoint(target), torch.device("cpu"))
+    dtype, auto = resolve_weights("auto", "auto", target, torch.device("cpu"))
     tokenizer = first.tokenizer
     prompts = heldout_prompt_ids(args.pair, tokenizer, args.n_prompts)
     llama = LlamaCpp.find(args.llama_cpp) if args.llama_cpp else None

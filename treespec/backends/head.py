@@ -358,13 +358,13 @@ def load_head_runner(
     cfg, weights = load_head(path, target.n_layers)
     if quantize == "auto":
         from . import cpu
-        from .linear import INT4_GROUP, INT4_ROWS
 
         products = ("fc.weight", "lm_head.weight")
-        shapes = [
-            tuple(w.shape) for name, w in weights.items() if name in products or name.endswith("proj.weight")
-        ]
-        fits = all(out % INT4_ROWS == 0 and inp % INT4_GROUP == 0 for out, inp in shapes)
+        fits = all(
+            Int4Projection.fits(*w.shape)
+            for name, w in weights.items()
+            if name in products or name.endswith("proj.weight")
+        )
         faster = fits and torch.device(device).type == "cpu" and cpu.int4_matmul_is_faster(dtype)
         quantize = "int4" if faster else None
     return HeadRunner(cfg, weights, embed, dtype=dtype, device=device, quantize=quantize)

@@ -181,6 +181,12 @@ class Int4Projection:
             torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
         )  # [in/G, out, 2]
 
+    @staticmethod
+    def fits(out_features: int, in_features: int) -> bool:
+        """Whether a weight [out_features, in_features] suits torch's int4 layout: whole groups
+        of INT4_GROUP inputs, a multiple of INT4_ROWS outputs (what the constructor requires)."""
+        return in_features % INT4_GROUP == 0 and out_features % INT4_ROWS == 0
+
     @classmethod
     def from_blocks(cls, q_packed, scales, zeros, bias=None, dtype=torch.bfloat16) -> Int4Projection:
         """From `pack_nibbles`' [out, in / 2] bytes and the scales and offsets per group."""
