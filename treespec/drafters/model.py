@@ -216,7 +216,8 @@ class ModelDrafter(Drafter):
         if self.sampling.greedy:
             tokens, draw, q = self._top_tokens(node, k), Draw.DETERMINISTIC, None
         else:
-            k = min(k, int((node.q > 0).sum()))
+            if k > 1:  # one draw always finds mass: no count over V for a chain's node
+                k = min(k, int((node.q > 0).sum()))
             tokens, draw, q = self.rng.without_replacement(node.q, k), Draw.WITHOUT_REPLACEMENT, node.q
         children = [self._add(nodes, u, x) for x in tokens]
         return ProposalGroup(u, draw, tuple(tokens), tuple(children), q)
