@@ -50,6 +50,7 @@ import torch
 
 from . import parallel
 from .adaptive import DepthPolicy
+from .backends.cpu import machine_key
 from .config import AUTO_MAX_DEPTH, AUTO_MAX_NODES, SamplingConfig, TreeConfig
 from .proposal import DepthStep, DraftTree, Walk
 from .sequoia import TreeShape, by_level, optimal_shape, tree_expected_tokens
@@ -283,21 +284,6 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
         plain=plain,
         overhead=overhead,
     )
-
-
-def machine_key() -> dict:
-    """What a cost measurement depends on besides the models: the processor and torch's setup."""
-    from .backends.cpu import cpu_bf16_flags, cpu_model
-
-    return {
-        "cpu": cpu_model(),
-        "bf16": sorted(cpu_bf16_flags()),
-        "capability": torch.backends.cpu.get_cpu_capability(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),  # oneDNN capped (the AVX2 emulation)
-    }
 
 
 def files_key(path) -> list | None:

@@ -1,11 +1,13 @@
 """What this machine's processor offers, for choosing dtypes and weight formats: bf16 matrix
 instructions read from /proc/cpuinfo, and one-off measurements of whether bf16 products beat
-fp32 here and whether int4 products beat the dtype's own."""
+fp32 here and whether int4 products beat the dtype's own; and the machine's key, for what is
+measured or compiled once per machine (`machine_key`)."""
 
 from __future__ import annotations
 
 import copy
 import functools
+import os
 import time
 
 import torch
@@ -140,3 +142,17 @@ def _median_seconds(run, calls: int = 15, warmup: int = 3, stop_above: float = f
                 return seconds
             times.append(seconds)
     return sorted(times)[len(times) // 2]
+
+
+def machine_key() -> dict:
+    """What a measurement or a compiled graph depends on besides the models: the processor and
+    torch's setup."""
+    return {
+        "cpu": cpu_model(),
+        "bf16": sorted(cpu_bf16_flags()),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),  # oneDNN capped (the AVX2 emulation)
+    }

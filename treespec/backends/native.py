@@ -28,8 +28,8 @@ with one copy, SDPA over the lane's row), the o projection and the residual, RMS
 gate/up projection, SiLU gate, the down projection and the residual. Every per-forward
 decision (mask, GQA layout, each layer's cache views, the RoPE rows) is made once per forward,
 not per layer. With `compile=True` the forwards that need logits run as inductor graphs of the
-same math (`CompiledForward`); this module holds the model and its cache, attention.py all the
-attention.
+same math (`CompiledForward`, kept across processes by `aot.GraphStore`); this module holds the
+model and its cache, attention.py all the attention.
 
 Tensor parallel (`tp=`, `treespec.parallel`): each rank holds its block of the query and KV
 heads (and their cache) and of the MLP, and `decoder_stack`, the one layer loop of the eager
@@ -42,6 +42,7 @@ float64 models) and the weight applied in the input dtype; logits in the model d
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -56,6 +57,7 @@ import torch.nn.functional as F
 
 from ..config import check_positive_int
 from ..parallel import TensorParallel
+from .aot import GraphStore, weights_digest
 from .attention import (
     LaneAttention,
     PackedAttention,
@@ -399,7 +401,9 @@ class NativeRunner(Runner):
             KVPool(s, 1, self.inv_freq, dtype, self.device),
             0,
         )  # this runner's cache: row 0 of a pool of one
-        self.compiled = CompiledForward(self) if compile else None
+        # compiled graphs kept across processes, but for tensor parallel (collectives in the graph)
+        store = GraphStore() if tp is None else None
+        self.compiled = CompiledForward(self, store=store) if compile else None
         self._graphs_by_taps: dict[tuple[int, ...], CompiledForward] = {}  # see set_taps
         super().__init__()
 
@@ -465,7 +469,7 @@ class NativeRunner(Runner):
             graphs = self._graphs_by_taps
             graphs.setdefault(before, self.compiled)
             if self.taps not in graphs:
-                graphs[self.taps] = CompiledForward(self, self.compiled.custom_config)
+                graphs[self.taps] = CompiledForward(self, self.compiled.custom_config, self.compiled.store)
             self.compiled = graphs[self.taps]
 
     # ---- the KV cache ---------------------------------------------------------------------
@@ -617,21 +621,29 @@ class _ForwardGraph(torch.nn.Module):
                 self.register_buffer(f"{name}_{i}", getattr(layer, name))
             for name in ("qkv", "o", "gate_up", "down"):
                 self._register(f"{name}_{i}", getattr(layer, name))
-                self.register_buffer(f"{name}_bias_{i}", getattr(layer, name).bias)
+                self._buffer(f"{name}_bias_{i}", getattr(layer, name).bias)
 
     def _register(self, name: str, projection: Product) -> None:
         """The projection's weight as buffer `name`, with what its product reads besides as
         `name`_scales: int8's scale per row, int4's scales and offsets per group (its weight
         packed), None for a float weight."""
         if isinstance(projection, QuantizedProjection):
-            self.register_buffer(name, projection.weight_int8)
-            self.register_buffer(f"{name}_scales", projection.scales)
+            self._buffer(name, projection.weight_int8)
+            self._buffer(f"{name}_scales", projection.scales)
         elif isinstance(projection, Int4Projection):
-            self.register_buffer(name, projection.packed)
-            self.register_buffer(f"{name}_scales", projection.scales_and_zeros)
+            self._buffer(name, projection.packed)
+            self._buffer(f"{name}_scales", projection.scales_and_zeros)
         else:
-            self.register_buffer(name, projection.weight)
-            self.register_buffer(f"{name}_scales", None)
+            self._buffer(name, projection.weight)
+            self._buffer(f"{name}_scales", None)
+
+    def _buffer(self, name: str, tensor: torch.Tensor | None) -> None:
+        """A weight as a buffer; a missing one (no bias, no scales) as a plain None, which
+        torch.export takes where it refuses None buffers."""
+        if tensor is None:
+            setattr(self, name, None)
+        else:
+            self.register_buffer(name, tensor)
 
     def _linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         weight, scales = getattr(self, name), getattr(self, f"{name}_scales")
@@ -665,6 +677,14 @@ class _ForwardGraph(torch.nn.Module):
         return self._linear(rms_norm(x, self.norm, s.eps), "lm_head"), features  # [T, V], [T, F]
 
 
+@contextlib.contextmanager
+def _quiet_compiler():
+    """Inductor's autotuner warns of a deprecation inside torch (TypedStorage): not the user's."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+        yield
+
+
 class CompiledForward:
     """A lane's forwards that need logits, of 1 to COMPILE_MAX_TOKENS tokens, as inductor graphs.
 
@@ -682,9 +702,15 @@ class CompiledForward:
     kernels keep float32 intermediates where eager rounds bf16 after each op, so bf16 logits
     differ in the last bits, as any two kernels for one op may (float32 agrees with HF to 1e-4,
     tests/test_native.py). What the graphs do not serve runs eagerly: prefills (no logits),
-    longer feeds, lanes of a pool of several rows, a first token with an empty cache. A graph
-    that fails to compile (no C++ compiler, an unsupported torch) is reported once and not tried
-    again; the eager forward takes over. Measurements: docs/performance.md.
+    longer feeds, lanes of a pool of several rows, a first token with an empty cache.
+
+    With a `store` (`aot.GraphStore`, what NativeRunner(compile=True) gives but under tensor
+    parallel), each graph is compiled ahead of time once for this machine and model and kept on
+    disk; a later process loads it in ~0.1 s instead of tracing and capturing it again (~13 s a
+    graph for SmolLM2). Without one, or where compiling ahead of time fails (reported once; the
+    store remembers), the graph is compiled in process by `torch.compile`. A graph that fails to
+    compile at all (no C++ compiler, an unsupported torch) is reported once and not tried again;
+    the eager forward takes over. Measurements: docs/performance.md.
     """
 
     # inductor settings, patched in around the call that compiles a graph (its first): freezing is read
@@ -692,15 +718,23 @@ class CompiledForward:
     # every other torch.compile of the process. AUTOTUNED: max-autotune picks, per product,
     # inductor's C++ GEMM template or the library's kernel; PACKED: the library's products
     # (oneDNN's packed ones for float weights), no autotuning.
-    AUTOTUNED = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+    # autotuning reports nothing on stderr (its tables would bury treespec's progress lines)
+    AUTOTUNED = {
+        "freezing": True,
+        "max_autotune": True,
+        "max_autotune_gemm_backends": "CPP,ATEN",
+        "autotune_num_choices_displayed": 0,
+        "max_autotune_report_choices_stats": False,
+    }
     PACKED = {"freezing": True, "max_autotune": False}
     # dynamo: a size seen twice must not turn dynamic by itself (each static size keeps its
     # graph), and there is room for every static size plus the dynamic graph
     DYNAMO = {"automatic_dynamic_shapes": False, "recompile_limit": COMPILE_STATIC_MAX + 4}
 
-    def __init__(self, runner: NativeRunner, config: dict | None = None):
+    def __init__(self, runner: NativeRunner, config: dict | None = None, store: GraphStore | None = None):
         """`config`: inductor settings for every graph instead of AUTOTUNED / PACKED (tests use
-        cheap ones)."""
+        cheap ones). `store`: where graphs are kept across processes as AOTInductor packages
+        (`aot.GraphStore`); None: each process compiles its own in process (`torch.compile`)."""
         # dynamo keeps compiled graphs, and counts its recompile limit, per code object: a
         # forward of its own keeps this runner's graphs apart from every other runner's (a
         # target and its draft, or two dtypes, would share one cache and exhaust the limit)
@@ -709,8 +743,9 @@ class CompiledForward:
         # its module's buffers are the frozen weights, never reassigned: dynamo need not guard
         # them (~0.1 ms of guard checks a call on a 30-layer model); inputs keep their guards
         skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
+        self.module = _ForwardGraph(runner).eval()
         self.graph = torch.compile(
-            types.MethodType(own, _ForwardGraph(runner).eval()),
+            types.MethodType(own, self.module),
             fullgraph=True,
             options=None if skip is None else {"guard_filter_fn": skip},
         )
@@ -722,6 +757,8 @@ class CompiledForward:
         self.dynamo = {k: v for k, v in self.DYNAMO.items() if hasattr(torch._dynamo.config, k)}
         self.compiled: set[int | str] = set()  # graphs compiled: static feed sizes, "dynamic"
         self.failed = False
+        self.store, self.weights = store, None  # weights: their digest, once a package is sought
+        self.packages: dict[int | str, Callable] = {}  # graphs loaded from `store`
 
     @classmethod
     def products(cls, quantize: str | None, dtype: torch.dtype) -> tuple[dict, dict, int]:
@@ -764,7 +801,12 @@ class CompiledForward:
             if graph in self.compiled:
                 # compiled: the dynamic sizes and settings are read only while compiling, and
                 # marking and patching cost ~0.1 ms a call
-                return Scores(*self.graph(*inputs))
+                return Scores(*self.packages.get(graph, self.graph)(*inputs))
+            package = self._package(graph, inputs) if self.store is not None else None
+            if package is not None:
+                self.packages[graph] = package
+                self.compiled.add(graph)
+                return Scores(*package(*inputs))
             if not static:
                 for t in (feed.tokens, feed.positions, slots, mask):
                     torch._dynamo.mark_dynamic(t, 0, min=self.static_max + 1, max=COMPILE_MAX_TOKENS)
@@ -778,6 +820,7 @@ class CompiledForward:
             with (
                 torch._inductor.config.patch(self.config["static" if static else "dynamic"]),
                 torch._dynamo.config.patch(self.dynamo),
+                _quiet_compiler(),
             ):
                 scores = Scores(*self.graph(*inputs))
             self.compiled.add(graph)
@@ -787,5 +830,43 @@ class CompiledForward:
             warnings.warn(
                 f"treespec: the compiled forward failed ({type(e).__name__}: {e}); running eagerly",
                 stacklevel=2,
+            )
+            return None
+
+    def _package(self, graph: int | str, inputs: tuple) -> Callable | None:
+        """Graph `graph` from the store: loaded (~0.1 s), or compiled ahead of time once for
+        this machine and model and kept there; None where it cannot be (the graph is then
+        compiled in process, as without a store, and later processes do not try again)."""
+        settings = self.config["static" if graph != "dynamic" else "dynamic"]
+        if self.weights is None:
+            self.weights = weights_digest(self.module)
+        key = self.store.key(self.weights, graph, settings)
+        if self.store.refused(key):
+            return None
+        package = self.store.load(key)
+        what = f"{graph} tokens" if graph != "dynamic" else "longer feeds"
+        if package is not None:
+            log.info("loaded the compiled forward for %s from %s", what, self.store.root)
+            return package
+        tokens, positions, slots, mask, cos, sin, kv = inputs
+        # the sizes free in every graph: the attended span, the RoPE tables' rows, the cache's
+        # capacity; and in the dynamic graph the fed tokens
+        Dim = torch.export.Dim  # noqa: N806 - torch's name
+        span, rope, cap = Dim("span", min=2), Dim("rope", min=2), Dim("cap", min=3)
+        rows = {0: Dim("n", min=self.static_max + 1, max=COMPILE_MAX_TOKENS)} if graph == "dynamic" else None
+        dims = (rows, rows, rows, {1: span, **(rows or {})}, {0: rope}, {0: rope}, {4: cap})
+        log.info(
+            "compiling the forward for %s ahead of time (once for this machine and model, kept in %s; "
+            "about a minute)", what, self.store.root,
+        )  # fmt: skip
+        try:
+            with _quiet_compiler():
+                return self.store.build(key, self.module, inputs, dims, settings)
+        except Exception as e:  # noqa: BLE001 - the in-process compiler takes over
+            self.store.refuse(key, e)
+            warnings.warn(
+                f"treespec: compiling the forward ahead of time failed ({type(e).__name__}: {e}); "
+                "compiling it in this process instead",
+                stacklevel=3,
             )
             return None

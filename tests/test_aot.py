@@ -1,0 +1,139 @@
+"""Compiled forwards kept across processes (`treespec.backends.aot.GraphStore`): a graph compiled
+ahead of time is stored once and loaded by later runners of the same weights, settings,
+source and machine, never by others; a broken package is rebuilt; a graph that cannot be
+compiled ahead of time is compiled in process instead, and not tried again.
+
+Each test compiles at most two small graphs (a 2-layer model, no autotuning): ~30 s each."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+import torch
+
+from treespec.backends import aot, native
+from treespec.backends.aot import GraphStore, weights_digest
+from treespec.backends.native import CompiledForward, NativeRunner
+from treespec.tree import TokenTree
+
+from .test_native import CHEAP, VOCAB, build, max_diff
+
+pytestmark = pytest.mark.cpu
+
+
+def runner(model, store: GraphStore | None) -> NativeRunner:
+    """A compiled native runner whose graphs come from `store` (None: compiled in process)."""
+    nat = NativeRunner.from_hf(model, compile=True)
+    nat.compiled = CompiledForward(nat, CHEAP, store)
+    return nat
+
+
+def decode(nat: NativeRunner, prompt: list[int], tree: TokenTree) -> list[torch.Tensor]:
+    """The logits of a one-token step and of a tree after it: the one-token graph and the
+    dynamic graph."""
+    nat.reset()
+    nat.prefill(prompt)
+    one = nat.score(TokenTree([prompt[-1]], [-1]))
+    nat.commit([0])
+    return [one, nat.score(tree)]
+
+
+def setting():
+    rng = random.Random(3)
+    prompt = [rng.randrange(VOCAB) for _ in range(9)]
+    # past COMPILE_STATIC_MAX nodes: the dynamic graph
+    tree = TokenTree([rng.randrange(VOCAB) for _ in range(10)], [-1, 0, 0, 1, 1, 2, 2, 3, 4, 5])
+    return prompt, tree
+
+
+def test_a_stored_graph_is_loaded_by_a_later_runner_not_compiled_again(tmp_path, monkeypatch):
+    model = build("gqa_tied")
+    prompt, tree = setting()
+    eager = NativeRunner.from_hf(model)
+    store = GraphStore(tmp_path)
+    first = runner(model, store)
+    want = decode(eager, prompt, tree)
+    got = decode(first, prompt, tree)
+    assert not first.compiled.failed and set(first.compiled.packages) == {1, "dynamic"}
+    assert all(max_diff(w, g) < 1e-4 for w, g in zip(want, got))
+    assert len(list(tmp_path.glob("*.pt2"))) == 2
+
+    # a later runner (another process, as far as the store can tell) loads both graphs
+    monkeypatch.setattr(GraphStore, "build", lambda *a, **k: pytest.fail("compiled again"))
+    second = runner(model, store)
+    second.compiled.graph = lambda *a: pytest.fail("compiled in process")
+    again = decode(second, prompt, tree)
+    assert set(second.compiled.packages) == {1, "dynamic"}
+    assert all(max_diff(w, g) < 1e-4 for w, g in zip(want, again))
+
+
+def test_the_key_changes_with_the_weights_the_settings_and_the_machine(monkeypatch):
+    a = CompiledForward(NativeRunner.from_hf(build("gqa_tied", seed=0)), CHEAP)
+    b = CompiledForward(NativeRunner.from_hf(build("gqa_tied", seed=1)), CHEAP)
+    same = CompiledForward(NativeRunner.from_hf(build("gqa_tied", seed=0)), CHEAP)
+    wa, wb = weights_digest(a.module), weights_digest(b.module)
+    assert wa != wb and wa == weights_digest(same.module)
+    key = GraphStore.key(wa, 1, CHEAP)
+    assert key == GraphStore.key(wa, 1, dict(CHEAP))
+    assert len({key, GraphStore.key(wb, 1, CHEAP), GraphStore.key(wa, "dynamic", CHEAP),
+                GraphStore.key(wa, 1, {**CHEAP, "max_autotune": True})}) == 4  # fmt: skip
+    real = aot.machine_key
+    monkeypatch.setattr(aot, "machine_key", lambda: {**real(), "cpu": "another"})
+    assert GraphStore.key(wa, 1, CHEAP) != key
+    monkeypatch.setattr(aot, "source_digest", lambda: "edited")
+    assert GraphStore.key(wa, 1, CHEAP) != key
+
+
+def test_a_broken_package_is_compiled_again(tmp_path):
+    model = build("gqa_tied")
+    prompt, tree = setting()
+    store = GraphStore(tmp_path)
+    first = runner(model, store)
+    nat_one = decode(first, prompt, tree)[0]
+    for path in tmp_path.glob("*.pt2"):
+        path.write_bytes(b"not a package")
+    second = runner(model, store)
+    assert max_diff(nat_one, decode(second, prompt, tree)[0]) < 1e-4
+    assert not second.compiled.failed and 1 in second.compiled.packages
+    assert all(p.stat().st_size > 1000 for p in tmp_path.glob("*.pt2"))  # replaced by packages
+
+
+def test_a_graph_that_cannot_be_compiled_ahead_runs_compiled_in_process(tmp_path, monkeypatch):
+    model = build("gqa_tied")
+    prompt, tree = setting()
+    eager = NativeRunner.from_hf(model)
+
+    def broken(*a, **k):
+        raise RuntimeError("export refused")
+
+    monkeypatch.setattr(native.GraphStore, "build", broken)
+    store = GraphStore(tmp_path)
+    nat = runner(model, store)
+    nat.reset()
+    nat.prefill(prompt)
+    with pytest.warns(UserWarning, match="ahead of time failed .*export refused.*in this process"):
+        got = nat.score(TokenTree([prompt[-1]], [-1]))
+    eager.prefill(prompt)
+    assert max_diff(eager.score(TokenTree([prompt[-1]], [-1])), got) < 1e-4
+    assert not nat.compiled.failed and nat.compiled.packages == {} and 1 in nat.compiled.compiled
+    assert len(list(tmp_path.glob("*.failed"))) == 1
+    # a later runner does not try again (no warning, no build)
+    monkeypatch.setattr(native.GraphStore, "build", lambda *a, **k: pytest.fail("tried again"))
+    later = runner(model, store)
+    later.prefill(prompt)
+    later.score(TokenTree([prompt[-1]], [-1]))
+    assert later.compiled.packages == {}
+
+
+def test_a_store_removes_the_packages_not_used_for_its_keep_days(tmp_path):
+    store = GraphStore(tmp_path, keep_days=1)
+    now = time.time()
+    for name, age_days in (("old", 3), ("recent", 0.5), ("new", 0)):
+        path = tmp_path / f"{name}.pt2"
+        path.write_bytes(b"x")
+        os.utime(path, (now - age_days * 86400,) * 2)
+    store.prune()
+    assert sorted(p.name for p in tmp_path.glob("*.pt2")) == ["new.pt2", "recent.pt2"]

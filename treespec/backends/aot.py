@@ -1,0 +1,141 @@
+"""Compiled forwards kept across processes: AOTInductor packages.
+
+A graph compiled in process (`torch.compile`) is rebuilt by every new process: dynamo traces the
+forward again and AOT autograd captures it again (its cache refuses frozen graphs) before
+inductor's own cache answers, ~13 s a graph for SmolLM2 on two cores. An AOTInductor package
+(`torch._inductor.aoti_compile_and_package`) is the graph compiled once, its frozen weights
+inside, into a shared library; loading one takes ~0.1 s and it runs as fast as the graph built
+in process.
+
+`GraphStore` keeps packages under a directory (default $TREESPEC_CACHE/graphs-v1), one file a
+graph, named by a digest of everything the compiled code depends on: the module's weights (their
+bytes), which graph it is (a feed size, or "dynamic"), the inductor settings, this package's
+backend source, torch's version and the machine (`cpu.machine_key`). When any of them changes,
+another file is named; a file that does not load is compiled again and replaced.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .cpu import machine_key
+
+STORE_VERSION = 1  # bump when what a package holds or how it is called changes
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def source_digest() -> str:
+    """A digest of the backend's source files: the forward a package compiled."""
+    h = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def weights_digest(module: torch.nn.Module) -> str:
+    """A digest of the module's buffers: names, dtypes, shapes and bytes (~50 ms for SmolLM2's
+    int4 weights)."""
+    h = hashlib.sha256()
+    for name, t in sorted(module.named_buffers()):
+        h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+class GraphStore:
+    """AOTInductor packages on disk, one per graph, found by `key`; a package not used for
+    `keep_days` is removed when another is stored (a package holds its model's weights: ~160 MB
+    for SmolLM2 in int4, ~13 MB for the pycode pair)."""
+
+    def __init__(self, root: str | os.PathLike | None = None, keep_days: float = 14.0):
+        if root is None:
+            from ..loading.gguf import default_cache_dir
+
+            root = default_cache_dir() / f"graphs-v{STORE_VERSION}"
+        self.root, self.keep_days = Path(root), keep_days
+
+    @staticmethod
+    def key(weights: str, graph: int | str, settings: dict) -> str:
+        """The file name of a graph: `weights` (`weights_digest`), which graph, the inductor
+        `settings` it compiles under, the source, torch and the machine."""
+        record = {
+            "weights": weights,
+            "graph": graph,
+            "settings": settings,
+            "source": source_digest(),
+            "torch": torch.__version__,
+            "machine": machine_key(),
+        }
+        return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+    def path(self, key: str) -> Path:
+        return self.root / f"{key}.pt2"
+
+    def refused(self, key: str) -> bool:
+        """Whether compiling `key` ahead of time failed before (`refuse`): not tried again."""
+        return self.path(key).with_suffix(".failed").is_file()
+
+    def refuse(self, key: str, error: Exception) -> None:
+        """Remember that `key` failed to compile ahead of time (the error, for a person)."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.path(key).with_suffix(".failed").write_text(f"{type(error).__name__}: {error}\n")
+        except OSError:
+            pass  # a read-only store: the next process tries again
+
+    def load(self, key: str) -> Callable | None:
+        """The package stored under `key`, loaded; None when there is none or it does not load
+        (a corrupt file is removed, so that it is compiled again)."""
+        path = self.path(key)
+        if not path.is_file():
+            return None
+        from torch._inductor import aoti_load_package  # inductor loads here, when a graph is needed
+
+        try:
+            package = aoti_load_package(str(path))
+            os.utime(path)  # used now: the last to be pruned
+            return package
+        except Exception as e:  # noqa: BLE001 - any unreadable package is rebuilt, never an error
+            log.info("the compiled forward in %s does not load (%s); compiling it again", path, e)
+            path.unlink(missing_ok=True)
+            return None
+
+    def build(
+        self, key: str, module: torch.nn.Module, inputs: tuple, dynamic_shapes: tuple, settings: dict
+    ) -> Callable:
+        """Export `module` on `inputs` (their sizes free along `dynamic_shapes`), compile it
+        under the inductor `settings` into a package stored under `key` (written whole: a
+        temporary file, then a rename), and load it."""
+        from torch._inductor import aoti_compile_and_package, aoti_load_package
+
+        program = torch.export.export(module, inputs, dynamic_shapes=dynamic_shapes, strict=False)
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".pt2")
+        os.close(fd)
+        try:
+            aoti_compile_and_package(program, package_path=tmp, inductor_configs=dict(settings))
+            os.replace(tmp, self.path(key))
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        self.prune()
+        return aoti_load_package(str(self.path(key)))
+
+    def prune(self) -> None:
+        """Remove the packages not used for `keep_days` (older models, settings or versions)."""
+        cutoff = time.time() - self.keep_days * 86400
+        for path in self.root.glob("*.pt2"):
+            if path.stat().st_mtime < cutoff:
+                path.unlink(missing_ok=True)
