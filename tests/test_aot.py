@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from treespec.backends import aot, native
-from treespec.backends.aot import GraphStore, weights_digest
+from treespec.backends.aot import GraphStore
 from treespec.backends.native import CompiledForward, NativeRunner
 from treespec.tree import TokenTree
 
@@ -70,21 +70,25 @@ def test_a_stored_graph_is_loaded_by_a_later_runner_not_compiled_again(tmp_path,
     assert all(max_diff(w, g) < 1e-4 for w, g in zip(want, again))
 
 
-def test_the_key_changes_with_the_weights_the_settings_and_the_machine(monkeypatch):
-    a = CompiledForward(NativeRunner.from_hf(build("gqa_tied", seed=0)), CHEAP)
-    b = CompiledForward(NativeRunner.from_hf(build("gqa_tied", seed=1)), CHEAP)
-    same = CompiledForward(NativeRunner.from_hf(build("gqa_tied", seed=0)), CHEAP)
-    wa, wb = weights_digest(a.module), weights_digest(b.module)
-    assert wa != wb and wa == weights_digest(same.module)
-    key = GraphStore.key(wa, 1, CHEAP)
-    assert key == GraphStore.key(wa, 1, dict(CHEAP))
-    assert len({key, GraphStore.key(wb, 1, CHEAP), GraphStore.key(wa, "dynamic", CHEAP),
-                GraphStore.key(wa, 1, {**CHEAP, "max_autotune": True})}) == 4  # fmt: skip
+def test_the_key_changes_with_the_model_the_settings_and_the_machine(monkeypatch):
+    """The weights, the taps a graph returns, which graph, its settings, the source, the
+    machine: each names another package."""
+    a = NativeRunner.from_hf(build("gqa_tied", seed=0), compile=True)
+    b = NativeRunner.from_hf(build("gqa_tied", seed=1), compile=True)
+    same = NativeRunner.from_hf(build("gqa_tied", seed=0), compile=True)
+    ma, mb = a.compiled.digest(), b.compiled.digest()
+    assert ma != mb and ma == same.compiled.digest()
+    a.set_taps((1,))  # a feature head's target: its graphs return the taps' features too
+    assert a.compiled.digest() not in (ma, mb)
+    key = GraphStore.key(ma, 1, CHEAP)
+    assert key == GraphStore.key(ma, 1, dict(CHEAP))
+    assert len({key, GraphStore.key(mb, 1, CHEAP), GraphStore.key(ma, "dynamic", CHEAP),
+                GraphStore.key(ma, 1, {**CHEAP, "max_autotune": True})}) == 4  # fmt: skip
     real = aot.machine_key
     monkeypatch.setattr(aot, "machine_key", lambda: {**real(), "cpu": "another"})
-    assert GraphStore.key(wa, 1, CHEAP) != key
+    assert GraphStore.key(ma, 1, CHEAP) != key
     monkeypatch.setattr(aot, "source_digest", lambda: "edited")
-    assert GraphStore.key(wa, 1, CHEAP) != key
+    assert GraphStore.key(ma, 1, CHEAP) != key
 
 
 def test_a_broken_package_is_compiled_again(tmp_path):

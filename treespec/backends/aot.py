@@ -8,10 +8,11 @@ inside, into a shared library; loading one takes ~0.1 s and it runs as fast as t
 in process.
 
 `GraphStore` keeps packages under a directory (default $TREESPEC_CACHE/graphs-v1), one file a
-graph, named by a digest of everything the compiled code depends on: the module's weights (their
-bytes), which graph it is (a feed size, or "dynamic"), the inductor settings, this package's
-backend source, torch's version and the machine (`cpu.machine_key`). When any of them changes,
-another file is named; a file that does not load is compiled again and replaced.
+graph, named by a digest of everything the compiled code depends on: the module's weights
+(their bytes) and what else its forward reads (the model's shape, the taps it returns), which
+graph it is (a feed size, or "dynamic"), the inductor settings, this package's backend
+source, torch's version and the machine (`cpu.machine_key`). When any of them changes, another
+file is named; a file that does not load is compiled again and replaced.
 """
 
 from __future__ import annotations
@@ -45,10 +46,13 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
-def weights_digest(module: torch.nn.Module) -> str:
-    """A digest of the module's buffers: names, dtypes, shapes and bytes (~50 ms for SmolLM2's
-    int4 weights)."""
+def model_digest(module: torch.nn.Module, **attributes) -> str:
+    """A digest of what a graph of `module` computes with: its buffers (names, dtypes, shapes
+    and bytes; ~50 ms for SmolLM2's int4 weights) and the `attributes` its forward reads
+    besides (the model's shape, the taps it returns)."""
     h = hashlib.sha256()
+    for name, value in sorted(attributes.items()):
+        h.update(f"{name}={value!r}".encode())
     for name, t in sorted(module.named_buffers()):
         h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
         h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
@@ -68,11 +72,11 @@ class GraphStore:
         self.root, self.keep_days = Path(root), keep_days
 
     @staticmethod
-    def key(weights: str, graph: int | str, settings: dict) -> str:
-        """The file name of a graph: `weights` (`weights_digest`), which graph, the inductor
-        `settings` it compiles under, the source, torch and the machine."""
+    def key(model: str, graph: int | str, settings: dict) -> str:
+        """The file name of a graph: the `model` it computes (`model_digest`), which graph, the
+        inductor `settings` it compiles under, the source, torch and the machine."""
         record = {
-            "weights": weights,
+            "model": model,
             "graph": graph,
             "settings": settings,
             "source": source_digest(),

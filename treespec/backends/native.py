@@ -57,7 +57,7 @@ import torch.nn.functional as F
 
 from ..config import check_positive_int
 from ..parallel import TensorParallel
-from .aot import GraphStore, weights_digest
+from .aot import GraphStore, model_digest
 from .attention import (
     LaneAttention,
     PackedAttention,
@@ -757,7 +757,7 @@ class CompiledForward:
         self.dynamo = {k: v for k, v in self.DYNAMO.items() if hasattr(torch._dynamo.config, k)}
         self.compiled: set[int | str] = set()  # graphs compiled: static feed sizes, "dynamic"
         self.failed = False
-        self.store, self.weights = store, None  # weights: their digest, once a package is sought
+        self.store, self.model = store, None  # model: its digest, once a package is sought
         self.packages: dict[int | str, Callable] = {}  # graphs loaded from `store`
 
     @classmethod
@@ -833,14 +833,18 @@ class CompiledForward:
             )
             return None
 
+    def digest(self) -> str:
+        """What these graphs compute (`aot.model_digest`: weights, shape, taps), computed once."""
+        if self.model is None:
+            self.model = model_digest(self.module, shape=self.module.shape, taps=self.module.taps)
+        return self.model
+
     def _package(self, graph: int | str, inputs: tuple) -> Callable | None:
         """Graph `graph` from the store: loaded (~0.1 s), or compiled ahead of time once for
         this machine and model and kept there; None where it cannot be (the graph is then
         compiled in process, as without a store, and later processes do not try again)."""
         settings = self.config["static" if graph != "dynamic" else "dynamic"]
-        if self.weights is None:
-            self.weights = weights_digest(self.module)
-        key = self.store.key(self.weights, graph, settings)
+        key = self.store.key(self.digest(), graph, settings)
         if self.store.refused(key):
             return None
         package = self.store.load(key)
