@@ -50,6 +50,7 @@ def setting():
 
 
 def test_a_stored_graph_is_loaded_by_a_later_runner_not_compiled_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(native, "INITIAL_CAPACITY", 8)  # the cache grows under the packages
     model = build("gqa_tied")
     prompt, tree = setting()
     eager = NativeRunner.from_hf(model)
@@ -60,6 +61,10 @@ def test_a_stored_graph_is_loaded_by_a_later_runner_not_compiled_again(tmp_path,
     assert not first.compiled.failed and set(first.compiled.packages) == {1, "dynamic"}
     assert all(max_diff(w, g) < 1e-4 for w, g in zip(want, got))
     assert len(list(tmp_path.glob("*.pt2"))) == 2
+    longer = prompt * 5  # a longer span and a grown cache: the exported sizes stay free
+    pairs = zip(decode(eager, longer, tree), decode(first, longer, tree))
+    assert all(max_diff(w, g) < 1e-4 for w, g in pairs)
+    assert first.capacity > 32
 
     # a later runner (another process, as far as the store can tell) loads both graphs
     monkeypatch.setattr(GraphStore, "build", lambda *a, **k: pytest.fail("compiled again"))

@@ -65,6 +65,10 @@ PRIOR = {"T0": (0.5, 0.1, 0.05), "T1": (0.4, 0.1, 0.05)}  # a drafter nothing is
 PRIOR_WEIGHT = 16.0  # PRIOR weighs against the counts remembered from earlier processes as this many visits
 PLAN_WEIGHT = 64.0  # the plan's vector weighs against a request's own visits as this many
 DEPTH_MARGIN = 0.02  # a request leaves its depth for one expected this much faster, not less
+# a plan speculates only where its shape is expected this much faster than plain decoding: the
+# cost model's round is off by 5-10 % on the measured grids (docs/performance.md), and at a
+# near-tie plain decoding cannot lose to itself
+PLAN_MARGIN = 0.05
 LEVEL_MIN_VISITS = 50  # a level's own rank-0 counts plan only with this many visits
 PROBE_EVERY = 8  # a request that decodes plainly drafts one depth-1 round this often
 ACCEPTANCE_FILE = "acceptance.json"  # beside a draft: its measured positional acceptance
@@ -429,7 +433,7 @@ class Plan:
             f"plain round {self.costs.plain:.2f}"
         )
         if self.tree is None:
-            return f"auto: plain decoding, no shape beats it ({why})"
+            return f"auto: plain decoding, no shape beats it by {PLAN_MARGIN:.0%} ({why})"
         s = self.tree.shape
         return (
             f"auto: {s.n_nodes} draft nodes, depth {s.depth}: {self.expected_tokens:.2f} tokens a round "
@@ -486,7 +490,7 @@ class Planner:
                 best, (tokens / costs.round_cost(d, d, cls), TreeShape(parents, tokens)), key=lambda b: b[0]
             )
         speedup, shape = best
-        if shape.n_nodes == 0 or speedup <= 1.0:
+        if shape.n_nodes == 0 or speedup < 1.0 + PLAN_MARGIN:
             return Plan(None, vector, 1.0, 1.0, costs, self.sources[cls], cls)
         tree = TreeConfig(strategy="sequoia", shape=shape, depth=shape.depth)
         return Plan(tree, vector, shape.expected_tokens, speedup, costs, self.sources[cls], cls)

@@ -852,7 +852,6 @@ class CompiledForward:
         if package is not None:
             log.info("loaded the compiled forward for %s from %s", what, self.store.root)
             return package
-        tokens, positions, slots, mask, cos, sin, kv = inputs
         # the sizes free in every graph: the attended span, the RoPE tables' rows, the cache's
         # capacity; and in the dynamic graph the fed tokens
         Dim = torch.export.Dim  # noqa: N806 - torch's name
