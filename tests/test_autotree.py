@@ -191,6 +191,8 @@ def test_rank_zero_is_counted_by_level_and_plans_deeper_where_it_accepts_more():
 
 
 def test_a_shipped_acceptance_by_level_is_read_and_a_planned_chain_runs_block(tmp_path):
+    """A shipped acceptance by level is read; a planned chain runs the block rule, and a plan of
+    plain decoding runs exactly as `tree=None` does (the token rule, the same draws)."""
     (tmp_path / "acceptance.json").write_text(
         json.dumps({c: {"acceptance": [0.6, 0.3], "by_level": [0.6, 0.9]} for c in ("T0", "T1")})
     )
@@ -206,6 +208,13 @@ def test_a_shipped_acceptance_by_level_is_read_and_a_planned_chain_runs_block(tm
     assert shape.n_nodes == shape.depth > 1  # a chain ...
     out = decoder.generate(PROMPT, 4, sampling=T1, seed=0)
     assert out.verification == "block"  # ... verified by the rule that accepts the most on chains
+    decoder._planner = Planner(costs(verify_slope=0.3, draft=0.01), {"T0": (0.0,), "T1": (0.0,)}, "shipped")
+    assert decoder.planner.plan(T1).tree is None  # plain decoding: a lone root walked the cheapest way
+    out = decoder.generate(PROMPT, 4, sampling=T1, seed=0)
+    assert (
+        out.verification == "token"
+        and out.token_ids == decoder.generate(PROMPT, 4, tree=None, sampling=T1, seed=0).token_ids
+    )
 
 
 def test_a_round_costs_its_parts_and_its_fixed_cost_in_plain_rounds():

@@ -434,9 +434,7 @@ class Engine:
             )
         if request.logprobs is not None and request.logprobs > V:
             raise ValueError(f"logprobs={request.logprobs} asks for more tokens than the vocabulary's {V}")
-        # plain decoding verifies no draft: every rule is the same there
-        siblings = "custom" if tree is None else self.drafter.siblings(tree, request.verification)
-        rule = choose_rule(siblings, request.verification)
+        rule = self._rule(tree, request)
         stop = None
         if request.stop_strings or request.stop_token_ids:
             stop = StopMatcher(list(request.stop_strings), set(request.stop_token_ids), self.tokenizer)
@@ -445,6 +443,13 @@ class Engine:
         rng = TorchRng(request.seed, self.targets[0].device) if request.rng is None else request.rng
         rounds = [] if request.trace else None
         return RequestState(self._next_id, request, tree, rule, rng, builder, rounds=rounds)
+
+    def _rule(self, tree: TreeConfig | None, request: Request) -> str:
+        """The verification rule of `request` drafting `tree` (an automatic tree is resolved
+        when its plan is made). Plain decoding verifies no draft, so every rule is the same
+        there: it walks a lone root by the cheapest ("token")."""
+        siblings = "custom" if tree is None else self.drafter.siblings(tree, request.verification)
+        return choose_rule(siblings, request.verification)
 
     def _plan(self, request: Request) -> Plan:
         """An automatic tree's plan for `request`: plain decoding where there is nothing to
@@ -496,9 +501,7 @@ class Engine:
                     t_plan = time.perf_counter()
                     r.plan = self._plan(r.request)
                     r.tree = r.plan.tree
-                    if r.tree is not None:  # a planned chain runs the chain's best rule (block)
-                        siblings = self.drafter.siblings(r.tree, r.request.verification)
-                        r.rule = choose_rule(siblings, r.request.verification)
+                    r.rule = self._rule(r.tree, r.request)  # a planned chain: block; plain: token
                     planning[r.id] = time.perf_counter() - t_plan
             except Exception as e:  # noqa: BLE001 - its plan failed (the costs' measurement): it ends alone
                 self._fail(r, e)
