@@ -224,6 +224,11 @@ def test_a_round_costs_its_parts_and_its_fixed_cost_in_plain_rounds():
     assert timed.round_cost(3, 3, "T1") == pytest.approx((base.verify[3] + 3 * (0.05 + 0.04) + 0.3) / 1.2)
     assert timed.round_cost(4, 2, "T1") == pytest.approx((base.verify[4] + 2 * 0.03 + 4 * 0.12 + 0.3) / 1.2)
     assert timed.verify_with_nodes("T1")[4] == pytest.approx(timed.round_cost(4, 0, "T1"))
+    # a tree level's further row dearer than a chain's whole level (a tiny draft's sampling per
+    # node): a chain still costs c a level, a tree c a level and node_draft a further row
+    dear_rows = dataclasses.replace(base, node_draft=0.2)
+    assert dear_rows.round_cost(3, 3, "T0") == pytest.approx(base.verify[3] + 3 * 0.05)
+    assert dear_rows.round_cost(4, 2, "T0") == pytest.approx(base.verify[4] + 2 * 0.05 + 2 * 0.2)
     assert Costs.from_json(timed.to_json()) == timed
 
 

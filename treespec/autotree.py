@@ -109,8 +109,11 @@ class Costs:
 
     @property
     def level_draft(self) -> float:
-        """A level's draft cost beyond its rows' (`node_draft` each): c less one row."""
-        return max(0.0, self.draft - self.node_draft)
+        """A level's draft cost beyond its rows' (`node_draft` each): c less one row. Negative
+        where a tree level's further row costs more than a chain's whole level (the pycode
+        draft's sampling per node): a chain still costs c a level, a tree c a level plus
+        `node_draft` a further row."""
+        return self.draft - self.node_draft
 
     def verify_with_nodes(self, cls: str) -> list[float]:
         """The cost of a round of n nodes but its levels, in plain rounds (n = 0: a plain round):
