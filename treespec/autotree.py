@@ -51,7 +51,7 @@ import torch
 from . import parallel
 from .adaptive import DepthPolicy
 from .backends.cpu import machine_key
-from .config import AUTO_MAX_DEPTH, AUTO_MAX_NODES, SamplingConfig, TreeConfig
+from .config import AUTO_MAX_DEPTH, AUTO_MAX_NODES, SamplingConfig, TreeConfig, default_cache_dir
 from .proposal import DepthStep, DraftTree, Walk
 from .sequoia import TreeShape, by_level, optimal_shape, tree_expected_tokens
 from .tree import TokenTree
@@ -315,8 +315,6 @@ class CostCache:
     error."""
 
     def __init__(self, root: Path | None = None):
-        from .loading.gguf import default_cache_dir
-
         self.root = Path(root) if root is not None else default_cache_dir() / "costs"
         self.memory: dict[str, Costs] = {}
 

@@ -7,7 +7,9 @@ site with a message that says what to change, never deep inside a decode loop.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 Strategy = Literal["auto", "iid", "without_replacement", "topk", "dynamic", "sequoia"]
@@ -292,3 +294,9 @@ class TreeConfig:
     @property
     def node_budget(self) -> int:
         return self.budget if self.budget is not None else self.width * self.depth
+
+
+def default_cache_dir() -> Path:
+    """Where what is made once per machine and model is kept (converted GGUF files, measured
+    costs, compiled graphs): $TREESPEC_CACHE, or ~/.cache/treespec."""
+    return Path(os.environ.get("TREESPEC_CACHE") or "~/.cache/treespec").expanduser()

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import default_cache_dir
 from .cpu import machine_key
 
 STORE_VERSION = 1  # bump when what a package holds or how it is called changes
@@ -66,8 +67,6 @@ class GraphStore:
 
     def __init__(self, root: str | os.PathLike | None = None, keep_days: float = 14.0):
         if root is None:
-            from ..loading.gguf import default_cache_dir
-
             root = default_cache_dir() / f"graphs-v{STORE_VERSION}"
         self.root, self.keep_days = Path(root), keep_days
 

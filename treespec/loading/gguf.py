@@ -34,7 +34,6 @@ import functools
 import hashlib
 import importlib.util
 import logging
-import os
 import re
 import shutil
 import tempfile
@@ -45,6 +44,7 @@ import numpy as np
 import torch
 
 from ..backends.checkpoint import BLOCKS_FILE
+from ..config import default_cache_dir
 
 # bump when the converted layout changes: old cache entries are then ignored
 FORMAT_VERSION = 2
@@ -106,11 +106,6 @@ def smollm2_gguf() -> Path:
 
 
 # ---- the cache -------------------------------------------------------------------------------
-def default_cache_dir() -> Path:
-    """$TREESPEC_CACHE, or ~/.cache/treespec."""
-    return Path(os.environ.get("TREESPEC_CACHE") or "~/.cache/treespec").expanduser()
-
-
 def _content_key(path: Path) -> str:
     """The first 16 hex digits of the file's SHA-256 (as `sha256sum` prints it); hashed once per
     process while the file's size and modification time stay (a start asks three times)."""
