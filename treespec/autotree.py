@@ -7,7 +7,8 @@ cost (the draft's catch-up, both caches' bookkeeping); it yields, in expectation
 positional value of the shape (`treespec.sequoia`): 1 + the sum over its nodes of the product
 of the acceptance a[k] of each rank k on the node's path. Plain decoding costs 1 and yields 1.
 The automatic tree is the shape with the most expected tokens per unit of cost, and no
-speculation where none beats plain decoding.
+speculation where none is expected to beat plain decoding by `PLAN_MARGIN` (5 %: the cost
+model's error on a round).
 
     costs        t(n)/t(1) of the target for n = 1 .. AUTO_MAX_NODES + 1, and c: measured in a few
                  seconds (`measure_costs`), once per machine and model settings, kept on disk

@@ -17,6 +17,7 @@ file is named; a file that does not load is compiled again and replaced.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -93,11 +94,9 @@ class GraphStore:
 
     def refuse(self, key: str, error: Exception) -> None:
         """Remember that `key` failed to compile ahead of time (the error, for a person)."""
-        try:
+        with contextlib.suppress(OSError):  # a read-only store: the next process tries again
             self.root.mkdir(parents=True, exist_ok=True)
             self.path(key).with_suffix(".failed").write_text(f"{type(error).__name__}: {error}\n")
-        except OSError:
-            pass  # a read-only store: the next process tries again
 
     def load(self, key: str) -> Callable | None:
         """The package stored under `key`, loaded; None when there is none or it does not load
@@ -109,12 +108,14 @@ class GraphStore:
 
         try:
             package = aoti_load_package(str(path))
-            os.utime(path)  # used now: the last to be pruned
-            return package
         except Exception as e:  # noqa: BLE001 - any unreadable package is rebuilt, never an error
             log.info("the compiled forward in %s does not load (%s); compiling it again", path, e)
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                path.unlink()
             return None
+        with contextlib.suppress(OSError):  # a read-only store: nothing to prune there anyway
+            os.utime(path)  # used now: the last to be pruned
+        return package
 
     def build(
         self, key: str, module: torch.nn.Module, inputs: tuple, dynamic_shapes: tuple, settings: dict
