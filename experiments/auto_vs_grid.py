@@ -16,13 +16,12 @@ decoding. Writes results/auto_vs_grid_<pair>_<tag>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 from head_bench import summarise
+from record import write_results
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.bench import machine_info
@@ -30,7 +29,6 @@ from treespec.config import QUANTIZATIONS
 from treespec.options import target_quantize
 from treespec.zoo import heldout_prompt_ids, pair, pair_draft
 
-RESULTS = Path(__file__).resolve().parent / "results"
 GRID = {
     **{f"chain 1x{d}": TreeConfig(1, d) for d in range(1, 7)},
     "iid 2x1": TreeConfig(2, 1),
@@ -129,9 +127,7 @@ def main() -> None:
             speed = f"{r['tokens_per_second']:7.1f} tok/s ({r['vs_plain']:.2f}x plain)"
             print(f"  {name:16s} {speed}  tau {r['tokens_per_step']}")
         print(f"  auto: {auto / best[0]:.3f}x the best ({best[1]}), {auto / plain:.3f}x plain")
-    path = RESULTS / f"auto_vs_grid_{args.pair}_{args.tag}.json"
-    path.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_results(f"auto_vs_grid_{args.pair}_{args.tag}.json", out)
 
 
 if __name__ == "__main__":

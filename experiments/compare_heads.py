@@ -15,13 +15,11 @@ results/compare_heads_<tag>.json.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
+
+from record import write_results
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.zoo import heldout_prompt_ids, pair
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def main() -> None:
@@ -62,10 +60,7 @@ def main() -> None:
             }
             results["runs"][f"{name}, T={temperature:g}"] = record
             print(f"{name:>16}  T={temperature:g}  {record}", flush=True)
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"compare_heads_{args.tag}.json"
-    out.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {out}")
+    write_results(f"compare_heads_{args.tag}.json", results)
 
 
 if __name__ == "__main__":

@@ -16,13 +16,13 @@ speculation with the head (converted by `treespec.llamacpp.head_to_gguf`).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from record import RESULTS, write_results
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.backends.head import load_head_runner
@@ -33,8 +33,6 @@ from treespec.loading import checkpoint, load_runner, load_tokenizer, resolve_de
 from treespec.loading.gguf import smollm2_gguf
 from treespec.request import encode_prompt
 from treespec.zoo import ZOO, heldout_chats, pair
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def shape(text: str) -> TreeConfig:
@@ -190,9 +188,7 @@ def main() -> None:
                 f"  {name:12s} {r['tokens_per_second']:7.1f} tok/s ({r['vs_plain']:.2f}x plain)"
                 + (f"  tau {r['tokens_per_step']}  acc {depth}  c {r['c']}" if depth else "")
             )
-    path = RESULTS / f"head_bench_{args.tag}.json"
-    path.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_results(f"head_bench_{args.tag}.json", out)
 
 
 if __name__ == "__main__":

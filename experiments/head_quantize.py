@@ -15,16 +15,15 @@ Writes results/head_quantize_<tag>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-from pathlib import Path
+
+from record import write_results
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.bench import machine_info
 from treespec.zoo import heldout_prompt_ids
 
-RESULTS = Path(__file__).resolve().parent / "results"
 FORMATS = {"dense": None, "int8": "int8", "int4": "int4"}
 CONFIGS = {"chain 1x1": TreeConfig(1, 1), "auto": TreeConfig()}
 
@@ -71,10 +70,7 @@ def main() -> None:
         print(f"\rT={temperature}", file=sys.stderr)
         for name, r in run.items():
             print(f"  {name:16s} {r['tokens_per_second']:7.1f} tok/s  tau {r['tokens_per_step']}")
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"head_quantize_{args.tag}.json"
-    path.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_results(f"head_quantize_{args.tag}.json", out)
 
 
 if __name__ == "__main__":

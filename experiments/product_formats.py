@@ -22,17 +22,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
+from record import write_results
 
 from treespec.backends.linear import Int4Projection, Projection, QuantizedProjection
 from treespec.bench import machine_info
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {
     "qkv 576->960": (576, 960),
     "gate_up 576->3072": (576, 3072),
@@ -92,10 +90,7 @@ def main() -> None:
         "machine": machine_info("cpu"),
         "us": table,
     }
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"product_formats_{args.tag}.json"
-    path.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_results(f"product_formats_{args.tag}.json", out)
 
 
 if __name__ == "__main__":

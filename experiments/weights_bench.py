@@ -23,7 +23,6 @@ results/weights_<pair>_<tag>.json. A format may name its own dtype (`int4:bfloat
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import torch
 from head_bench import summarise
+from record import write_results
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.bench import machine_info
@@ -38,7 +38,6 @@ from treespec.llamacpp import LlamaCpp
 from treespec.loading import resolve_weights
 from treespec.zoo import heldout_prompt_ids, pair, pair_draft
 
-RESULTS = Path(__file__).resolve().parent / "results"
 CONFIGS = {
     "plain": None,
     "auto": TreeConfig(),
@@ -132,10 +131,7 @@ def main() -> None:
             print(f"  plan {fmt}: {plan}")
         for name, r in sorted(run.items(), key=lambda kv: -kv[1]["tokens_per_second"]):
             print(f"  {name:18s} {r['tokens_per_second']:7.1f} tok/s  tau {r.get('tokens_per_step')}")
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"weights_{args.pair}_{args.tag}.json"
-    path.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_results(f"weights_{args.pair}_{args.tag}.json", out)
 
 
 if __name__ == "__main__":
