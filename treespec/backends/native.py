@@ -797,12 +797,14 @@ class CompiledForward:
         inputs = (feed.tokens, feed.positions, slots, mask, pool.cos, pool.sin_signed, pool.kv)
         static = n <= self.static_max
         graph = n if static else "dynamic"
+        settings = self.config["static" if static else "dynamic"]
+        what = f"{n} tokens" if static else "longer feeds"  # for the log
         try:
             if graph in self.compiled:
                 # compiled: the dynamic sizes and settings are read only while compiling, and
                 # marking and patching cost ~0.1 ms a call
                 return Scores(*self.packages.get(graph, self.graph)(*inputs))
-            package = self._package(graph, inputs) if self.store is not None else None
+            package = self._package(graph, inputs, settings, what) if self.store is not None else None
             if package is not None:
                 self.packages[graph] = package
                 self.compiled.add(graph)
@@ -813,12 +815,9 @@ class CompiledForward:
             torch._dynamo.mark_dynamic(mask, 1)
             for t, dim in ((pool.kv, 4), (pool.cos, 0), (pool.sin_signed, 0)):
                 torch._dynamo.mark_dynamic(t, dim)
-            log.info(
-                "compiling the forward for %s (once per process; seconds to minutes)",
-                f"{graph} tokens" if static else "longer feeds",
-            )
+            log.info("compiling the forward for %s (once per process; seconds to minutes)", what)
             with (
-                torch._inductor.config.patch(self.config["static" if static else "dynamic"]),
+                torch._inductor.config.patch(settings),
                 torch._dynamo.config.patch(self.dynamo),
                 _quiet_compiler(),
             ):
@@ -839,16 +838,15 @@ class CompiledForward:
             self.model = model_digest(self.module, shape=self.module.shape, taps=self.module.taps)
         return self.model
 
-    def _package(self, graph: int | str, inputs: tuple) -> Callable | None:
-        """Graph `graph` from the store: loaded (~0.1 s), or compiled ahead of time once for
-        this machine and model and kept there; None where it cannot be (the graph is then
-        compiled in process, as without a store, and later processes do not try again)."""
-        settings = self.config["static" if graph != "dynamic" else "dynamic"]
+    def _package(self, graph: int | str, inputs: tuple, settings: dict, what: str) -> Callable | None:
+        """Graph `graph` (inductor `settings`; `what` it serves, for the log) from the store:
+        loaded (~0.1 s), or compiled ahead of time once for this machine and model and kept
+        there; None where it cannot be (the graph is then compiled in process, as without a
+        store, and later processes do not try again)."""
         key = self.store.key(self.digest(), graph, settings)
         if self.store.refused(key):
             return None
         package = self.store.load(key)
-        what = f"{graph} tokens" if graph != "dynamic" else "longer feeds"
         if package is not None:
             log.info("loaded the compiled forward for %s from %s", what, self.store.root)
             return package
