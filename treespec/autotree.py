@@ -61,7 +61,7 @@ COST_FEEDS = tuple(range(1, AUTO_MAX_NODES + 2))  # target feed sizes timed: eve
 COST_PREFIX = 128  # committed tokens before the timed feeds
 COST_ROUND_TOKENS = 96  # tokens of each short generation whose rounds are timed
 MIN_PLAIN_ROUND = 0.25  # a plain round measured below this many t(1) is a broken clock, not a cost
-COST_VERSION = 10  # bump when what is measured changes: older cache entries are ignored
+COST_VERSION = 12  # bump when what is measured changes: older cache entries are ignored
 PRIOR = {"T0": (0.5, 0.1, 0.05), "T1": (0.4, 0.1, 0.05)}  # a drafter nothing is known of
 PRIOR_WEIGHT = 16.0  # PRIOR weighs against the counts remembered from earlier processes as this many visits
 PLAN_WEIGHT = 64.0  # the plan's vector weighs against a request's own visits as this many
@@ -83,6 +83,7 @@ class Costs:
     turns a round into plain rounds."""
 
     verify: tuple[float, ...]  # verify[n] = t(n + 1 tokens) / t(1 token), n = 0 .. AUTO_MAX_NODES
+    # (non-decreasing from n = 1; below 1 where one row costs more than a few)
     draft: float  # c: one draft forward of one row (a chain's level) / t(1)
     t1: float  # seconds of one target token, when measured
     measured: str = ""  # what and when: machine, settings, date
@@ -216,9 +217,13 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
     timed = {n: statistics.median(t) for n, t in times.items()}
     lane.reset()
     t1 = timed[1]
-    verify: list[float] = []
-    for n in COST_FEEDS:
-        verify.append(max(1.0, timed[n] / t1, verify[-1] if verify else 1.0))  # more rows never cost less
+    # more rows never cost less, from two rows on; a single row is the unit, not a floor: compiled,
+    # one row scored through the tree's graph took 2.24 ms and 2 to 6 rows 2.0-2.1 (pycode bf16),
+    # and a floor at t(1) flattened t(2) .. t(7) to 1.0 and hid the step at 7 rows (+0.3 ms) that
+    # made a chain of 6 run 0.91x a chain of 5 at T=1
+    verify = [1.0]
+    for n in COST_FEEDS[1:]:
+        verify.append(max(timed[n] / t1, verify[-1] if n > 2 else 0.0))
     c, node_draft, walk, chain_walk, plain, overhead = 0.0, 0.0, {"T0": 0.0, "T1": 0.0}, 0.0, 1.0, 0.0
     if decoder.drafter.needs_draft_model and decoder.draft_runner is not None:
         engine = decoder.engine(max_live=1)  # lanes of its own: the decoder may be mid-generate()
@@ -261,8 +266,16 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
             levels = max(2.0, chain.draft_forwards / chain.target_steps)
             further = per_round(chain, chain.draft_seconds) - per_round(short, short.draft_seconds)
             c = max(0.0, further / (levels - 1))
-            nodes = chain.tree_nodes / chain.target_steps
-            chain_walk = max(0.0, (per_round(chain, chain.verify_seconds) - scoring(chain)) / nodes)
+            # the walk's per-node cost is the slope of verification beyond scoring from the chain
+            # of 1 to the chain of 4; what a round spends there whatever its nodes (the target's
+            # sampling of its root, the mask) is `overhead`'s. Divided by the nodes instead, the
+            # intercept made each level 0.1 t(1) dearer than measured (compiled pycode bf16)
+            nodes, one = chain.tree_nodes / chain.target_steps, short.tree_nodes / short.target_steps
+            unwalked = per_round(short, short.verify_seconds) - scoring(short)  # a chain of 1's
+            chain_walk = max(
+                0.0,
+                (per_round(chain, chain.verify_seconds) - scoring(chain) - unwalked) / max(nodes - one, 1.0),
+            )
             whole = per_round(short, short.total_seconds - short.prefill_seconds - short.plan_seconds)
             first = per_round(short, short.draft_seconds)  # a round's first level, catch-up included
             # a small difference of large times (the median of three runs, so that one slow
@@ -281,7 +294,8 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
                 if cls == "T1" and nodes > levels:
                     chained = first + (levels - 1) * c  # a chain of as many levels
                     node_draft = max(0.0, (per_round(s, s.draft_seconds) - chained) / (nodes - levels))
-                walk[cls] = max(0.0, (per_round(s, s.verify_seconds) - scoring(s)) / nodes)
+                intercept = max(0.0, unwalked - chain_walk * one)  # the round's, as for chains
+                walk[cls] = max(0.0, (per_round(s, s.verify_seconds) - scoring(s) - intercept) / nodes)
     return Costs(
         tuple(verify),
         c,
