@@ -171,6 +171,26 @@ def test_a_few_rejections_do_not_move_a_request_off_a_near_tie(monkeypatch):
     assert depths()[-1] < depth
 
 
+def test_a_chains_cuts_are_valued_as_the_general_path_values_them():
+    """`AutoDepth` values a planned chain's cuts in one pass: bit for bit what
+    `tree_expected_tokens` gives under the request's counts, for counts shallower and deeper
+    than the plan's levels, so that the shortcut never changes a decision."""
+    import random
+
+    rng = random.Random(0)
+    for acc in ((0.7,), ((0.6, 0.1), (0.9, 0.05), (0.8,)), ((0.95,), (0.2,))):
+        plan = planner(acc0=acc, verify_slope=0.01, draft=0.01).plan(GREEDY, chain_only=True)
+        shape = plan.tree.shape
+        assert shape.n_nodes == shape.depth > 1  # a chain
+        policy = AutoDepth(plan)
+        tree = TokenTree(list(range(shape.depth + 1)), [-1] + list(range(shape.depth)))
+        for _ in range(40):
+            policy.counts.count(tree, Walk(tuple(range(rng.randint(0, shape.depth) + 1)), 9, "bonus"))
+            acc_now = policy.counts.levels(plan.acceptance, autotree.PLAN_WEIGHT)
+            general = [autotree.tree_expected_tokens(parents, acc_now) for _, parents, _ in policy.cuts]
+            assert policy._expected_tokens() == general
+
+
 def test_rank_zero_is_counted_by_level_and_plans_deeper_where_it_accepts_more():
     """A chain's walk stands at levels 0, 1, ...: rank 0's counts by level give one vector per
     level (the other ranks pooled, scaled to what rank 0 leaves); a draft that accepts more

@@ -626,14 +626,35 @@ class AutoDepth(DepthPolicy):
         self.plan, self.counts, self.plain_rounds = plan, AcceptanceCounts(), 0
         # (depth, parents, cost in plain rounds) of the shape cut at each depth
         self.cuts = [(d, parents, plan.round_cost(n, d)) for d, n, parents in _cuts(plan.tree.shape)]
+        self.chain = plan.tree.shape.n_nodes == plan.tree.shape.depth
         self.depth = self._best_depth()
 
+    def _expected_tokens(self) -> list[float]:
+        """Expected tokens of each cut under the request's acceptance so far. A chain's are
+        its rank-0 acceptance by level, multiplied out in one pass, the values
+        `tree_expected_tokens` gives (the same products in the same order) in a fraction of
+        the time: asked every round, the general path cost ~0.17 ms, 3-7 % of a pycode round."""
+        if not self.chain:
+            acc = self.counts.levels(self.plan.acceptance, PLAN_WEIGHT)
+            return [tree_expected_tokens(parents, acc) for _, parents, _ in self.cuts]
+        prior, c = self.plan.acceptance, self.counts
+        levels = max(len(prior), len(c.level_visits), 1)  # deeper levels share the last one's
+        out, reach, total = [], 1.0, 1.0
+        for level in range(len(self.cuts)):
+            lv = min(level, levels - 1)
+            p = prior[min(lv, len(prior) - 1)]
+            h, v = (c.level_hits[lv], c.level_visits[lv]) if lv < len(c.level_visits) else (0, 0)
+            p0 = p[0] if p else 0.0
+            reach *= min(1.0, max(0.0, float((p0 * PLAN_WEIGHT + h) / (PLAN_WEIGHT + v))))
+            total += reach
+            out.append(total)
+        return out
+
     def _best_depth(self, current: int | None = None) -> int:
-        acc = self.counts.levels(self.plan.acceptance, PLAN_WEIGHT)
         values = {0: 1.0}  # plain decoding: one token for one forward
         best, best_value = 0, 1.0
-        for depth, parents, cost in self.cuts:
-            values[depth] = value = tree_expected_tokens(parents, acc) / cost
+        for (depth, _, cost), tokens in zip(self.cuts, self._expected_tokens()):
+            values[depth] = value = tokens / cost
             if value > best_value * (1 + 1e-9):
                 best, best_value = depth, value
         if current is not None and values.get(current, 0.0) * (1 + DEPTH_MARGIN) >= best_value:
