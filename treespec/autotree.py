@@ -60,8 +60,9 @@ from .tree import TokenTree
 COST_FEEDS = tuple(range(1, AUTO_MAX_NODES + 2))  # target feed sizes timed: every one a round may score
 COST_PREFIX = 128  # committed tokens before the timed feeds
 COST_ROUND_TOKENS = 96  # tokens of each short generation whose rounds are timed
+COST_RUNS = 3  # timed runs of plain decoding and of chains of 1 and 4 (medians)
 MIN_PLAIN_ROUND = 0.25  # a plain round measured below this many t(1) is a broken clock, not a cost
-COST_VERSION = 12  # bump when what is measured changes: older cache entries are ignored
+COST_VERSION = 13  # bump when what is measured changes: older cache entries are ignored
 PRIOR = {"T0": (0.5, 0.1, 0.05), "T1": (0.4, 0.1, 0.05)}  # a drafter nothing is known of
 PRIOR_WEIGHT = 16.0  # PRIOR weighs against the counts remembered from earlier processes as this many visits
 PLAN_WEIGHT = 64.0  # the plan's vector weighs against a request's own visits as this many
@@ -233,16 +234,13 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
         # bf16 SmolLM2), and a plain unit measured short priced every shape 10-15 % too dear
         start = prefix if target.max_positions is None else max(8, min(prefix, room - new_tokens))
 
-        def rounds(tree: TreeConfig | None, temperature: float, runs: int = 1) -> list:
-            """The stats of `runs` short generations, after one that pays for allocations."""
-            out = []
-            for _ in range(runs + 1):
-                i = engine.add(
-                    tokens[:start], new_tokens, tree=tree,
-                    sampling=SamplingConfig(temperature=temperature), seed=0, ignore_eos=True,
-                )  # fmt: skip
-                out.append(engine.run()[i].stats)
-            return out[1:]
+        def generate(tree: TreeConfig | None, temperature: float):
+            """The stats of one short generation (seed 0: every run of a tree decodes alike)."""
+            i = engine.add(
+                tokens[:start], new_tokens, tree=tree,
+                sampling=SamplingConfig(temperature=temperature), seed=0, ignore_eos=True,
+            )  # fmt: skip
+            return engine.run()[i].stats
 
         def per_round(s, seconds: float) -> float:
             return seconds / s.target_steps / t1
@@ -250,14 +248,27 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
         def scoring(s) -> float:
             return verify[min(round(s.tree_nodes / s.target_steps), AUTO_MAX_NODES)]
 
+        def median_run(runs: list):
+            return sorted(runs, key=lambda s: s.total_seconds / s.target_steps)[len(runs) // 2]
+
+        # plain decoding and chains of 1 and 4 levels at T=1, three runs each after one that pays
+        # for allocations, interleaved so that a slow stretch of a shared machine slows each
+        # alike: measured in blocks (and the chain of 4 once), a round's fixed cost once came out
+        # at 0.36 t(1) where three more measurements gave 0.11-0.18 (SmolLM2 bf16 eager), and
+        # the cache kept it
+        trees = {"plain": None, "short": TreeConfig(width=1, depth=1), "chain": TreeConfig(width=1, depth=4)}
+        runs: dict[str, list] = {k: [] for k in trees}
+        for r in range(COST_RUNS + 1):
+            for k, tree in trees.items():
+                s = generate(tree, 1.0)
+                if r:
+                    runs[k].append(s)
         # a plain round skips the tree's masks and walk, so it may cost less than the scored t(1):
         # under a compiler 0.82 t(1) was measured, and a plain unit of 1 made every shape look
-        # 1.2x better than it was (the median of three runs, as for the chains below)
-        plains = [per_round(s, s.total_seconds - s.prefill_seconds) for s in rounds(None, 1.0, runs=3)]
+        # 1.2x better than it was
+        plains = [per_round(s, s.total_seconds - s.prefill_seconds) for s in runs["plain"]]
         plain = max(MIN_PLAIN_ROUND, statistics.median(plains))
-        shorts = rounds(TreeConfig(width=1, depth=1), 1.0, runs=3)
-        short = sorted(shorts, key=lambda s: s.total_seconds / s.target_steps)[1]  # the median run
-        (chain,) = rounds(TreeConfig(width=1, depth=4), 1.0)
+        short, chain = median_run(runs["short"]), median_run(runs["chain"])
         if short.draft_forwards and chain.draft_forwards:
             # chains of 1 and 4 levels: c is what a further level adds to the draft's time; a
             # chain's walk per node (the block rule at T>0) from its verification time; the rest
@@ -287,7 +298,8 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
             # n x walk[class] (the traversal rule at T>0, its sampling included)
             shape = TreeConfig(strategy="sequoia", shape=TreeShape((-1, 0, 0, 0, 0, 1, 2, 3, 4)), depth=2)
             for cls, temperature in (("T1", 1.0), ("T0", 0.0)):
-                (s,) = rounds(shape, temperature)
+                generate(shape, temperature)  # allocations
+                s = generate(shape, temperature)
                 if not (s.target_steps and s.draft_forwards and s.tree_nodes):
                     continue
                 nodes, levels = s.tree_nodes / s.target_steps, s.draft_forwards / s.target_steps
