@@ -17,7 +17,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from treespec.serve.cli import access  # noqa: E402
+from treespec.serve.cli import access, engine_threads  # noqa: E402
 from treespec.serve.guard import API_KEY_ENV, Guard, read_api_keys  # noqa: E402
 
 
@@ -191,3 +191,9 @@ def test_a_client_that_stalls_gets_408_and_loses_its_connection():
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_a_cpu_server_leaves_one_core_to_its_event_loop():
+    """The engine decodes with torch's threads less one (never fewer than one): the event loop
+    wakes every round, and on a core torch also uses it stalls the product (docs/serving.md)."""
+    assert [engine_threads(n) for n in (1, 2, 4, 16)] == [1, 1, 3, 15]

@@ -66,7 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=30.0,
         help="on SIGTERM, seconds in-flight requests may run before they are cancelled (default 30)",
     )
-    s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    s.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default on a CPU: torch's choice less one, for the HTTP thread)",
+    )
     s.add_argument(
         "--max-tree-nodes",
         type=int,
@@ -133,6 +138,14 @@ def access(args) -> tuple[str, ...]:
     return keys
 
 
+def engine_threads(available: int) -> int:
+    """The torch threads a CPU server decodes with: all but one of the `available`, which the
+    event loop (HTTP, streaming, detokenising) wakes on every step; sharing every core, it
+    preempts one of torch's threads mid-product and the others wait for it (measured:
+    docs/serving.md, "Threads")."""
+    return max(1, available - 1)
+
+
 def _speculate_max_live(value: str | None):
     if value is None or value == "auto":
         return value
@@ -190,12 +203,14 @@ def build(args):
         or (Path(str(target)).parent.name if args.target is None else None)
     )
     name = name or Path(str(target)).name
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        import torch
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    import torch
 
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
+    elif args.device in (None, "cpu"):
+        torch.set_num_threads(engine_threads(torch.get_num_threads()))
     dec = load_decoder(args, args.plain)
     engine = dec.engine(
         max_live=args.max_live,
