@@ -207,9 +207,11 @@ def build(args):
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     import torch
 
+    from .. import parallel
+
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    elif args.device in (None, "cpu"):
+    elif args.device in (None, "cpu") and parallel.launched_rank() in (None, 0):  # the rank serving HTTP
         torch.set_num_threads(engine_threads(torch.get_num_threads()))
     dec = load_decoder(args, args.plain)
     engine = dec.engine(
