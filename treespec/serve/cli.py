@@ -214,6 +214,10 @@ def build(args):
     elif args.device in (None, "cpu") and parallel.launched_rank() in (None, 0):  # the rank serving HTTP
         torch.set_num_threads(engine_threads(torch.get_num_threads()))
     dec = load_decoder(args, args.plain)
+    if tree is not None and tree.auto:
+        # the automatic tree's costs (measured once per machine and settings, logged) before
+        # the port opens, not while the first request waits
+        dec.planner.costs  # noqa: B018
     engine = dec.engine(
         max_live=args.max_live,
         max_kv_tokens=args.max_kv_tokens,
