@@ -297,6 +297,7 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
             # of d levels and n nodes drafts in d x c + (n - d) x node_draft and walks n nodes in
             # n x walk[class] (the traversal rule at T>0, its sampling included)
             shape = TreeConfig(strategy="sequoia", shape=TreeShape((-1, 0, 0, 0, 0, 1, 2, 3, 4)), depth=2)
+            intercept = max(0.0, unwalked - chain_walk * one)  # a round's, whatever its nodes
             for cls, temperature in (("T1", 1.0), ("T0", 0.0)):
                 generate(shape, temperature)  # allocations
                 s = generate(shape, temperature)
@@ -306,7 +307,6 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
                 if cls == "T1" and nodes > levels:
                     chained = first + (levels - 1) * c  # a chain of as many levels
                     node_draft = max(0.0, (per_round(s, s.draft_seconds) - chained) / (nodes - levels))
-                intercept = max(0.0, unwalked - chain_walk * one)  # the round's, as for chains
                 walk[cls] = max(0.0, (per_round(s, s.verify_seconds) - scoring(s) - intercept) / nodes)
     return Costs(
         tuple(verify),
@@ -607,18 +607,27 @@ class AcceptanceCounts:
         pooled = [self.vector(p, weight) for p in prior]
         out = []
         for level in range(max(len(prior), len(self.level_visits), 1)):
-            p, rest = prior[min(level, len(prior) - 1)], pooled[min(level, len(pooled) - 1)]
-            h, v = (
-                (self.level_hits[level], self.level_visits[level])
-                if level < len(self.level_visits)
-                else (0, 0)
-            )
+            rest = pooled[min(level, len(pooled) - 1)]
+            v = self.level_visits[level] if level < len(self.level_visits) else 0
             if out and v < min_visits and level >= len(prior):
                 break  # too few walks stood this deep: the level above's vector serves
-            p0 = p[0] if p else 0.0
-            first = (p0 * weight + h) / (weight + v) if weight + v else rest[0] if rest else 0.0
+            first = self.rank0(prior, weight, level)
+            if first is None:  # neither counts nor a prior's weight: the pooled ranks' first
+                first = rest[0] if rest else 0.0
             out.append(_level_vector(first, rest[1:]))
         return tuple(out)
+
+    def rank0(self, prior: Sequence[Sequence[float]], weight: float, level: int) -> float | None:
+        """Rank 0's acceptance at `level` (unclipped): its counts there on top of the rank 0
+        of `prior`'s vector for that level (one vector per level, the last for deeper ones)
+        weighted as `weight` visits; None with neither counts nor weight."""
+        p = prior[min(level, len(prior) - 1)]
+        counted = level < len(self.level_visits)
+        h, v = (self.level_hits[level], self.level_visits[level]) if counted else (0, 0)
+        if not weight + v:
+            return None
+        p0 = p[0] if p else 0.0
+        return (p0 * weight + h) / (weight + v)
 
     def _grow(self, ranks: int, levels: int = 0) -> None:
         while len(self.visits) < ranks:
@@ -649,15 +658,11 @@ class AutoDepth(DepthPolicy):
         if not self.chain:
             acc = self.counts.levels(self.plan.acceptance, PLAN_WEIGHT)
             return [tree_expected_tokens(parents, acc) for _, parents, _ in self.cuts]
-        prior, c = self.plan.acceptance, self.counts
-        levels = max(len(prior), len(c.level_visits), 1)  # deeper levels share the last one's
+        prior, counts = self.plan.acceptance, self.counts
+        levels = max(len(prior), len(counts.level_visits), 1)  # deeper levels share the last one's
         out, reach, total = [], 1.0, 1.0
         for level in range(len(self.cuts)):
-            lv = min(level, levels - 1)
-            p = prior[min(lv, len(prior) - 1)]
-            h, v = (c.level_hits[lv], c.level_visits[lv]) if lv < len(c.level_visits) else (0, 0)
-            p0 = p[0] if p else 0.0
-            reach *= min(1.0, max(0.0, float((p0 * PLAN_WEIGHT + h) / (PLAN_WEIGHT + v))))
+            reach *= min(1.0, max(0.0, float(counts.rank0(prior, PLAN_WEIGHT, min(level, levels - 1)))))
             total += reach
             out.append(total)
         return out
