@@ -12,14 +12,17 @@ import torch
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig, autotree
 from treespec.autotree import (
+    IID_DEPTH,
     PROBE_EVERY,
     AcceptanceCounts,
     AutoDepth,
     CostCache,
     Costs,
+    IidLevels,
     Planner,
     load_acceptance,
     measure_acceptance,
+    measure_iid_levels,
     planner_for,
 )
 from treespec.config import AUTO_MAX_DEPTH, AUTO_MAX_NODES
@@ -210,6 +213,95 @@ def test_rank_zero_is_counted_by_level_and_plans_deeper_where_it_accepts_more():
     assert "rank 0 deeper 0.90" in deep.describe()
 
 
+def iid_planner(**kw) -> Planner:
+    """A draft whose positional acceptance is poor but whose 3 i.i.d. draws are often accepted
+    (a flat q: the measured case of dense bf16 SmolLM2 at T=1, where i.i.d. trees ran fastest)."""
+    levels = IidLevels(3, (0.6, 0.5, 0.45, 0.4), (1.8, 2.0, 2.2, 2.3))
+    acc = {"T0": (0.3, 0.05), "T1": (0.3, 0.05), "iid": (levels,)}
+    return Planner(costs(**{"verify_slope": 0.02, "draft": 0.02, **kw}), acc, "shipped")
+
+
+def test_iid_trees_compete_at_temperature_one_where_they_were_measured():
+    p = iid_planner()
+    plan = p.plan(T1)
+    levels, d = p.iid[0], plan.tree.depth
+    assert plan.iid and (plan.tree.strategy, plan.tree.width) == ("iid", 3) and d >= 2
+    tokens, nodes = levels.cut(d)
+    assert tokens == pytest.approx(
+        1 + 0.6 + 0.6 * 0.5 + (0.6 * 0.5 * 0.45 if d > 2 else 0) + (0.054 if d > 3 else 0)
+    )
+    assert plan.expected_tokens == tokens and plan.level_nodes == levels.nodes[:d]
+    assert plan.speedup == pytest.approx(tokens / p.costs.round_cost(nodes, d, "T1"))
+    assert plan.acceptance == tuple((a,) for a in levels.acceptance[:d])
+    assert plan.describe().startswith(
+        f"auto: 3 i.i.d. sequences, depth {d} ({nodes:.1f} draft nodes expected)"
+    )
+    # never at T=0 (a greedy draft's i.i.d. draws are one chain), for a rule that cannot verify
+    # i.i.d. siblings, or for a drafter of chains; and not where none was measured
+    assert not p.plan(GREEDY).iid and not p.plan(T1, iid=False).iid and not p.plan(T1, chain_only=True).iid
+    assert p.plan(T1, iid=False).tree.strategy == "sequoia"
+    unmeasured = Planner(p.costs, {"T0": (0.3, 0.05), "T1": (0.3, 0.05)}, "shipped")
+    assert not unmeasured.plan(T1).iid
+    # an expected count of nodes is scored between the whole counts around it
+    c = dataclasses.replace(costs(), walk={"T0": 0.0, "T1": 0.1})
+    assert c.round_cost(2.5, 1) == pytest.approx((c.round_cost(2, 1) + c.round_cost(3, 1)) / 2)
+
+
+def test_an_iid_plan_cuts_its_levels_by_the_requests_own_acceptance():
+    """An i.i.d. tree's request counts, at each level, whether one of the children was accepted;
+    a cut at depth d keeps the first d levels at their expected nodes."""
+    plan = iid_planner().plan(T1)
+    policy = AutoDepth(plan)
+    d = plan.tree.depth
+    assert policy.next_depth() == d and [cut[0] for cut in policy.cuts] == list(range(1, d + 1))
+    assert policy.cuts[1][2] == pytest.approx(plan.round_cost(sum(plan.level_nodes[:2]), 2))
+    # three i.i.d. draws at the root, two of them equal: two nodes, each continued
+    tree = TokenTree([0, 5, 6, 7, 8], [-1, 0, 0, 1, 2])
+    q = torch.full((10,), 0.1)
+    groups = [ProposalGroup(0, Draw.IID, (5, 6, 5), (1, 2, 1), q)]
+    groups += [ProposalGroup(1, Draw.IID, (7, 7), (3, 3), q), ProposalGroup(2, Draw.IID, (8,), (4,), q)]
+    draft = DraftTree(tree, tuple(groups))
+    policy.update(None, draft, Walk((0, 2, 4), 9, "bonus"), d)  # both levels accepted
+    policy.update(None, draft, Walk((0, 1), 9, "correction"), d)  # the second level rejected
+    assert policy.counts.level_visits == [2, 2] and policy.counts.level_hits == [2, 1]
+    assert policy.counts.visits == []  # no positional counts: i.i.d. ranks mean nothing
+    for _ in range(2000):  # every root rejected: plain rounds
+        policy.update(None, draft, Walk((0,), 9, "correction"), d)
+    assert policy.depth == 0
+
+
+def test_the_automatic_iid_tree_is_lossless_by_enumeration_and_runs_the_token_rule():
+    target, draft = pair()
+    decoder = SpeculativeDecoder(TableRunner(target), TableRunner(draft))
+    decoder._planner = iid_planner(draft=0.01)
+    assert decoder.planner.plan(T1).iid
+    got = enumerate_decoder(decoder, TreeConfig(), T1)
+    assert abs(sum(got.values()) - 1) < 1e-9
+    assert max_abs_diff(got, target.joint(PROMPT, K, T1)) < 1e-9
+    out = decoder.generate(PROMPT, 4, sampling=T1, seed=0)
+    assert out.verification == "token" and "i.i.d. sequences" in out.plan
+    traversal = decoder.generate(PROMPT, 4, sampling=T1, seed=0, verification="traversal")
+    assert traversal.verification == "traversal" and "i.i.d." not in traversal.plan
+
+
+def test_iid_levels_are_measured_shipped_and_read(tmp_path):
+    dec = SpeculativeDecoder(tiny_llama(0), tiny_llama(1, hidden=16, layers=1, heads=2, kv_heads=1))
+    levels, counts = measure_iid_levels(dec, [[3, 4, 5], [6, 7]], 3, max_new_tokens=16)
+    assert levels.width == 3 and len(levels.acceptance) == len(levels.nodes) == IID_DEPTH
+    assert all(1 <= n <= 3 for n in levels.nodes) and all(0 <= a <= 1 for a in levels.acceptance)
+    assert (
+        counts.level_visits[0] > 0 and levels.acceptance[0] == counts.level_hits[0] / counts.level_visits[0]
+    )
+    record = {c: {"acceptance": [0.5]} for c in ("T0", "T1")}
+    record["T1"]["iid"] = [levels.to_json(counts.level_visits)]
+    (tmp_path / "acceptance.json").write_text(json.dumps(record))
+    (read,) = load_acceptance(tmp_path)["iid"]
+    assert read.width == 3 and read.acceptance == pytest.approx(levels.acceptance, abs=1e-4)
+    record["T1"]["iid"][0]["nodes"][0] = 4.0  # more distinct nodes than sequences: not measured
+    (tmp_path / "acceptance.json").write_text(json.dumps(record))
+    assert load_acceptance(tmp_path) is None
+
+
 def test_a_shipped_acceptance_by_level_is_read_and_a_planned_chain_runs_block(tmp_path):
     """A shipped acceptance by level is read; a planned chain runs the block rule, and a plan of
     plain decoding runs exactly as `tree=None` does (the token rule, the same draws)."""
@@ -221,6 +313,7 @@ def test_a_shipped_acceptance_by_level_is_read_and_a_planned_chain_runs_block(tm
         json.dumps({"T0": {"acceptance": [0.7]}, "T1": {"acceptance": [0.5]}})
     )
     assert load_acceptance(tmp_path)["T1"] == ((0.5,),)  # written before levels were counted
+    assert load_acceptance(tmp_path)["iid"] == ()  # ... or i.i.d. trees measured
     target, draft = pair()
     decoder = SpeculativeDecoder(TableRunner(target), TableRunner(draft))
     decoder._planner = Planner(costs(verify_slope=0.3, draft=0.01), {"T0": (0.8,), "T1": (0.8,)}, "shipped")

@@ -21,7 +21,9 @@ model's error on a round).
                  beside the costs), else `PRIOR`; fixed for a decoder's life, so that a batch's
                  outputs equal each request's alone
     plan         `Planner.plan`: the Sequoia-optimal shape for that acceptance and these costs
-                 (chains and trees of every width compete; `optimal_shape`), or plain decoding
+                 (chains and trees of every width compete; `optimal_shape`), at T > 0 also the
+                 i.i.d. trees measured beside the draft (`IidLevels`: positional acceptance does
+                 not describe i.i.d. siblings), or plain decoding
     per request  `AutoDepth`: before each round, the depth at which the planned shape, cut
                  there, gives the most expected tokens per unit of cost under the request's own
                  acceptance so far (its counts on top of the plan's vector, `PLAN_WEIGHT`
@@ -74,6 +76,8 @@ PLAN_MARGIN = 0.05
 LEVEL_MIN_VISITS = 50  # a level's own rank-0 counts plan only with this many visits
 PROBE_EVERY = 8  # a request that decodes plainly drafts one depth-1 round this often
 ACCEPTANCE_FILE = "acceptance.json"  # beside a draft: its measured positional acceptance
+IID_WIDTHS = (2, 3, 4)  # i.i.d. trees (sequences a round) measured beside a draft and planned at T > 0
+IID_DEPTH = 4  # their depth when measured (4 x 4 = AUTO_MAX_NODES); a plan cuts them shallower
 
 log = logging.getLogger(__name__)
 
@@ -95,13 +99,17 @@ class Costs:
     # the tree's masks and walk make the scored t(1) dearer than a plain step
     overhead: float = 0.0  # a speculative round's time beyond its forwards, draws and walk / t(1)
 
-    def round_cost(self, nodes: int, depth: int, cls: str = "T1") -> float:
+    def round_cost(self, nodes: float, depth: int, cls: str = "T1") -> float:
         """A round of `nodes` draft nodes over `depth` levels (nodes == depth: a chain), in plain
         rounds: scoring them, walking them under temperature class `cls`, drafting each level
-        and the round's fixed cost."""
+        and the round's fixed cost. An i.i.d. tree's nodes are an expectation (equal draws share
+        a node): its scoring is read between the whole counts around it."""
         if nodes == 0:
             return 1.0
-        forwards = self.verify[min(nodes, len(self.verify) - 1)] + depth * self.level_draft
+        n = min(nodes, len(self.verify) - 1)
+        low, high = int(n), min(int(n) + 1, len(self.verify) - 1)
+        scoring = self.verify[low] + (n - low) * (self.verify[high] - self.verify[low])
+        forwards = scoring + depth * self.level_draft
         return (forwards + self.per_node(cls, nodes == depth) * nodes + self.overhead) / self.plain
 
     def per_node(self, cls: str, chain: bool = False) -> float:
@@ -390,9 +398,47 @@ def temperature_class(sampling: SamplingConfig) -> str:
     return "T0" if sampling.greedy else "T1"
 
 
-def load_acceptance(directory) -> dict[str, tuple[tuple[float, ...], ...]] | None:
-    """A draft's shipped positional acceptance (`ACCEPTANCE_FILE` in its directory: what
-    `measure_acceptance` counts at T=0 and T=1), one vector per level (`by_level`), or None."""
+@dataclass(frozen=True)
+class IidLevels:
+    """An i.i.d. tree of `width` sequences (`TreeConfig(width, depth)` at T > 0, verified by the
+    token rule), level by level: `acceptance[l]`, the chance that a walk standing at a node of
+    level l accepts one of its children (the m sequences through the node are m trials);
+    `nodes[l]`, the distinct draft nodes at level l + 1 (equal draws share a node, so a
+    confident draft's tree is smaller than width x depth). Measured beside a draft
+    (`measure_iid_levels`): positional acceptance does not describe i.i.d. siblings."""
+
+    width: int
+    acceptance: tuple[float, ...]
+    nodes: tuple[float, ...]
+
+    def cut(self, depth: int) -> tuple[float, float]:
+        """The tree cut at `depth` levels: its expected tokens a round and draft nodes."""
+        tokens, reach = 1.0, 1.0
+        for a in self.acceptance[:depth]:
+            reach *= a
+            tokens += reach
+        return tokens, sum(self.nodes[:depth])
+
+    def to_json(self, visits: Sequence[float] = ()) -> dict:
+        return {
+            "width": self.width, "by_level": [round(a, 4) for a in self.acceptance],
+            "level_visits": list(visits), "nodes": [round(n, 3) for n in self.nodes],
+        }  # fmt: skip
+
+    @classmethod
+    def from_json(cls, d: dict) -> IidLevels:
+        width, acceptance = int(d["width"]), _check_levels(d["by_level"])
+        nodes = tuple(float(n) for n in d["nodes"])
+        if width < 2 or len(nodes) != len(acceptance) or not all(1 <= n <= width for n in nodes):
+            raise ValueError("not an i.i.d. tree's levels")
+        return cls(width, acceptance, nodes)
+
+
+def load_acceptance(directory) -> dict | None:
+    """A draft's shipped acceptance (`ACCEPTANCE_FILE` in its directory: what `write_acceptance`
+    measured), or None: "T0" and "T1", the positional acceptance, one vector per level
+    (`by_level`); "iid", the `IidLevels` of i.i.d. trees at T=1 (none in files written before
+    they were measured)."""
     if not isinstance(directory, (str, os.PathLike)):
         return None
     path = Path(directory) / ACCEPTANCE_FILE
@@ -403,6 +449,7 @@ def load_acceptance(directory) -> dict[str, tuple[tuple[float, ...], ...]] | Non
             pooled = _check_vector(data[cls]["acceptance"])
             firsts = data[cls].get("by_level") or [pooled[0]]
             out[cls] = by_level(tuple(_level_vector(a, pooled[1:]) for a in firsts))
+        out["iid"] = tuple(IidLevels.from_json(d) for d in data["T1"].get("iid", ()))
         return out
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return None
@@ -437,23 +484,33 @@ def planner_for(decoder, settings: dict | None, shipped=None) -> Planner:
 class Plan:
     """What the automatic tree chose for a request, and why (`GenerationOutput.plan`)."""
 
-    tree: TreeConfig | None  # a Sequoia shape; None: plain decoding
-    acceptance: tuple[tuple[float, ...], ...]  # the positional acceptance it planned with, by level
+    tree: TreeConfig | None  # a Sequoia shape or an i.i.d. tree; None: plain decoding
+    # the positional acceptance it planned with, by level (an i.i.d. tree: one entry a level, the
+    # chance that one of the level's children is accepted, `IidLevels.acceptance`)
+    acceptance: tuple[tuple[float, ...], ...]
     expected_tokens: float  # per round, at the full shape
     speedup: float  # expected tokens per unit of cost, over plain decoding's 1
     costs: Costs | None  # None: nothing was planned (there is nothing to draft with)
     source: str  # where the acceptance came from: "shipped", "measured" or "prior"
     cls: str = "T1"  # the temperature class planned for ("T0": greedy)
+    level_nodes: tuple[float, ...] = ()  # an i.i.d. tree: its expected distinct nodes at each level
 
-    def round_cost(self, nodes: int, depth: int) -> float:
+    @property
+    def iid(self) -> bool:
+        return bool(self.level_nodes)
+
+    def round_cost(self, nodes: float, depth: int) -> float:
         return self.costs.round_cost(nodes, depth, self.cls)
 
     def describe(self) -> str:
         if self.costs is None:
             return f"auto: plain decoding ({self.source})"
-        a = ", ".join(f"{x:.2f}" for x in self.acceptance[0])
-        deeper = ", ".join(f"{v[0]:.2f}" for v in self.acceptance[1:])
-        a += f"; rank 0 deeper {deeper}" if deeper else ""
+        if self.iid:
+            a = "by level " + ", ".join(f"{v[0]:.2f}" for v in self.acceptance)
+        else:
+            a = ", ".join(f"{x:.2f}" for x in self.acceptance[0])
+            deeper = ", ".join(f"{v[0]:.2f}" for v in self.acceptance[1:])
+            a += f"; rank 0 deeper {deeper}" if deeper else ""
         why = (
             f"acceptance [{a}] ({self.source}); t(n)/t(1) {self.costs.verify[1]:.2f} (n=2) .. "
             f"{self.costs.verify[-1]:.2f} (n={len(self.costs.verify)}), c {self.costs.draft:.3f}, "
@@ -462,27 +519,36 @@ class Plan:
         )
         if self.tree is None:
             return f"auto: plain decoding, no shape beats it by {PLAN_MARGIN:.0%} ({why})"
-        s = self.tree.shape
+        if self.iid:
+            shape = (
+                f"{self.tree.width} i.i.d. sequences, depth {self.tree.depth} "
+                f"({sum(self.level_nodes):.1f} draft nodes expected)"
+            )
+        else:
+            shape = f"{self.tree.shape.n_nodes} draft nodes, depth {self.tree.shape.depth}"
         return (
-            f"auto: {s.n_nodes} draft nodes, depth {s.depth}: {self.expected_tokens:.2f} tokens a round "
-            f"expected, {self.speedup:.2f}x plain ({why})"
+            f"auto: {shape}: {self.expected_tokens:.2f} tokens a round expected, {self.speedup:.2f}x plain "
+            f"({why})"
         )
 
 
 class Planner:
     """Plans the automatic tree of a decoder's requests from its costs (measured once, lazily)
-    and its drafter's acceptance (fixed at creation: `acceptance` {"T0": a, "T1": a}, a class
-    it lacks planned with `PRIOR`); `remember` keeps finished requests' counts in `record` for
-    the planners of later processes."""
+    and its drafter's acceptance (fixed at creation: `acceptance` {"T0": a, "T1": a, "iid":
+    (IidLevels, ...)}, a class it lacks planned with `PRIOR`, i.i.d. trees only where
+    measured); `remember` keeps finished requests' counts in `record` for the planners of later
+    processes."""
 
     def __init__(self, costs, acceptance=None, source: str = "prior", record: Path | None = None):
         self._costs = costs  # Costs, or a function that measures them on first use
         acceptance = acceptance or {}
-        # {"T0": levels, "T1": levels}: one vector per level (`by_level`)
+        # {"T0": levels, "T1": levels}: one vector per level (`by_level`); "iid": IidLevels
         self.vectors = {cls: by_level(acceptance.get(cls) or PRIOR[cls]) for cls in PRIOR}
         self.sources = {cls: source if acceptance.get(cls) else "prior" for cls in PRIOR}
+        self.iid: tuple[IidLevels, ...] = tuple(acceptance.get("iid", ()))  # measured i.i.d. trees (T > 0)
+        self.iid_source = source
         self.record = record
-        self._plans: dict[tuple[str, bool], Plan] = {}  # fixed inputs: each plan made once
+        self._plans: dict[tuple[str, bool, bool], Plan] = {}  # fixed inputs: each plan made once
 
     @property
     def costs(self) -> Costs:
@@ -490,15 +556,16 @@ class Planner:
             self._costs = self._costs()
         return self._costs
 
-    def plan(self, sampling: SamplingConfig, chain_only: bool = False) -> Plan:
+    def plan(self, sampling: SamplingConfig, chain_only: bool = False, iid: bool = True) -> Plan:
         """The shape with the most expected tokens per unit of cost for `sampling`, or plain
-        decoding; `chain_only`: width 1 (a drafter of chains, or the block rule)."""
-        cls = temperature_class(sampling)
-        if (cls, chain_only) not in self._plans:
-            self._plans[cls, chain_only] = self._plan(cls, chain_only)
-        return self._plans[cls, chain_only]
+        decoding; `chain_only`: width 1 (a drafter of chains, or the block rule); `iid`: i.i.d.
+        trees compete too (their siblings need the token rule), where they were measured."""
+        key = (temperature_class(sampling), chain_only, iid and not chain_only)
+        if key not in self._plans:
+            self._plans[key] = self._plan(*key)
+        return self._plans[key]
 
-    def _plan(self, cls: str, chain_only: bool) -> Plan:
+    def _plan(self, cls: str, chain_only: bool, iid: bool) -> Plan:
         acc, costs = self.vectors[cls], self.costs
         vector = tuple(v[:1] for v in acc) if chain_only else acc
         shape = optimal_shape(
@@ -517,17 +584,31 @@ class Planner:
             best = max(
                 best, (tokens / costs.round_cost(d, d, cls), TreeShape(parents, tokens)), key=lambda b: b[0]
             )
-        speedup, shape = best
-        if shape.n_nodes == 0 or speedup < 1.0 + PLAN_MARGIN:
+        # i.i.d. trees, cut at each depth they were measured to (at T=0 their draws are one chain)
+        for levels in self.iid if iid and cls == "T1" else ():
+            for d in range(1, min(len(levels.acceptance), AUTO_MAX_DEPTH) + 1):
+                tokens, nodes = levels.cut(d)
+                if nodes > AUTO_MAX_NODES:
+                    break
+                best = max(best, (tokens / costs.round_cost(nodes, d, cls), (levels, d)), key=lambda b: b[0])
+        speedup, choice = best
+        if speedup < 1.0 + PLAN_MARGIN or (isinstance(choice, TreeShape) and choice.n_nodes == 0):
             return Plan(None, vector, 1.0, 1.0, costs, self.sources[cls], cls)
-        tree = TreeConfig(strategy="sequoia", shape=shape, depth=shape.depth)
-        return Plan(tree, vector, shape.expected_tokens, speedup, costs, self.sources[cls], cls)
+        if isinstance(choice, TreeShape):
+            tree = TreeConfig(strategy="sequoia", shape=choice, depth=choice.depth)
+            return Plan(tree, vector, choice.expected_tokens, speedup, costs, self.sources[cls], cls)
+        levels, d = choice
+        tree = TreeConfig(width=levels.width, depth=d, strategy="iid")
+        acceptance = tuple((a,) for a in levels.acceptance[:d])
+        tokens = levels.cut(d)[0]
+        return Plan(tree, acceptance, tokens, speedup, costs, self.iid_source, cls, levels.nodes[:d])
 
-    def remember(self, sampling: SamplingConfig, counts: AcceptanceCounts) -> None:
-        """Add a finished request's counts to `record` (a later process plans with them)."""
-        if self.record is None or not counts.visits or not parallel.leader():
+    def remember(self, plan: Plan, counts: AcceptanceCounts) -> None:
+        """Add the positional counts of a finished request, planned by `plan`, to `record` (a
+        later process plans with them; an i.i.d. tree's counts are not positional)."""
+        if self.record is None or plan.iid or not counts.visits or not parallel.leader():
             return
-        cls = temperature_class(sampling)
+        cls = plan.cls
         try:
             data = json.loads(self.record.read_text()) if self.record.is_file() else {}
         except (OSError, ValueError):
@@ -579,6 +660,17 @@ class AcceptanceCounts:
                 self.hits[k] += kid == taken
             self.level_visits[i] += 1
             self.level_hits[i] += kids[0] == taken
+
+    def count_levels(self, tree: TokenTree, walk: Walk) -> None:
+        """A round of a tree whose siblings are i.i.d. trials: at each level the walk stood at
+        a node with children, whether it accepted one of them (rank 0's counts by level; the
+        ranks of i.i.d. draws mean nothing)."""
+        for i, u in enumerate(walk.path):
+            if not tree.children(u):
+                break
+            self._grow(0, i + 1)
+            self.level_visits[i] += 1
+            self.level_hits[i] += i + 1 < len(walk.path)
 
     def add(self, other: AcceptanceCounts) -> None:
         self._grow(len(other.visits), len(other.level_visits))
@@ -645,17 +737,24 @@ class AutoDepth(DepthPolicy):
     def __init__(self, plan: Plan):
         super().__init__(plan.tree)
         self.plan, self.counts, self.plain_rounds = plan, AcceptanceCounts(), 0
-        # (depth, parents, cost in plain rounds) of the shape cut at each depth
-        self.cuts = [(d, parents, plan.round_cost(n, d)) for d, n, parents in _cuts(plan.tree.shape)]
-        self.chain = plan.tree.shape.n_nodes == plan.tree.shape.depth
+        # (depth, parents, cost in plain rounds) of the shape cut at each depth; an i.i.d. tree
+        # cut at d keeps its first d levels, their expected nodes
+        if plan.iid:
+            nodes = [sum(plan.level_nodes[:d]) for d in range(1, plan.tree.depth + 1)]
+            self.cuts = [(d, None, plan.round_cost(n, d)) for d, n in enumerate(nodes, start=1)]
+        else:
+            self.cuts = [(d, parents, plan.round_cost(n, d)) for d, n, parents in _cuts(plan.tree.shape)]
+        # a chain's cuts, and an i.i.d. tree's, are valued by one acceptance a level
+        self.by_level = plan.iid or plan.tree.shape.n_nodes == plan.tree.shape.depth
         self.depth = self._best_depth()
 
     def _expected_tokens(self) -> list[float]:
         """Expected tokens of each cut under the request's acceptance so far. Asked every round:
-        a chain's come from its rank-0 acceptance by level in one pass, the same products in
-        the same order as `tree_expected_tokens` over `AcceptanceCounts.levels` (so the same
-        values and decisions), without building every rank's vector per level."""
-        if not self.chain:
+        a chain's (and an i.i.d. tree's) come from its rank-0 acceptance by level in one pass,
+        for a chain the same products in the same order as `tree_expected_tokens` over
+        `AcceptanceCounts.levels` (so the same values and decisions), without building every
+        rank's vector per level."""
+        if not self.by_level:
             acc = self.counts.levels(self.plan.acceptance, PLAN_WEIGHT)
             return [tree_expected_tokens(parents, acc) for _, parents, _ in self.cuts]
         prior, counts = self.plan.acceptance, self.counts
@@ -686,7 +785,10 @@ class AutoDepth(DepthPolicy):
         return self.depth
 
     def update(self, drafter, draft: DraftTree, walk: Walk, round_depth: int) -> DepthStep:
-        self.counts.count(draft.tree, walk)
+        if self.plan.iid:
+            self.counts.count_levels(draft.tree, walk)
+        else:
+            self.counts.count(draft.tree, walk)
         self.depth = self._best_depth(self.depth)
         return DepthStep(round_depth, None, False, self.depth)
 
@@ -703,6 +805,13 @@ def _cuts(shape: TreeShape) -> list[tuple[int, int, list[int]]]:
         parents = [-1] + [new[shape.parents[i]] for i in keep[1:]]
         out.append((d, len(keep) - 1, parents))
     return out
+
+
+def _check_levels(a: Sequence[float]) -> tuple[float, ...]:
+    """Acceptance by level, each clipped to [0, 1] (at least one level)."""
+    if not a:
+        raise ValueError("no levels")
+    return tuple(min(1.0, max(0.0, float(x))) for x in a)
 
 
 def _check_vector(a: Sequence[float]) -> tuple[float, ...]:
@@ -761,11 +870,43 @@ def measure_acceptance(decoder, prompts, sampling: SamplingConfig, max_new_token
     return counts
 
 
+def measure_iid_levels(
+    decoder, prompts, width: int, max_new_tokens: int = 64, seed: int = 0
+) -> tuple[IidLevels, AcceptanceCounts]:
+    """The `IidLevels` of `decoder`'s drafter drafting `width` i.i.d. sequences of `IID_DEPTH`
+    tokens on `prompts` at temperature 1 (every round drafted that deep counted: the walk's
+    acceptance at each level and the distinct nodes there), and their counts. A level with fewer
+    than `LEVEL_MIN_VISITS` walks shares the level above's acceptance."""
+    tree = TreeConfig(width=width, depth=IID_DEPTH, strategy="iid")
+    counts, nodes, rounds = AcceptanceCounts(), [0.0] * IID_DEPTH, 0
+    outs = decoder.generate_batch(
+        prompts, max_new_tokens=max_new_tokens, tree=tree, sampling=SamplingConfig(temperature=1.0),
+        seeds=[seed + i for i in range(len(prompts))], trace=True, verification="token",
+    )  # fmt: skip
+    for out in outs:
+        for r in out.trace:
+            depths = r.tree.depths
+            if max(depths) < IID_DEPTH:
+                continue  # drafted shallower: the length left cut it
+            rounds += 1
+            counts.count_levels(r.tree, Walk(r.path, r.token, r.kind))
+            for d in depths[1:]:
+                nodes[d - 1] += 1
+    if not rounds:
+        raise ValueError(f"no round drafted {IID_DEPTH} levels deep: give longer generations")
+    acceptance = []
+    for h, v in zip(counts.level_hits, counts.level_visits):
+        acceptance.append(h / v if v >= LEVEL_MIN_VISITS or not acceptance else acceptance[-1])
+    acceptance += acceptance[-1:] * (IID_DEPTH - len(acceptance))  # levels no walk reached
+    return IidLevels(width, _check_levels(acceptance), tuple(n / rounds for n in nodes)), counts
+
+
 def write_acceptance(decoder, prompts, directory, max_new_tokens: int = 64) -> dict:
     """Measure `decoder`'s drafter on held-out `prompts` at temperature 0 and 1
-    (`measure_acceptance`) and write `ACCEPTANCE_FILE` into `directory` (the draft's), where
-    `from_pretrained` finds it: the vectors automatic trees plan with ("by_level": rank 0's
-    acceptance at each level of the node the walk stood at, where enough walks stood)."""
+    (`measure_acceptance`; at T=1 also i.i.d. trees of `IID_WIDTHS` sequences,
+    `measure_iid_levels`) and write `ACCEPTANCE_FILE` into `directory` (the draft's), where
+    `from_pretrained` finds it: what automatic trees plan with ("by_level": rank 0's acceptance
+    at each level of the node the walk stood at, where enough walks stood)."""
     record = {"prompts": len(prompts), "max_new_tokens": max_new_tokens}
     for cls, sampling in (("T0", SamplingConfig(temperature=0)), ("T1", SamplingConfig(temperature=1.0))):
         counts = measure_acceptance(decoder, prompts, sampling, max_new_tokens)
@@ -774,5 +915,9 @@ def write_acceptance(decoder, prompts, directory, max_new_tokens: int = 64) -> d
             "acceptance": [round(a, 4) for a in counts.vector()], "visits": counts.visits,
             "by_level": [round(v[0], 4) for v in levels], "level_visits": counts.level_visits[: len(levels)],
         }  # fmt: skip
+    record["T1"]["iid"] = []
+    for width in IID_WIDTHS if max_new_tokens > IID_DEPTH else ():  # else no round drafts that deep
+        levels, counts = measure_iid_levels(decoder, prompts, width, max_new_tokens)
+        record["T1"]["iid"].append(levels.to_json(counts.level_visits))
     Path(directory, ACCEPTANCE_FILE).write_text(json.dumps(record, indent=1) + "\n")
     return record

@@ -34,7 +34,7 @@ from .config import TreeConfig
 from .drafters import Drafter, DrafterFactory, check_draft, propose_many
 from .output import GenerationOutput, OutputBuilder, StopMatcher, TokenLogprobs
 from .proposal import DraftTree
-from .request import Request, choose_rule, make_request
+from .request import Request, choose_rule, make_request, rule_fits
 from .rng import Rng, TorchRng
 from .sampling import PenaltyContext
 from .stats import GenerationStats
@@ -461,7 +461,8 @@ class Engine:
                 "an automatic tree (TreeConfig()) needs the engine's planner; give a shape instead"
             )
         chain = self.drafter.siblings(request.tree, request.verification) != "distinct"
-        return self.planner.plan(request.sampling, chain_only=chain)
+        iid = rule_fits("iid", request.verification)  # i.i.d. trees run the token rule only
+        return self.planner.plan(request.sampling, chain_only=chain, iid=iid)
 
     def _admit(self) -> None:
         admitted = []
@@ -579,7 +580,7 @@ class Engine:
             plan=None if state.plan is None else state.plan.describe(),
         )  # fmt: skip
         if isinstance(state.depth_policy, AutoDepth) and self.planner is not None:
-            self.planner.remember(state.request.sampling, state.depth_policy.counts)
+            self.planner.remember(state.plan, state.depth_policy.counts)
         if state.status == "live":
             del self.live[state.lane]  # the lane's cache is reset when the next request takes it
         state.status = "finished" if reason != "cancelled" else "cancelled"

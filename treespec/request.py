@@ -49,13 +49,19 @@ RULES_FOR: dict[str, tuple[str, ...]] = {
 ROLES = ("system", "user", "assistant", "tool")
 
 
+def rule_fits(siblings: str, verification: str | None) -> bool:
+    """Whether a tree whose siblings are drawn as `siblings` can run `verification` (None or
+    "auto": the best that applies, which always can)."""
+    verification = rule_name(verification)
+    return verification is None or verification in RULES_FOR[siblings]
+
+
 def choose_rule(siblings: str, verification: str | None) -> str:
     """The rule a request runs: `verification`, or the best that applies when None or "auto"."""
     fits = RULES_FOR[siblings]
-    verification = rule_name(verification)
-    if verification is None:
+    if rule_name(verification) is None:
         return "token" if siblings == "custom" else fits[-1]
-    if verification not in fits:
+    if not rule_fits(siblings, verification):
         raise ValueError(
             f"verification={verification!r} does not apply to a tree whose siblings are "
             f"{siblings}: block needs a "
