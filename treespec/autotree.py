@@ -61,10 +61,10 @@ from .tree import TokenTree
 
 COST_FEEDS = tuple(range(1, AUTO_MAX_NODES + 2))  # target feed sizes timed: every one a round may score
 COST_PREFIX = 128  # committed tokens before the timed feeds
-COST_ROUND_TOKENS = 96  # tokens of each short generation whose rounds are timed
-COST_RUNS = 3  # timed runs of plain decoding and of chains of 1 and 4 (medians)
+COST_ROUND_TOKENS = 64  # tokens of each short generation whose rounds are timed
+COST_RUNS = 5  # timed runs of plain decoding and of chains of 1 and 4 (medians)
 MIN_PLAIN_ROUND = 0.25  # a plain round measured below this many t(1) is a broken clock, not a cost
-COST_VERSION = 13  # bump when what is measured changes: older cache entries are ignored
+COST_VERSION = 14  # bump when what is measured changes: older cache entries are ignored
 PRIOR = {"T0": (0.5, 0.1, 0.05), "T1": (0.4, 0.1, 0.05)}  # a drafter nothing is known of
 PRIOR_WEIGHT = 16.0  # PRIOR weighs against the counts remembered from earlier processes as this many visits
 PLAN_WEIGHT = 64.0  # the plan's vector weighs against a request's own visits as this many
@@ -259,8 +259,8 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
         def median_run(stats: list):
             return sorted(stats, key=lambda s: s.total_seconds / s.target_steps)[len(stats) // 2]
 
-        # plain decoding and chains of 1 and 4 levels at T=1, three runs each after one that pays
-        # for allocations, interleaved so that a slow stretch of a shared machine slows each
+        # plain decoding and chains of 1 and 4 levels at T=1, COST_RUNS runs each after one that
+        # pays for allocations, interleaved so that a slow stretch of a shared machine slows each
         # alike: measured in blocks (and the chain of 4 once), a round's fixed cost once came out
         # at 0.36 t(1) where three more measurements gave 0.11-0.18 (SmolLM2 bf16 eager), and
         # the cache kept it
@@ -295,9 +295,18 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
                 0.0,
                 (per_round(chain, chain.verify_seconds) - scoring(chain) - unwalked) / max(nodes - one, 1.0),
             )
-            whole = per_round(short, short.total_seconds - short.prefill_seconds - short.plan_seconds)
+            # a chain of 1's round over the plain round run beside it, run by run (a slow stretch
+            # slows both), times the plain round: with each one's median instead, one measurement
+            # of three priced the round 1.13 plain rounds and another 1.31, where ten pairs in
+            # one process ran 1.19-1.23 (SmolLM2 bf16 eager)
+            paired = [
+                (s.total_seconds - s.prefill_seconds - s.plan_seconds) / s.target_steps
+                / ((p.total_seconds - p.prefill_seconds) / p.target_steps)
+                for s, p in zip(runs["short"], runs["plain"])
+            ]  # fmt: skip
+            whole = statistics.median(paired) * plain
             first = per_round(short, short.draft_seconds)  # a round's first level, catch-up included
-            # a small difference of large times (the median of three runs, so that one slow
+            # a small difference of large times (the median of the runs, so that one slow
             # stretch does not make every plan shallow), but never below what the first level
             # costs beyond a further one, which the draft's own timer measures steadily
             overhead = max(0.0, first - c, whole - scoring(short) - chain_walk - c)
