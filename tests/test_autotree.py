@@ -343,6 +343,11 @@ def test_a_round_costs_its_parts_and_its_fixed_cost_in_plain_rounds():
     assert dear_rows.round_cost(3, 3, "T0") == pytest.approx(base.verify[3] + 3 * 0.05)
     assert dear_rows.round_cost(4, 2, "T0") == pytest.approx(base.verify[4] + 2 * 0.05 + 2 * 0.2)
     assert Costs.from_json(timed.to_json()) == timed
+    # a chain is scored under the causal pattern, at its own measured price; a tree under a mask
+    causal = dataclasses.replace(base, chain=tuple(0.9 * v for v in base.verify[: AUTO_MAX_DEPTH + 1]))
+    assert causal.round_cost(3, 3, "T1") == pytest.approx(base.round_cost(3, 3, "T1") - 0.1 * base.verify[3])
+    assert causal.round_cost(4, 2, "T1") == base.round_cost(4, 2, "T1")
+    assert Costs.from_json(causal.to_json()) == causal
 
 
 @pytest.mark.parametrize("sampling_name", ["T1", "T0.6-topk2"])
@@ -439,6 +444,8 @@ def test_measured_costs_and_acceptance_of_a_real_decoder():
     assert len(c.verify) == AUTO_MAX_NODES + 1 and c.verify[0] == 1.0
     assert all(b >= a for a, b in zip(c.verify[1:], c.verify[2:])) and c.draft > 0 and c.t1 > 0
     assert set(c.walk) == {"T0", "T1"} and min(c.walk.values()) >= 0 and c.node_draft >= 0
+    assert len(c.chain) == AUTO_MAX_DEPTH + 1 and c.chain[0] == 1.0
+    assert all(b >= a for a, b in zip(c.chain[1:], c.chain[2:]))
     assert Costs.from_json(json.loads(json.dumps(c.to_json()))) == c
     counts = measure_acceptance(dec, [[3, 4, 5], [6, 7]], T1, max_new_tokens=12)
     assert len(counts.visits) == 4 and counts.visits[0] > 0 and all(0 <= a <= 1 for a in counts.vector())

@@ -64,7 +64,7 @@ COST_PREFIX = 128  # committed tokens before the timed feeds
 COST_ROUND_TOKENS = 64  # tokens of each short generation whose rounds are timed
 COST_RUNS = 5  # timed runs of plain decoding and of chains of 1 and 4 (medians)
 MIN_PLAIN_ROUND = 0.25  # a plain round measured below this many t(1) is a broken clock, not a cost
-COST_VERSION = 14  # bump when what is measured changes: older cache entries are ignored
+COST_VERSION = 15  # bump when what is measured changes: older cache entries are ignored
 PRIOR = {"T0": (0.5, 0.1, 0.05), "T1": (0.4, 0.1, 0.05)}  # a drafter nothing is known of
 PRIOR_WEIGHT = 16.0  # PRIOR weighs against the counts remembered from earlier processes as this many visits
 PLAN_WEIGHT = 64.0  # the plan's vector weighs against a request's own visits as this many
@@ -98,6 +98,10 @@ class Costs:
     plain: float = 1.0  # a plain round (forward, sampling, bookkeeping) / t(1); below 1 where
     # the tree's masks and walk make the scored t(1) dearer than a plain step
     overhead: float = 0.0  # a speculative round's time beyond its forwards, draws and walk / t(1)
+    # chain[n] = t(a root and a chain of n tokens) / t(1), n = 0 .. AUTO_MAX_DEPTH: a chain is
+    # scored under the causal pattern, a tree under a mask built per round (a 6-node tree took
+    # 2.96 ms where a chain of 6 took 2.79, pycode); () prices chains as trees
+    chain: tuple[float, ...] = ()
 
     def round_cost(self, nodes: float, depth: int, cls: str = "T1") -> float:
         """A round of `nodes` draft nodes over `depth` levels (nodes == depth: a chain), in plain
@@ -106,9 +110,12 @@ class Costs:
         a node): its scoring is read between the whole counts around it."""
         if nodes == 0:
             return 1.0
-        n = min(nodes, len(self.verify) - 1)
-        low, high = int(n), min(int(n) + 1, len(self.verify) - 1)
-        scoring = self.verify[low] + (n - low) * (self.verify[high] - self.verify[low])
+        if nodes == depth and nodes < len(self.chain):
+            scoring = self.chain[nodes]
+        else:
+            n = min(nodes, len(self.verify) - 1)
+            low, high = int(n), min(int(n) + 1, len(self.verify) - 1)
+            scoring = self.verify[low] + (n - low) * (self.verify[high] - self.verify[low])
         forwards = scoring + depth * self.level_draft
         return (forwards + self.per_node(cls, nodes == depth) * nodes + self.overhead) / self.plain
 
@@ -135,7 +142,7 @@ class Costs:
         return {
             "verify": list(self.verify), "draft": self.draft, "t1": self.t1, "measured": self.measured,
             "node_draft": self.node_draft, "walk": dict(self.walk), "chain_walk": self.chain_walk,
-            "plain": self.plain, "overhead": self.overhead,
+            "plain": self.plain, "overhead": self.overhead, "chain": list(self.chain),
         }  # fmt: skip
 
     @classmethod
@@ -155,6 +162,7 @@ class Costs:
             float(d["chain_walk"]),
             float(d["plain"]),
             float(d["overhead"]),
+            tuple(float(v) for v in d["chain"]),
         )
 
 
@@ -214,25 +222,30 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
             _compile_every_feed_size(lane if runner is target else _lane(runner), tokens, prefix)
     lane.reset()
     lane.prefill(tokens[:prefix])
-    trees = {n: TokenTree(tokens[prefix : prefix + n], [-1] + [0] * (n - 1)) for n in COST_FEEDS}
-    times: dict[int, list[float]] = {n: [] for n in COST_FEEDS}
+    # a root and its children (a tree's mask), and a root and a chain (the causal pattern)
+    trees = {("tree", n): TokenTree(tokens[prefix : prefix + n], [-1] + [0] * (n - 1)) for n in COST_FEEDS}
+    for n in range(2, AUTO_MAX_DEPTH + 2):
+        trees["chain", n] = TokenTree(tokens[prefix : prefix + n], list(range(-1, n - 1)))
+    times: dict[tuple, list[float]] = {k: [] for k in trees}
     for r in range(repeats + 2):  # interleaved, so that a slow stretch slows every size alike
-        for n, tree in trees.items():
+        for k, tree in trees.items():
             t0 = time.perf_counter()
             lane.score(tree)
             lane.commit([])
             if r >= 2:  # the first two rounds of sizes warm the kernels and allocations
-                times[n].append(time.perf_counter() - t0)
-    timed = {n: statistics.median(t) for n, t in times.items()}
+                times[k].append(time.perf_counter() - t0)
+    timed = {k: statistics.median(t) for k, t in times.items()}
     lane.reset()
-    t1 = timed[1]
+    t1 = timed["tree", 1]
     # more rows never cost less, from two rows on; a single row is the unit, not a floor: compiled,
     # one row scored through the tree's graph took 2.24 ms and 2 to 6 rows 2.0-2.1 (pycode bf16),
     # and a floor at t(1) flattened t(2) .. t(7) to 1.0 and hid the step at 7 rows (+0.3 ms) that
     # made a chain of 6 run 0.91x a chain of 5 at T=1
-    verify = [1.0]
+    verify, chain_scoring = [1.0], [1.0]
     for n in COST_FEEDS[1:]:
-        verify.append(max(timed[n] / t1, verify[-1] if n > 2 else 0.0))
+        verify.append(max(timed["tree", n] / t1, verify[-1] if n > 2 else 0.0))
+    for n in range(2, AUTO_MAX_DEPTH + 2):
+        chain_scoring.append(max(timed["chain", n] / t1, chain_scoring[-1] if n > 2 else 0.0))
     c, node_draft, walk, chain_walk, plain, overhead = 0.0, 0.0, {"T0": 0.0, "T1": 0.0}, 0.0, 1.0, 0.0
     if decoder.drafter.needs_draft_model and decoder.draft_runner is not None:
         engine = decoder.engine(max_live=1)  # lanes of its own: the decoder may be mid-generate()
@@ -253,8 +266,8 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
         def per_round(s, seconds: float) -> float:
             return seconds / s.target_steps / t1
 
-        def scoring(s) -> float:
-            return verify[min(round(s.tree_nodes / s.target_steps), AUTO_MAX_NODES)]
+        def scoring(s, table=verify) -> float:
+            return table[min(round(s.tree_nodes / s.target_steps), len(table) - 1)]
 
         def median_run(stats: list):
             return sorted(stats, key=lambda s: s.total_seconds / s.target_steps)[len(stats) // 2]
@@ -293,7 +306,8 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
             unwalked = per_round(short, short.verify_seconds) - scoring(short)  # a chain of 1's
             chain_walk = max(
                 0.0,
-                (per_round(chain, chain.verify_seconds) - scoring(chain) - unwalked) / max(nodes - one, 1.0),
+                (per_round(chain, chain.verify_seconds) - scoring(chain, chain_scoring) - unwalked)
+                / max(nodes - one, 1.0),
             )
             # a chain of 1's round over the plain round run beside it, run by run (a slow stretch
             # slows both), times the plain round: with each one's median instead, one measurement
@@ -334,6 +348,7 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
         chain_walk=chain_walk,
         plain=plain,
         overhead=overhead,
+        chain=tuple(chain_scoring),
     )
 
 
