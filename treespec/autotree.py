@@ -120,9 +120,13 @@ class Costs:
         return (forwards + self.per_node(cls, nodes == depth) * nodes + self.overhead) / self.plain
 
     def per_node(self, cls: str, chain: bool = False) -> float:
-        """What each node adds beyond its scoring: its walk under `cls` (a chain's at T > 0 is
-        the block rule's) and its draft row."""
-        walk = self.chain_walk if chain and cls == "T1" else self.walk.get(cls, 0.0)
+        """What each node adds beyond its scoring: its walk under `cls` (a chain's is the block
+        rule's) and its draft row. A greedy walk (T=0) is the same walk without its sampling,
+        so never dearer than at T > 0: its own measurement, a small difference of a tree's
+        round times (0.0-0.04 t(1) a node), once priced a chain of 1 at T=0 7 % above the same
+        chain at T=1 (SmolLM2 int4)."""
+        sampled = self.chain_walk if chain else self.walk.get("T1", 0.0)
+        walk = min(sampled, self.walk.get("T0", 0.0)) if cls == "T0" else sampled
         return walk + self.node_draft
 
     @property
@@ -222,30 +226,36 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
             _compile_every_feed_size(lane if runner is target else _lane(runner), tokens, prefix)
     lane.reset()
     lane.prefill(tokens[:prefix])
-    # a root and its children (a tree's mask), and a root and a chain (the causal pattern)
+    # a root and its children (a tree's mask), and a root and a chain of 2+ (the causal pattern;
+    # a root and one child is both)
     trees = {("tree", n): TokenTree(tokens[prefix : prefix + n], [-1] + [0] * (n - 1)) for n in COST_FEEDS}
-    for n in range(2, AUTO_MAX_DEPTH + 2):
+    for n in range(3, AUTO_MAX_DEPTH + 2):
         trees["chain", n] = TokenTree(tokens[prefix : prefix + n], list(range(-1, n - 1)))
-    times: dict[tuple, list[float]] = {k: [] for k in trees}
+    rounds: list[dict[tuple, float]] = []
     for r in range(repeats + 2):  # interleaved, so that a slow stretch slows every size alike
+        times = {}
         for k, tree in trees.items():
             t0 = time.perf_counter()
             lane.score(tree)
             lane.commit([])
-            if r >= 2:  # the first two rounds of sizes warm the kernels and allocations
-                times[k].append(time.perf_counter() - t0)
-    timed = {k: statistics.median(t) for k, t in times.items()}
+            times[k] = time.perf_counter() - t0
+        if r >= 2:  # the first two rounds of sizes warm the kernels and allocations
+            rounds.append(times)
     lane.reset()
-    t1 = timed["tree", 1]
+    t1 = statistics.median(times["tree", 1] for times in rounds)
+    # each size over the one-token feed of its own round, medians: taken apart, the medians of
+    # one tree timed twice differed by 8 % (SmolLM2 int4, t(2) 1.065 and 1.146 t(1))
+    timed = {k: statistics.median(times[k] / times["tree", 1] for times in rounds) for k in trees}
     # more rows never cost less, from two rows on; a single row is the unit, not a floor: compiled,
     # one row scored through the tree's graph took 2.24 ms and 2 to 6 rows 2.0-2.1 (pycode bf16),
     # and a floor at t(1) flattened t(2) .. t(7) to 1.0 and hid the step at 7 rows (+0.3 ms) that
     # made a chain of 6 run 0.91x a chain of 5 at T=1
-    verify, chain_scoring = [1.0], [1.0]
+    verify = [1.0]
     for n in COST_FEEDS[1:]:
-        verify.append(max(timed["tree", n] / t1, verify[-1] if n > 2 else 0.0))
-    for n in range(2, AUTO_MAX_DEPTH + 2):
-        chain_scoring.append(max(timed["chain", n] / t1, chain_scoring[-1] if n > 2 else 0.0))
+        verify.append(max(timed["tree", n], verify[-1] if n > 2 else 0.0))
+    chain_scoring = verify[:2]
+    for n in range(3, AUTO_MAX_DEPTH + 2):
+        chain_scoring.append(max(timed["chain", n], chain_scoring[-1]))
     c, node_draft, walk, chain_walk, plain, overhead = 0.0, 0.0, {"T0": 0.0, "T1": 0.0}, 0.0, 1.0, 0.0
     if decoder.drafter.needs_draft_model and decoder.draft_runner is not None:
         engine = decoder.engine(max_live=1)  # lanes of its own: the decoder may be mid-generate()
