@@ -64,7 +64,7 @@ COST_PREFIX = 128  # committed tokens before the timed feeds
 COST_ROUND_TOKENS = 64  # tokens of each short generation whose rounds are timed
 COST_RUNS = 5  # timed runs of plain decoding and of chains of 1 and 4 (medians)
 MIN_PLAIN_ROUND = 0.25  # a plain round measured below this many t(1) is a broken clock, not a cost
-COST_VERSION = 15  # bump when what is measured changes: older cache entries are ignored
+COST_VERSION = 16  # bump when what is measured changes: older cache entries are ignored
 PRIOR = {"T0": (0.5, 0.1, 0.05), "T1": (0.4, 0.1, 0.05)}  # a drafter nothing is known of
 PRIOR_WEIGHT = 16.0  # PRIOR weighs against the counts remembered from earlier processes as this many visits
 PLAN_WEIGHT = 64.0  # the plan's vector weighs against a request's own visits as this many
@@ -206,14 +206,15 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
     """This machine's costs for `decoder`: t(n)/t(1) of its target for feeds of n = 1 ..
     AUTO_MAX_NODES + 1 tokens (a root and its children after COST_PREFIX tokens, on a lane of
     its own, the sizes interleaved, each one timed: kernels that work in blocks of rows make
-    t(n) a staircase that interpolation misses); then, from short generations after the same
+    t(n) a staircase that interpolation misses), and for chains of up to AUTO_MAX_DEPTH nodes
+    (scored under the causal pattern, without a tree's mask); then, from short generations after the same
     prefix, at temperature 1, as the drafter really runs them
     (forwards, sampling, bookkeeping): a plain round's time, c (what a further level adds to a
     chain of 4 over a chain of 1), a chain's walk per node and a speculative round's fixed
     cost; and the per-node costs of trees (a level's further draft rows, the walk per node at
     T=0 and T>0) from a Sequoia shape at both temperatures (all neutral where nothing is
-    drafted by a model). A few seconds on a 2-core CPU for SmolLM2-135M with its head; under a
-    compiler, each feed size compiles once."""
+    drafted by a model). ~5 s on a 2-core CPU for the pycode pair, ~20 s for SmolLM2-135M with
+    its head; under a compiler, each feed size compiles once."""
     target = decoder.target_runner
     room = (target.max_positions or COST_PREFIX + 64) - max(COST_FEEDS) - 1  # a short model's context
     prefix = max(1, min(COST_PREFIX, room))
@@ -242,10 +243,10 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
         if r >= 2:  # the first two rounds of sizes warm the kernels and allocations
             rounds.append(times)
     lane.reset()
-    t1 = statistics.median(times["tree", 1] for times in rounds)
+    t1 = statistics.median(row["tree", 1] for row in rounds)
     # each size over the one-token feed of its own round, medians: taken apart, the medians of
     # one tree timed twice differed by 8 % (SmolLM2 int4, t(2) 1.065 and 1.146 t(1))
-    timed = {k: statistics.median(times[k] / times["tree", 1] for times in rounds) for k in trees}
+    timed = {k: statistics.median(row[k] / row["tree", 1] for row in rounds) for k in trees}
     # more rows never cost less, from two rows on; a single row is the unit, not a floor: compiled,
     # one row scored through the tree's graph took 2.24 ms and 2 to 6 rows 2.0-2.1 (pycode bf16),
     # and a floor at t(1) flattened t(2) .. t(7) to 1.0 and hid the step at 7 rows (+0.3 ms) that
