@@ -112,7 +112,8 @@ def test_per_node_costs_shrink_the_tree_of_their_class_only():
     )
     assert walked.plan(GREEDY).tree.shape.n_nodes > 1  # T=0's walk is cheap: still a tree
     n_cheap, n_dear = cheap.plan(T1).tree.shape.n_nodes, walked.plan(T1)
-    assert n_dear.tree is None or n_dear.tree.shape.n_nodes < n_cheap
+    # (a planned chain is drafted up to AUTO_MAX_DEPTH deep, from `start` levels)
+    assert n_dear.tree is None or (n_dear.start or n_dear.tree.shape.n_nodes) < n_cheap
     assert dear.round_cost(3, 3, "T0") == pytest.approx(base.verify[3] + 3 * base.draft)  # a chain
     assert dear.round_cost(6, 2, "T1") == pytest.approx(base.verify[6] + 6 * 0.18 + 2 * (base.draft - 0.03))
 
@@ -131,10 +132,12 @@ def test_counts_are_sequoias_positional_acceptance():
 
 
 def test_a_requests_depth_follows_its_own_acceptance_and_probes_when_plain():
-    plan = planner(acc0=(0.7,)).plan(GREEDY)  # a chain
+    plan = planner(acc0=(0.7,)).plan(GREEDY)  # a chain, drafted up to AUTO_MAX_DEPTH deep
+    assert plan.tree.shape.n_nodes == plan.tree.shape.depth == AUTO_MAX_DEPTH > plan.start > 1
+    assert plan.describe().startswith(f"auto: a chain of {plan.start} (of up to {AUTO_MAX_DEPTH}")
     policy = AutoDepth(plan)
     start = policy.next_depth()
-    assert start == plan.tree.shape.depth
+    assert start == plan.start
     chain = DraftTree(
         TokenTree([0, 1, 2], [-1, 0, 1]),
         (ProposalGroup(0, Draw.DETERMINISTIC, (1,), (1,)), ProposalGroup(1, Draw.DETERMINISTIC, (2,), (2,))),
@@ -146,16 +149,16 @@ def test_a_requests_depth_follows_its_own_acceptance_and_probes_when_plain():
         policy.update(None, chain, Walk((0,), 5, "correction"), start)
     assert policy.depth == 0
     assert [policy.next_depth() for _ in range(PROBE_EVERY)] == [0] * (PROBE_EVERY - 1) + [1]
-    for _ in range(300):  # everything accepted: as deep as the shape goes
+    for _ in range(300):  # everything accepted: deeper than it started, as deep as chains go
         policy.update(None, chain, Walk((0, 1, 2), 5, "bonus"), 2)
-    assert policy.depth == plan.tree.shape.depth
+    assert policy.depth == AUTO_MAX_DEPTH
 
 
 def test_a_few_rejections_do_not_move_a_request_off_a_near_tie(monkeypatch):
     """The plan's depth and the one above are nearly as good: a streak of six rejections at the
     root (a short request's noise) keeps the depth; without the margin it would drop."""
-    plan = planner(acc0=(0.7,), verify_slope=0.1, draft=0.1).plan(GREEDY)  # a chain of 3
-    depth = plan.tree.shape.depth
+    plan = planner(acc0=(0.7,), verify_slope=0.1, draft=0.1).plan(GREEDY)  # a chain of 3 to start
+    depth = plan.start
     tree = TokenTree(list(range(depth + 1)), [-1] + list(range(depth)))
     chain = DraftTree(
         tree, tuple(ProposalGroup(i, Draw.DETERMINISTIC, (i + 1,), (i + 1,)) for i in range(depth))
@@ -172,6 +175,23 @@ def test_a_few_rejections_do_not_move_a_request_off_a_near_tie(monkeypatch):
     assert depths() == [depth] * 7
     monkeypatch.setattr(autotree, "DEPTH_MARGIN", 0.0)
     assert depths()[-1] < depth
+
+
+@pytest.mark.parametrize("margin", [0.02, 0.1])
+def test_a_planned_chain_starts_at_the_deepest_depth_near_the_best(monkeypatch, margin):
+    """A request learns the acceptance of the levels it drafts only: a planned chain starts at
+    the deepest depth within DEPTH_MARGIN of the best (the request cuts it if it is too deep)."""
+    monkeypatch.setattr(autotree, "DEPTH_MARGIN", margin)
+    p = planner(acc0=(0.7,), verify_slope=0.1, draft=0.1)
+    plan = p.plan(GREEDY)
+    values = {
+        d: autotree.tree_expected_tokens(tuple(range(-1, d)), ((0.7,),)) / p.costs.round_cost(d, d, "T0")
+        for d in range(1, AUTO_MAX_DEPTH + 1)
+    }
+    best = max(values, key=values.get)
+    assert plan.start == max(d for d, v in values.items() if v * (1 + margin) >= values[best])
+    assert plan.speedup == values[plan.start] and AutoDepth(plan).depth == plan.start
+    assert plan.start > best if margin == 0.1 else plan.start >= best
 
 
 def test_a_chains_cuts_are_valued_as_the_general_path_values_them():

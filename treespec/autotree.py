@@ -125,7 +125,12 @@ class Costs:
         so never dearer than at T > 0: its own measurement, a small difference of a tree's
         round times (0.0-0.04 t(1) a node), once priced a chain of 1 at T=0 7 % above the same
         chain at T=1 (SmolLM2 int4)."""
-        sampled = self.chain_walk if chain else self.walk.get("T1", 0.0)
+        # a tree's traversal walks node by node (a residual at each rejection) where the block
+        # rule takes a chain whole: never cheaper a node. Its own measurement runs after random
+        # tokens, where the walk stops at the root's children: 0.033 t(1) a node against the
+        # chain's 0.059, where a 5-node tree's verification ran 0.18 t(1) dearer than a chain of
+        # 4's (pycode T=1) and the tree, planned, ran 0.89x the chain
+        sampled = self.chain_walk if chain else max(self.walk.get("T1", 0.0), self.chain_walk)
         walk = min(sampled, self.walk.get("T0", 0.0)) if cls == "T0" else sampled
         return walk + self.node_draft
 
@@ -523,12 +528,13 @@ class Plan:
     # the positional acceptance it planned with, by level (an i.i.d. tree: one entry a level, the
     # chance that one of the level's children is accepted, `IidLevels.acceptance`)
     acceptance: tuple[tuple[float, ...], ...]
-    expected_tokens: float  # per round, at the full shape
+    expected_tokens: float  # per round, at the full shape (a chain: at its starting depth)
     speedup: float  # expected tokens per unit of cost, over plain decoding's 1
     costs: Costs | None  # None: nothing was planned (there is nothing to draft with)
     source: str  # where the acceptance came from: "shipped", "measured" or "prior"
     cls: str = "T1"  # the temperature class planned for ("T0": greedy)
     level_nodes: tuple[float, ...] = ()  # an i.i.d. tree: its expected distinct nodes at each level
+    start: int = 0  # a planned chain: the depth its requests start at (cut deeper or shallower)
 
     @property
     def iid(self) -> bool:
@@ -559,6 +565,8 @@ class Plan:
                 f"{self.tree.width} i.i.d. sequences, depth {self.tree.depth} "
                 f"({sum(self.level_nodes):.1f} draft nodes expected)"
             )
+        elif self.start:
+            shape = f"a chain of {self.start} (of up to {self.tree.shape.depth}, per request)"
         else:
             shape = f"{self.tree.shape.n_nodes} draft nodes, depth {self.tree.shape.depth}"
         return (
@@ -613,12 +621,12 @@ class Planner:
         # the DP prices every shape as a tree; chains, walked by the block rule, compete at
         # their own cost
         best = (shape.expected_tokens / costs.round_cost(shape.n_nodes, shape.depth, cls), shape)
+        chains = []  # (value, chain) at each depth
         for d in range(1, min(AUTO_MAX_DEPTH, AUTO_MAX_NODES) + 1):
             parents = tuple(range(-1, d))
             tokens = tree_expected_tokens(parents, vector)
-            best = max(
-                best, (tokens / costs.round_cost(d, d, cls), TreeShape(parents, tokens)), key=lambda b: b[0]
-            )
+            chains.append((tokens / costs.round_cost(d, d, cls), TreeShape(parents, tokens)))
+            best = max(best, chains[-1], key=lambda b: b[0])
         # i.i.d. trees, cut at each depth they were measured to (at T=0 their draws are one chain)
         for levels in self.iid if iid and cls == "T1" else ():
             for d in range(1, min(len(levels.acceptance), AUTO_MAX_DEPTH) + 1):
@@ -629,6 +637,19 @@ class Planner:
         speedup, choice = best
         if speedup < 1.0 + PLAN_MARGIN or (isinstance(choice, TreeShape) and choice.n_nodes == 0):
             return Plan(None, vector, 1.0, 1.0, costs, self.sources[cls], cls)
+        if isinstance(choice, TreeShape) and choice.n_nodes == choice.depth:
+            # a chain is drafted as deep as plans go and cut per request (`AutoDepth`), from the
+            # deepest depth within DEPTH_MARGIN of the best: a request learns the acceptance of
+            # the levels it drafts only, so it cuts a start too deep but never finds one too
+            # shallow (pycode T=0: chains of 4 and 5 valued 1.672x alike, 4 planned, and every
+            # request stayed at 4 where these prompts ran the chain of 5 13 % faster)
+            near = [(v, c) for v, c in chains if v * (1 + DEPTH_MARGIN) >= speedup]
+            speedup, first = max(near, key=lambda b: b[1].depth, default=(speedup, choice))
+            parents = tuple(range(-1, AUTO_MAX_DEPTH))
+            deep = TreeShape(parents, tree_expected_tokens(parents, vector))
+            tree = TreeConfig(strategy="sequoia", shape=deep, depth=deep.depth)
+            source = self.sources[cls]
+            return Plan(tree, vector, first.expected_tokens, speedup, costs, source, cls, start=first.depth)
         if isinstance(choice, TreeShape):
             tree = TreeConfig(strategy="sequoia", shape=choice, depth=choice.depth)
             return Plan(tree, vector, choice.expected_tokens, speedup, costs, self.sources[cls], cls)
@@ -781,7 +802,7 @@ class AutoDepth(DepthPolicy):
             self.cuts = [(d, parents, plan.round_cost(n, d)) for d, n, parents in _cuts(plan.tree.shape)]
         # a chain's cuts, and an i.i.d. tree's, are valued by one acceptance a level
         self.by_level = plan.iid or plan.tree.shape.n_nodes == plan.tree.shape.depth
-        self.depth = self._best_depth()
+        self.depth = plan.start or self._best_depth()
 
     def _expected_tokens(self) -> list[float]:
         """Expected tokens of each cut under the request's acceptance so far. Asked every round:
