@@ -29,7 +29,9 @@ model's error on a round).
                  acceptance so far (its counts on top of the plan's vector, `PLAN_WEIGHT`
                  pseudo-visits: a short request's few rounds are too noisy to cut a plan
                  that is right, and a cut shape can only get shallower, never deeper, so
-                 noise alone would cost depth); depth 0 is a plain round. A request that
+                 noise alone would cost depth); depth 0 is a plain round. A planned chain
+                 is the chain of AUTO_MAX_DEPTH, started at the deepest depth near the best
+                 (a request learns only the levels it drafts). A request that
                  stays plain probes one depth-1 round every `PROBE_EVERY` rounds, so a text
                  its draft predicts well is noticed. Decisions follow committed outcomes
                  only: given the same costs an output is reproducible from its seed, and
