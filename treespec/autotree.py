@@ -332,10 +332,9 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
             # of three priced the round 1.13 plain rounds and another 1.31, where ten pairs in
             # one process ran 1.19-1.23 (SmolLM2 bf16 eager)
             paired = [
-                (s.total_seconds - s.prefill_seconds - s.plan_seconds) / s.target_steps
-                / ((p.total_seconds - p.prefill_seconds) / p.target_steps)
-                for s, p in zip(runs["short"], runs["plain"])
-            ]  # fmt: skip
+                per_round(s, s.total_seconds - s.prefill_seconds - s.plan_seconds) / p
+                for s, p in zip(runs["short"], plains)
+            ]
             whole = statistics.median(paired) * plain
             first = per_round(short, short.draft_seconds)  # a round's first level, catch-up included
             # a small difference of large times (the median of the runs, so that one slow
@@ -869,12 +868,16 @@ def _check_levels(a: Sequence[float]) -> tuple[float, ...]:
     """Acceptance by level, each clipped to [0, 1] (at least one level)."""
     if not a:
         raise ValueError("no levels")
+    return _clipped(a)
+
+
+def _clipped(a: Sequence[float]) -> tuple[float, ...]:
     return tuple(min(1.0, max(0.0, float(x))) for x in a)
 
 
 def _check_vector(a: Sequence[float]) -> tuple[float, ...]:
     """Probabilities of disjoint events: clipped to [0, 1], scaled down if they sum past 1."""
-    a = tuple(min(1.0, max(0.0, float(x))) for x in a)
+    a = _clipped(a)
     total = sum(a)
     return tuple(x / total for x in a) if total > 1 else a
 
@@ -952,10 +955,8 @@ def measure_iid_levels(
                 nodes[d - 1] += 1
     if not rounds:
         raise ValueError(f"no round drafted {IID_DEPTH} levels deep: give longer generations")
-    acceptance = []
-    for h, v in zip(counts.level_hits, counts.level_visits):
-        acceptance.append(h / v if v >= LEVEL_MIN_VISITS or not acceptance else acceptance[-1])
-    acceptance += acceptance[-1:] * (IID_DEPTH - len(acceptance))  # levels no walk reached
+    acceptance = [v[0] for v in counts.levels(min_visits=LEVEL_MIN_VISITS)]
+    acceptance += acceptance[-1:] * (IID_DEPTH - len(acceptance))  # levels too few walks reached
     return IidLevels(width, _check_levels(acceptance), tuple(n / rounds for n in nodes)), counts
 
 
