@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Feature-head recipe variants on equal data and equal steps (issue 35's list): which target
 layers the head reads, the unroll depth of the training-time test, its own LM head against the
-target's, and the data volume.
+target's, and the data volume; and the learning rate.
 
     python experiments/head_variants.py --data RUN [RUN ...] --steps 600 --out DIR --tag zen5
 
@@ -32,6 +32,8 @@ VARIANTS = {
     "unroll 4": {"unroll": 4},
     "the target's LM head (frozen)": {"freeze_lm_head": True},
     "a quarter of the data": {},
+    "lr 2e-3": {"lr": 2e-3},
+    "lr 5e-4": {"lr": 5e-4},
 }
 
 

@@ -234,6 +234,15 @@ class HeadModel(torch.nn.Module):
         """features [B, L, F] (slot t: the target's at position t), tokens [B, L] (slot t: token
         t+1); the logits over the head's K rows at every slot for steps 0 .. unroll, [B, L, K]
         each (step j's slots t < j read no state: their rows mean nothing)."""
+        return [self.logits(out) for out in self.states(features, tokens, unroll)]
+
+    def logits(self, states: torch.Tensor) -> torch.Tensor:
+        """Output states [..., H] -> logits over the head's K rows [..., K]."""
+        return self._norm(states, "norm.weight") @ self.w("lm_head.weight").T
+
+    def states(self, features: torch.Tensor, tokens: torch.Tensor, unroll: int) -> list[torch.Tensor]:
+        """The output states [B, L, H] of steps 0 .. unroll (`forward`'s, before the LM head:
+        the loss needs logits at its target slots only, a fraction of B x L)."""
         cfg = self.cfg
         B, L = tokens.shape
         Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -243,7 +252,7 @@ class HeadModel(torch.nn.Module):
         e = self._norm(F.embedding(tokens, self.embed), "midlayer.input_layernorm.weight")  # [B, L, H]
         h = features.float() @ self.w("fc.weight").T  # [B, L, H]
         a_, m_ = "midlayer.self_attn.", "midlayer.mlp."
-        keys, values, logits = [], [], []
+        keys, values, states = [], [], []
         for j in range(unroll + 1):
             x = torch.cat([e, self._norm(h, "midlayer.hidden_norm.weight")], -1)  # [B, L, 2H]
             q = self._rotate((x @ self.w(a_ + "q_proj.weight").T).view(B, L, Hq, D).transpose(1, 2), cos, sin)
@@ -268,9 +277,9 @@ class HeadModel(torch.nn.Module):
             n = self._norm(a, "midlayer.post_attention_layernorm.weight")
             mlp = F.silu(n @ self.w(m_ + "gate_proj.weight").T) * (n @ self.w(m_ + "up_proj.weight").T)
             out = mlp @ self.w(m_ + "down_proj.weight").T + a  # [B, L, H]: the output state
-            logits.append(self._norm(out, "norm.weight") @ self.w("lm_head.weight").T)  # [B, L, K]
+            states.append(out)
             h = torch.roll(out, 1, dims=1)  # the next step's slot t reads this step's slot t - 1
-        return logits
+        return states
 
 
 def init_head(target, taps, vocab_ids: list[int], intermediate_size: int | None = None, seed: int = 0):
@@ -355,12 +364,12 @@ def head_loss(model: HeadModel, batch: HeadBatch, unroll: int) -> tuple[torch.Te
     """Sum over steps j of DECAY^j x the forward KL of the head's q from the target's stored
     distribution (its top-k over the head's rows and the rest, `losses.buckets`), at slots
     t >= j; and each step's top-1 agreement."""
-    logits = model(batch.features, batch.tokens, unroll)
+    states = model.states(batch.features, batch.tokens, unroll)
     b, t = batch.where
     total, agree = 0.0, []
-    for j, lg in enumerate(logits):
+    for j, out in enumerate(states):
         keep = t >= j
-        logq = torch.log_softmax(lg[b[keep], t[keep]].float(), -1)  # [M_j, K]
+        logq = torch.log_softmax(model.logits(out[b[keep], t[keep]]).float(), -1)  # [M_j, K]
         rows = batch.rows[keep]
         P, Q, logQ = buckets(logq, rows, batch.probs[keep], rows >= 0)
         total = total + DECAY**j * divergence("kl", P, Q, logQ).mean()
@@ -380,7 +389,8 @@ def head_proxy(model: HeadModel, data: Dataset, features, row_of: torch.Tensor, 
             data, features, list(range(start, min(len(data), start + batch_size))), rows_mask, row_of
         )
         b, t = batch.where
-        logq = torch.log_softmax(model(batch.features, batch.tokens, 0)[0][b, t].float(), -1)
+        first = model.states(batch.features, batch.tokens, 0)[0]  # [B, L, H]
+        logq = torch.log_softmax(model.logits(first[b, t]).float(), -1)
         P, Q, _ = buckets(logq, batch.rows, batch.probs, batch.rows >= 0)
         alpha += float(alpha_lower_bound(P, Q).sum())
         top1 += float((logq.argmax(-1) == batch.rows[:, 0]).sum())
