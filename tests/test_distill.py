@@ -16,6 +16,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.backends import make_runner
@@ -596,6 +597,28 @@ def test_distill_head_trains_a_head_on_a_runs_data_that_loads_and_drafts(distill
     assert spec.token_ids == plain.token_ids and spec.stats.draft_forwards > 0
 
 
+def test_a_head_trained_on_from_another_starts_as_it_and_keeps_its_rows(distilled, tiny_target, tmp_path):
+    """`--init-from HEAD`: training starts from the checkpoint's tensors (a step of lr 1e-12
+    leaves every bf16 tensor as it was), with its taps and draft rows; a head that does not fit
+    the target or the recipe's taps is refused before any feature is computed."""
+    from treespec.distill.head import distill_head
+
+    target, _ = tiny_target
+    recipe = dict(evals=0, eval_prompts=2, eval_tokens=4, dtype="float32", progress=False, acceptance=False)
+    first = distill_head(target, tmp_path / "first", distilled, steps=3, vocab_subset=40, taps=[0], **recipe)
+    again = distill_head(
+        target, tmp_path / "again", distilled, steps=1, lr=1e-12, init_from=str(first), **recipe
+    )
+    a, b = (load_file(str(d / "model.safetensors")) for d in (first, again))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((again / "head.json").read_text())["recipe"]["taps"] == [0]
+    with pytest.raises(ValueError, match=r"the head reads layers \[0\], the recipe's taps are \[1\]"):
+        distill_head(target, tmp_path / "taps", distilled, steps=1, init_from=str(first), taps=[1], **recipe)
+    with pytest.raises(ValueError, match="holds no EAGLE-3 head"):
+        distill_head(target, tmp_path / "none", distilled, steps=1, init_from=str(distilled), **recipe)
+    assert not list((distilled / "work" / "data").glob("features_1_*"))
+
+
 def test_a_head_run_resumed_after_interruptions_equals_the_uninterrupted_one(
     distilled, tiny_target, tmp_path, monkeypatch
 ):
@@ -682,6 +705,8 @@ def test_cli_trains_a_head_with_its_own_recipe_flags(distilled, tiny_target, tmp
             "--unroll",
             "3",
             "--freeze-lm-head",
+            "--init-from",
+            "H",
             "--layers",
             "4",
         ]
@@ -690,7 +715,7 @@ def test_cli_trains_a_head_with_its_own_recipe_flags(distilled, tiny_target, tmp
         cli.run(args)
     assert seen == dict(
         steps=7, lr=0.01, dtype="float32", taps=[0, 1], unroll=3, freeze_lm_head=True,
-        minutes=None, resume=False, data_from=[str(distilled)],
+        init_from="H", minutes=None, resume=False, data_from=[str(distilled)],
     )  # fmt: skip
     with pytest.raises(ValueError, match="unroll must be an integer >= 0"):
         head_module.HeadRecipe(unroll=-1)

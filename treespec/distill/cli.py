@@ -82,6 +82,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="keep the target's output rows as the head's LM head (default: trained)",
     )
+    head.add_argument(
+        "--init-from",
+        metavar="HEAD",
+        help="start from this EAGLE-3 head directory (its taps and draft rows) instead of the target's "
+        "last stage: a shipped or published head trained on",
+    )
     helps = _field_help()
     group = parser.add_argument_group("recipe")
     for f in fields(Recipe):
@@ -147,9 +153,8 @@ def run_head(args: argparse.Namespace) -> None:
         for f in fields(Recipe)
         if given.get(f.name, f.name) in names and getattr(args, f.name) is not None
     }
-    recipe.update(
-        {k: getattr(args, k) for k in ("unroll", "taps", "freeze_lm_head") if getattr(args, k) is not None}
-    )
+    head_flags = ("unroll", "taps", "freeze_lm_head", "init_from")
+    recipe.update({k: getattr(args, k) for k in head_flags if getattr(args, k) is not None})
     out = distill_head(args.target, args.out, args.data_from, args.minutes, resume=args.resume, **recipe)
     summary = json.loads((out / "head.json").read_text())
     final = summary["curve"][-1]

@@ -22,7 +22,8 @@
 
 The head starts as a copy of the target's last stage: its LM head is the target's output rows
 of the draft vocabulary, its final norm the target's, and fc passes the last tap through, so
-at step 0 it already predicts what the target's late features say.
+at step 0 it already predicts what the target's late features say. `init_from` starts it from
+an EAGLE-3 checkpoint instead (a shipped or published head, trained on): its taps and rows.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class HeadRecipe:
     unroll: int = 2  # training-time test: steps on the head's own output states
     vocab_subset: int = 8192  # the head's rows: the ids the target emits most in the data
     freeze_lm_head: bool = False  # keep the target's output rows as the head's LM head
+    init_from: str | None = None  # an EAGLE-3 head to start from (its taps and rows, not vocab_subset's)
     batch_size: int = 8  # sequences per step
     lr: float = 1e-3  # peak AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
@@ -107,6 +109,8 @@ class HeadRecipe:
             not self.taps or not all(isinstance(t, int) and t >= 0 for t in self.taps)
         ):
             raise ValueError(f"taps must be target layer numbers >= 0, got {self.taps!r}")
+        if self.init_from is not None and not isinstance(self.init_from, str):
+            raise ValueError(f"init_from must be a head directory's path (a string), got {self.init_from!r}")
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -280,6 +284,33 @@ class HeadModel(torch.nn.Module):
             states.append(out)
             h = torch.roll(out, 1, dims=1)  # the next step's slot t reads this step's slot t - 1
         return states
+
+
+def start_from_head(directory, target, taps: tuple[int, ...] | None) -> tuple[HeadConfig, dict, list[int]]:
+    """A head's config, float32 tensors and target ids to continue training from, read from the
+    EAGLE-3 checkpoint in `directory` and checked against the native `target` (and `taps`, when
+    a recipe names them): its rows stay its own, its taps decide the features."""
+    from ..backends.head import is_head, load_head
+
+    if not is_head(directory):
+        raise ValueError(f"init_from: {str(directory)!r} holds no EAGLE-3 head (config.json naming it)")
+    cfg, weights = load_head(directory, target.shape.layers)
+    s = target.shape
+    if (cfg.vocab_size, cfg.hidden_size, cfg.target_hidden_size) != (s.vocab, s.hidden, s.hidden):
+        raise ValueError(
+            f"init_from: the head reads {cfg.target_hidden_size}-wide features of a {cfg.vocab_size}-token "
+            f"vocabulary at width {cfg.hidden_size}; the target is {s.hidden} wide over {s.vocab} tokens"
+        )
+    if taps is not None and tuple(taps) != cfg.taps:
+        raise ValueError(
+            f"init_from: the head reads layers {list(cfg.taps)}, the recipe's taps are {list(taps)}"
+        )
+    if "embed_tokens.weight" in weights:
+        raise ValueError(
+            "init_from: a head with an embedding of its own is not trained here (it reads the target's)"
+        )
+    ids = (torch.arange(cfg.draft_vocab_size) + weights["d2t"].long()).tolist()
+    return cfg, {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}, ids
 
 
 def init_head(target, taps, vocab_ids: list[int], intermediate_size: int | None = None, seed: int = 0):
@@ -472,17 +503,23 @@ class _HeadRun:
         )
         self.tokenizer = loading.load_tokenizer(self.target)
         s = self.target_runner.shape
-        taps = default_taps(s.layers) if rec.taps is None else rec.taps
+        start = (
+            None if rec.init_from is None else start_from_head(rec.init_from, self.target_runner, rec.taps)
+        )
+        taps = start[0].taps if start else default_taps(s.layers) if rec.taps is None else rec.taps
         if max(taps) > s.layers:
             raise ValueError(f"taps {list(taps)} name layers beyond the target's {s.layers}")
         parts = [self._features(run, Dataset(shards), taps) for run, shards in zip(self.runs, run_data)]
         features, feature_seconds = FeatureSet([f for f, _ in parts]), round(sum(t for _, t in parts), 1)
         held_features = _InMemory(len(held.tokens), len(taps) * s.hidden)
         compute_features(self.target_runner, held, taps, held_features)
-        vocab_ids = choose_subset(
-            data.token_mass(s.vocab), rec.vocab_subset, sorted(self.target_runner.eos_token_ids)
-        )
-        cfg, weights = init_head(self.target_runner, taps, vocab_ids, seed=rec.seed)
+        if start is not None:
+            cfg, weights, vocab_ids = start
+        else:
+            vocab_ids = choose_subset(
+                data.token_mass(s.vocab), rec.vocab_subset, sorted(self.target_runner.eos_token_ids)
+            )
+            cfg, weights = init_head(self.target_runner, taps, vocab_ids, seed=rec.seed)
         model = HeadModel(cfg, self.target_runner.embed.detach(), weights)
         if rec.freeze_lm_head:
             model.w("lm_head.weight").requires_grad_(False)
