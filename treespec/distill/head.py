@@ -286,8 +286,8 @@ class HeadModel(torch.nn.Module):
         return states
 
 
-def start_from_head(directory, target, taps: tuple[int, ...] | None) -> tuple[HeadConfig, dict, list[int]]:
-    """A head's config, float32 tensors and target ids to continue training from, read from the
+def start_from_head(directory, target, taps: tuple[int, ...] | None) -> tuple[HeadConfig, dict]:
+    """A head's config and float32 tensors to continue training from, read from the
     EAGLE-3 checkpoint in `directory` and checked against the native `target` (and `taps`, when
     a recipe names them): its rows stay its own, its taps decide the features."""
     from ..backends.head import is_head, load_head
@@ -309,8 +309,7 @@ def start_from_head(directory, target, taps: tuple[int, ...] | None) -> tuple[He
         raise ValueError(
             "init_from: a head with an embedding of its own is not trained here (it reads the target's)"
         )
-    ids = (torch.arange(cfg.draft_vocab_size) + weights["d2t"].long()).tolist()
-    return cfg, {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}, ids
+    return cfg, {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
 
 
 def init_head(target, taps, vocab_ids: list[int], intermediate_size: int | None = None, seed: int = 0):
@@ -503,28 +502,26 @@ class _HeadRun:
         )
         self.tokenizer = loading.load_tokenizer(self.target)
         s = self.target_runner.shape
-        start = (
-            None if rec.init_from is None else start_from_head(rec.init_from, self.target_runner, rec.taps)
-        )
-        taps = start[0].taps if start else default_taps(s.layers) if rec.taps is None else rec.taps
+        if rec.init_from is None:
+            vocab_ids = choose_subset(
+                data.token_mass(s.vocab), rec.vocab_subset, sorted(self.target_runner.eos_token_ids)
+            )
+            taps = default_taps(s.layers) if rec.taps is None else rec.taps
+            cfg, weights = init_head(self.target_runner, taps, vocab_ids, seed=rec.seed)
+        else:
+            cfg, weights = start_from_head(rec.init_from, self.target_runner, rec.taps)
+        taps = cfg.taps
         if max(taps) > s.layers:
             raise ValueError(f"taps {list(taps)} name layers beyond the target's {s.layers}")
         parts = [self._features(run, Dataset(shards), taps) for run, shards in zip(self.runs, run_data)]
         features, feature_seconds = FeatureSet([f for f, _ in parts]), round(sum(t for _, t in parts), 1)
         held_features = _InMemory(len(held.tokens), len(taps) * s.hidden)
         compute_features(self.target_runner, held, taps, held_features)
-        if start is not None:
-            cfg, weights, vocab_ids = start
-        else:
-            vocab_ids = choose_subset(
-                data.token_mass(s.vocab), rec.vocab_subset, sorted(self.target_runner.eos_token_ids)
-            )
-            cfg, weights = init_head(self.target_runner, taps, vocab_ids, seed=rec.seed)
         model = HeadModel(cfg, self.target_runner.embed.detach(), weights)
         if rec.freeze_lm_head:
             model.w("lm_head.weight").requires_grad_(False)
-        row_of = torch.full((s.vocab,), -1, dtype=torch.long)
-        row_of[torch.tensor(vocab_ids)] = torch.arange(len(vocab_ids))
+        row_of = torch.full((s.vocab,), -1, dtype=torch.long)  # target id -> the head's row
+        row_of[model.ids] = torch.arange(len(model.ids))
         self.eval_ids = held.prompts()[: rec.eval_prompts]
         rows_mask = data.row_mask(train_on_prompt=False)
         bf16 = bf16_kernels_enabled()  # AVX512-BF16 / AMX: the products under bf16 autocast
