@@ -441,6 +441,32 @@ def test_costs_are_measured_once_per_key_and_kept_on_disk(tmp_path):
     assert CostCache(blocked / "sub").get(settings, measure).draft == pytest.approx(0.6)
 
 
+def test_a_models_key_follows_its_weights_and_config_not_the_files_beside_them(tmp_path):
+    """Editing a README or acceptance.json beside a model keeps its measured costs; new weights,
+    a new config or another file of the model measure them again."""
+    import os
+
+    model = tmp_path / "head"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"1234")
+    (model / "README.md").write_text("a head")
+    key = autotree.files_key(model)
+    assert [f[0] for f in key[1:]] == ["config.json", "model.safetensors"]
+    (model / "README.md").write_text("a head, measured again")
+    (model / "acceptance.json").write_text("{}")
+    assert autotree.files_key(model) == key
+    (model / "model.safetensors").write_bytes(b"12345")  # new weights
+    assert autotree.files_key(model) != key
+    key = autotree.files_key(model)
+    os.utime(model / "config.json", (1, 1))  # the config rewritten
+    assert autotree.files_key(model) != key
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert autotree.files_key(gguf)[1] == ["m.gguf", 4, int(gguf.stat().st_mtime)]
+    assert autotree.files_key("org/model") == ["org/model"] and autotree.files_key(None) is None
+
+
 def test_the_first_measurement_written_wins(tmp_path):
     """Two processes that measure one key at once keep the first one written."""
     settings = {"target": ["t", 1]}

@@ -369,15 +369,25 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
     )
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")  # files that hold a model's tensors
+
+
+def model_file(f: Path) -> bool:
+    """Whether `f` decides what a model computes: its weights, their index and its config.
+    Everything else beside them (a README, acceptance.json, the tokenizer) may change
+    without changing a forward's cost."""
+    return f.name == "config.json" or f.name.endswith(WEIGHT_SUFFIXES + (".index.json",))
+
+
 def files_key(path) -> list | None:
-    """A model's identity on disk: its files' names, sizes and modification times (None: not a
-    local path)."""
+    """A model's identity on disk: the names, sizes and modification times of the files that
+    decide what it computes (`model_file`; None: not a local path)."""
     if path is None:
         return None
     p = Path(os.fspath(path)).expanduser()
     if not p.exists():
         return [str(path)]  # a hub id: the name is all there is
-    files = sorted(p.rglob("*")) if p.is_dir() else [p]
+    files = sorted(f for f in p.rglob("*") if model_file(f)) if p.is_dir() else [p]
     return [str(p.resolve())] + [
         [f.name, f.stat().st_size, int(f.stat().st_mtime)] for f in files if f.is_file()
     ]
