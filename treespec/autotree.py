@@ -63,10 +63,14 @@ from .tree import TokenTree
 
 COST_FEEDS = tuple(range(1, AUTO_MAX_NODES + 2))  # target feed sizes timed: every one a round may score
 COST_PREFIX = 128  # committed tokens before the timed feeds
-COST_ROUND_TOKENS = 64  # tokens of each short generation whose rounds are timed
-COST_RUNS = 5  # timed runs of plain decoding and of chains of 1 and 4 (medians)
+# tokens of each short generation whose rounds are timed, and timed runs of plain decoding and of
+# chains of 1 and 4 (medians): 32 and 3 planned what 64 and 5 did in 3 measurements each, in 13.5 s
+# where those took 30 (SmolLM2 int4 with its head, Zen 4: a chain starting at 1 or 2 at T=0,
+# plain at T=1, expected speed-ups 1.06-1.08x either way)
+COST_ROUND_TOKENS = 32
+COST_RUNS = 3
 MIN_PLAIN_ROUND = 0.25  # a plain round measured below this many t(1) is a broken clock, not a cost
-COST_VERSION = 16  # bump when what is measured changes: older cache entries are ignored
+COST_VERSION = 17  # bump when what is measured changes: older cache entries are ignored
 PRIOR = {"T0": (0.5, 0.1, 0.05), "T1": (0.4, 0.1, 0.05)}  # a drafter nothing is known of
 PRIOR_WEIGHT = 16.0  # PRIOR weighs against the counts remembered from earlier processes as this many visits
 PLAN_WEIGHT = 64.0  # the plan's vector weighs against a request's own visits as this many
@@ -209,7 +213,7 @@ def _compile_every_feed_size(lane, tokens: list[int], prefix: int) -> None:
     lane.reset()
 
 
-def measure_costs(decoder, repeats: int = 7) -> Costs:
+def measure_costs(decoder, repeats: int = 5) -> Costs:
     """This machine's costs for `decoder`: t(n)/t(1) of its target for feeds of n = 1 ..
     AUTO_MAX_NODES + 1 tokens (a root and its children after COST_PREFIX tokens, on a lane of
     its own, the sizes interleaved, each one timed: kernels that work in blocks of rows make
@@ -220,8 +224,9 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
     chain of 4 over a chain of 1), a chain's walk per node and a speculative round's fixed
     cost; and the per-node costs of trees (a level's further draft rows, the walk per node at
     T=0 and T>0) from a Sequoia shape at both temperatures (all neutral where nothing is
-    drafted by a model). ~5 s on a 2-core CPU for the pycode pair, ~20 s for SmolLM2-135M with
-    its head; under a compiler, each feed size compiles once."""
+    drafted by a model); the generations share the prompt's cache (`Runner.prefix_reuse`). ~14
+    s on a 2-core CPU for SmolLM2-135M int4 with its head; under a compiler, each feed size
+    compiles once."""
     target = decoder.target_runner
     room = (target.max_positions or COST_PREFIX + 64) - max(COST_FEEDS) - 1  # a short model's context
     prefix = max(1, min(COST_PREFIX, room))
@@ -267,6 +272,11 @@ def measure_costs(decoder, repeats: int = 7) -> Costs:
     c, node_draft, walk, chain_walk, plain, overhead = 0.0, 0.0, {"T0": 0.0, "T1": 0.0}, 0.0, 1.0, 0.0
     if decoder.drafter.needs_draft_model and decoder.draft_runner is not None:
         engine = decoder.engine(max_live=1)  # lanes of its own: the decoder may be mid-generate()
+        # every generation starts from the same prompt: its lanes keep the prompt's cache from
+        # one to the next (the timings leave prefill out), where each prefilled the prompt anew
+        for runner in (*engine.targets, *engine.drafts):
+            if runner is not None:
+                runner.prefix_reuse = True
         new_tokens = max(1, min(COST_ROUND_TOKENS, room))
         # the generations start after the prefix t(1) was timed after, where the model has room
         # for both: from an 8-token prompt a plain step ran 11 % faster than from 128 (compiled
