@@ -211,11 +211,12 @@ def test_the_shipped_head_is_hf_generates_greedy_output_on_the_real_target(monke
     measurement most of this test's time, and on such costs the plan drafts."""
     from treespec import autotree
     from treespec.backends.hf import load_model
-    from treespec.config import AUTO_MAX_NODES
     from treespec.loading import checkpoint
     from treespec.zoo import head, heldout_prompt_ids
 
-    cheap = autotree.Costs(tuple(1 + 0.02 * n for n in range(AUTO_MAX_NODES + 1)), 0.05, 0.01)
+    from .test_autotree import costs
+
+    cheap = costs(verify_slope=0.02)
     monkeypatch.setattr(autotree, "COSTS", autotree.CostCache(tmp_path))
     monkeypatch.setattr(autotree, "measure_costs", lambda decoder, repeats=5: cheap)
     target = pair("smollm2")[0]
