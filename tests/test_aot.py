@@ -140,6 +140,50 @@ def test_a_graph_that_cannot_be_compiled_ahead_runs_compiled_in_process(tmp_path
     assert later.compiled.packages == {}
 
 
+def test_int4_weights_get_one_stored_graph_for_every_feed(tmp_path):
+    """With int4 weights the store compiles one graph, exported from the first (one-token) feed
+    with the row count free from 1, and it serves one token and trees alike."""
+    model = build("gqa_tied")
+    prompt, tree = setting()
+    eager = NativeRunner.from_hf(model, quantize="int4")
+    nat = NativeRunner.from_hf(model, compile=True, quantize="int4")
+    nat.compiled = CompiledForward(nat, CHEAP, GraphStore(tmp_path))
+    nat.compiled.static_max = CompiledForward.products("int4", torch.float32)[2]
+    for got, want in zip(decode(nat, prompt, tree), decode(eager, prompt, tree)):
+        assert max_diff(want, got) < 1e-4
+    assert not nat.compiled.failed and set(nat.compiled.packages) == {"dynamic"}
+    assert len(list(tmp_path.glob("*.pt2"))) == 1
+
+
+def test_a_graph_the_templates_cannot_take_is_stored_autotuned(tmp_path, monkeypatch):
+    """TEMPLATES leaves a product no kernel but inductor's C++ template; where that fails, the
+    graph is compiled ahead of time under AUTOTUNED, quietly, and the templates' key is not
+    tried again. The store's build is a stand-in here (the graph's module, run eagerly): nothing compiles."""
+    model = build("gqa_tied")
+    prompt, _ = setting()
+    built = []
+
+    def build_package(store, key, module, inputs, dims, settings):
+        built.append(settings)
+        if settings.get("max_autotune_gemm_backends") == "CPP":
+            raise RuntimeError("No choices exist for backend.")
+        return module
+
+    monkeypatch.setattr(native.GraphStore, "build", build_package)
+    store = GraphStore(tmp_path)
+    nat = NativeRunner.from_hf(model, compile=True)
+    nat.compiled = CompiledForward(nat, CompiledForward.TEMPLATES, store)
+    nat.prefill(prompt)
+    got = nat.score(TokenTree([prompt[-1]], [-1]))  # no warning: the second settings compiled
+    assert built == [CompiledForward.TEMPLATES, CompiledForward.AUTOTUNED]
+    assert not nat.compiled.failed and 1 in nat.compiled.packages
+    assert len(list(tmp_path.glob("*.failed"))) == 1  # the templates' key, not tried again
+    eager = NativeRunner.from_hf(model)
+    eager.prefill(prompt)
+    assert max_diff(eager.score(TokenTree([prompt[-1]], [-1])), got) < 1e-4
+    assert CompiledForward.candidates(CompiledForward.PACKED) == [CompiledForward.PACKED]
+
+
 @pytest.mark.cpu
 def test_a_store_removes_the_packages_not_used_for_its_keep_days(tmp_path):
     store = GraphStore(tmp_path, keep_days=1)

@@ -137,18 +137,21 @@ def test_compiled_quantized_runner_equals_the_eager_one(quantize):
         for r in (eager, nat):
             r.commit([0])
     assert not nat.compiled.failed
-    # int4: the decode step's graph and the dynamic one; int8 as float weights, a graph per size
+    # int4 in process: the decode step's graph and the dynamic one (dynamo keeps no dimension of
+    # size 1 dynamic; from a store one graph serves both, tests/test_aot.py); int8 as float
+    # weights, a graph per size
     assert nat.compiled.compiled == ({1, "dynamic"} if quantize == "int4" else {1, 5, "dynamic"})
 
 
 def test_each_weight_format_compiles_the_products_measured_faster():
-    """int4: one static graph (the decode step) and an autotuned dynamic one; bf16: oneDNN's
+    """int4: one dynamic graph for every feed (no static one), inductor's C++ template for
+    every product untimed; bf16: oneDNN's
     packed products in both, nothing tuned; float32 and int8: a tuned graph per small feed
     size and untuned products for longer feeds. Nothing compiles here."""
     model = build("gqa_tied")
-    auto, packed = CompiledForward.AUTOTUNED, CompiledForward.PACKED
+    auto, packed, templates = CompiledForward.AUTOTUNED, CompiledForward.PACKED, CompiledForward.TEMPLATES
     for quantize, dtype, static, dynamic, static_max in (
-        ("int4", torch.float32, auto, auto, 1),
+        ("int4", torch.float32, templates, templates, 0),
         (None, torch.bfloat16, packed, packed, 1),
         (None, torch.float32, auto, packed, COMPILE_STATIC_MAX),
         ("int8", torch.bfloat16, auto, packed, COMPILE_STATIC_MAX),

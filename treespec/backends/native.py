@@ -685,13 +685,30 @@ def _quiet_compiler():
         yield
 
 
+def _two_rows(inputs: tuple) -> tuple:
+    """A one-token graph's inputs as two tokens', to export a graph for any number of tokens
+    from (export traces them as fakes: nothing is computed or written)."""
+    tokens, positions, slots, mask, cos, sin, kv = inputs
+    mask = torch.ones(2, mask.shape[1] + 1, dtype=mask.dtype, device=mask.device)  # [2, span + 1]
+    return (
+        tokens.repeat(2),
+        torch.cat([positions, positions + 1]),
+        torch.cat([slots, slots + 1]),
+        mask,
+        cos,
+        sin,
+        kv,
+    )
+
+
 class CompiledForward:
     """A lane's forwards that need logits, of 1 to COMPILE_MAX_TOKENS tokens, as inductor graphs.
 
     Graphs compiled on first use (about a minute each on a small CPU): one per feed size from 1
     to `static_max` tokens (the decode step; with float32 or int8 weights also a chain's
     verification and small trees, each with products tuned for its row count) and one for
-    larger feeds up to COMPILE_MAX_TOKENS (the row count dynamic); all take the attended span
+    larger feeds up to COMPILE_MAX_TOKENS (the row count dynamic; with int4 weights, where the
+    graph comes from the store, that one graph serves every feed: `static_max` 0); all take the attended span
     and the cache capacity as dynamic sizes, so none recompiles as the sequence or the cache
     grows. Which products each graph gets depends on the weights (`products`). Inductor
     freezes the weights into the graphs, packs them for the products it picked and fuses the
@@ -727,6 +744,11 @@ class CompiledForward:
         "max_autotune_report_choices_stats": False,
     }
     PACKED = {"freezing": True, "max_autotune": False}
+    # TEMPLATES: inductor's C++ GEMM template for every product and no timing. Where max-autotune
+    # picks that template anyway (int4, at every row count), timing the choices only costs
+    # compile time: ~20 s of a SmolLM2 graph's ~90 s (Zen 4). A product the template cannot take
+    # has no choice left under it; such a graph is compiled under AUTOTUNED instead (`candidates`).
+    TEMPLATES = {**AUTOTUNED, "max_autotune_gemm_backends": "CPP"}
     # dynamo: a size seen twice must not turn dynamic by itself (each static size keeps its
     # graph), and there is room for every static size plus the dynamic graph
     DYNAMO = {"automatic_dynamic_shapes": False, "recompile_limit": COMPILE_STATIC_MAX + 4}
@@ -766,13 +788,15 @@ class CompiledForward:
         its own) for weights in `quantize` computing in `dtype`; each choice the faster inside
         the model on a Zen 5 core (docs/performance.md, "Which products a compiled graph
         gets"). Int4: inductor's micro-kernel at every row count (tuned at one, it holds at the
-        others), so one static graph and an autotuned dynamic one. bf16 weights: oneDNN's
-        packed products (the bf16 template autotuning picks, fast on one cached matrix, is
-        1.5x slower inside the model), so nothing to tune per size. float32 and int8: a tuned
+        others), so one dynamic graph for every feed, taking it untimed (TEMPLATES: a cold
+        start compiles one graph in ~70 s, where an autotuned one-token graph and an autotuned
+        dynamic one took ~180 s, and decodes as fast). bf16 weights: oneDNN's packed products
+        (the bf16 template autotuning picks, fast on one cached matrix, is 1.5x slower inside
+        the model), so nothing to tune per size. float32 and int8: a tuned
         graph per small feed size, and oneDNN's / torch's products for longer feeds (a float
         template tuned at one row count loses at others)."""
         if quantize == "int4":
-            return cls.AUTOTUNED, cls.AUTOTUNED, 1
+            return cls.TEMPLATES, cls.TEMPLATES, 0
         if quantize is None and dtype == torch.bfloat16:
             return cls.PACKED, cls.PACKED, 1
         return cls.AUTOTUNED, cls.PACKED, COMPILE_STATIC_MAX
@@ -795,29 +819,33 @@ class CompiledForward:
             mask = causal_visible(n, S, runner.device)
         slots = torch.arange(S, span, device=runner.device)
         inputs = (feed.tokens, feed.positions, slots, mask, pool.cos, pool.sin_signed, pool.kv)
-        static = n <= self.static_max
+        # static_max 0: the dynamic graph serves every feed where it comes from the store; in
+        # process, dynamo keeps no dimension of size 1 dynamic, so one token gets a graph of its own
+        static = n <= self.static_max or (n == 1 and 1 in self.compiled)
         graph = n if static else "dynamic"
-        settings = self.config["static" if static else "dynamic"]
-        what = f"{n} tokens" if static else "longer feeds"  # for the log
+        candidates = self.candidates(self.config["static" if static else "dynamic"])
+        what = f"{n} tokens" if static else "longer feeds" if self.static_max else "every feed"  # for the log
         try:
             if graph in self.compiled:
                 # compiled: the dynamic sizes and settings are read only while compiling, and
                 # marking and patching cost ~0.1 ms a call
                 return Scores(*self.packages.get(graph, self.graph)(*inputs))
-            package = self._package(graph, inputs, settings, what) if self.store is not None else None
+            package = self._package(graph, inputs, candidates, what) if self.store is not None else None
             if package is not None:
                 self.packages[graph] = package
                 self.compiled.add(graph)
                 return Scores(*package(*inputs))
+            if n == 1 and not static:  # in process: the one-token graph (above)
+                static, graph, what = True, 1, "1 tokens"
             if not static:
                 for t in (feed.tokens, feed.positions, slots, mask):
-                    torch._dynamo.mark_dynamic(t, 0, min=self.static_max + 1, max=COMPILE_MAX_TOKENS)
+                    torch._dynamo.mark_dynamic(t, 0, min=max(self.static_max, 1) + 1, max=COMPILE_MAX_TOKENS)
             torch._dynamo.mark_dynamic(mask, 1)
             for t, dim in ((pool.kv, 4), (pool.cos, 0), (pool.sin_signed, 0)):
                 torch._dynamo.mark_dynamic(t, dim)
             log.info("compiling the forward for %s (once per process; seconds to minutes)", what)
             with (
-                torch._inductor.config.patch(settings),
+                torch._inductor.config.patch(candidates[-1]),  # the settings every product takes
                 torch._dynamo.config.patch(self.dynamo),
                 _quiet_compiler(),
             ):
@@ -832,42 +860,59 @@ class CompiledForward:
             )
             return None
 
+    @classmethod
+    def candidates(cls, settings: dict) -> list[dict]:
+        """The settings to compile a graph under, in order: `settings`, then AUTOTUNED where
+        `settings` leaves a product no kernel but the C++ template (TEMPLATES)."""
+        templates_only = settings.get("max_autotune_gemm_backends") == "CPP"
+        return [settings, cls.AUTOTUNED] if templates_only else [settings]
+
     def digest(self) -> str:
         """What these graphs compute (`aot.model_digest`: weights, shape, taps), computed once."""
         if self.model is None:
             self.model = model_digest(self.module, shape=self.module.shape, taps=self.module.taps)
         return self.model
 
-    def _package(self, graph: int | str, inputs: tuple, settings: dict, what: str) -> Callable | None:
-        """Graph `graph` (inductor `settings`; `what` it serves, for the log) from the store:
-        loaded (~0.1 s), or compiled ahead of time once for this machine and model and kept
-        there; None where it cannot be (the graph is then compiled in process, as without a
-        store, and later processes do not try again)."""
-        key = self.store.key(self.digest(), graph, settings)
-        if self.store.refused(key):
-            return None
-        package = self.store.load(key)
-        if package is not None:
-            log.info("loaded the compiled forward for %s from %s", what, self.store.root)
-            return package
+    def _package(self, graph: int | str, inputs: tuple, candidates: list[dict], what: str) -> Callable | None:
+        """Graph `graph` (`what` it serves, for the log) from the store, under the first of the
+        inductor settings `candidates` it compiles under: loaded (~0.1 s), or compiled ahead of
+        time once for this machine and model and kept there; None where it cannot be (the graph
+        is then compiled in process, as without a store, and later processes do not try again)."""
+        failure = None
+        for settings in candidates:
+            key = self.store.key(self.digest(), graph, settings)
+            if self.store.refused(key):
+                continue
+            package = self.store.load(key)
+            if package is not None:
+                log.info("loaded the compiled forward for %s from %s", what, self.store.root)
+                return package
+            try:
+                return self._build(key, graph, inputs, settings, what)
+            except Exception as e:  # noqa: BLE001 - the next settings, then the in-process compiler
+                self.store.refuse(key, e)
+                failure = e
+        if failure is not None:
+            warnings.warn(
+                f"treespec: compiling the forward ahead of time failed ({type(failure).__name__}: "
+                f"{failure}); compiling it in this process instead",
+                stacklevel=3,
+            )
+        return None
+
+    def _build(self, key: str, graph: int | str, inputs: tuple, settings: dict, what: str) -> Callable:
+        """Compile graph `graph` ahead of time under `settings` into the store, as `key`."""
         # the sizes free in every graph: the attended span, the RoPE tables' rows, the cache's
         # capacity; and in the dynamic graph the fed tokens
         Dim = torch.export.Dim  # noqa: N806 - torch's name
         span, rope, cap = Dim("span", min=2), Dim("rope", min=2), Dim("cap", min=3)
         rows = {0: Dim("n", min=self.static_max + 1, max=COMPILE_MAX_TOKENS)} if graph == "dynamic" else None
         dims = (rows, rows, rows, {1: span, **(rows or {})}, {0: rope}, {0: rope}, {4: cap})
+        if rows is not None and inputs[0].shape[0] == 1:
+            inputs = _two_rows(inputs)  # export keeps no dimension of size 1 dynamic
         log.info(
             "compiling the forward for %s ahead of time (once for this machine and model, kept in %s; "
             "about a minute)", what, self.store.root,
         )  # fmt: skip
-        try:
-            with _quiet_compiler():
-                return self.store.build(key, self.module, inputs, dims, settings)
-        except Exception as e:  # noqa: BLE001 - the in-process compiler takes over
-            self.store.refuse(key, e)
-            warnings.warn(
-                f"treespec: compiling the forward ahead of time failed ({type(e).__name__}: {e}); "
-                "compiling it in this process instead",
-                stacklevel=3,
-            )
-            return None
+        with _quiet_compiler():
+            return self.store.build(key, self.module, inputs, dims, settings)
