@@ -120,9 +120,9 @@ class QuantizedProjection:
         check_quantize("int8", weight.dtype)
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        w = weight.float()
-        scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # [out]
-        self.weight_int8 = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8)  # [out, in]
+        w = weight.to(torch.float32, copy=True)  # rounded in place: half the time (SmolLM2's output layer)
+        scales = torch.linalg.vector_norm(w, ord=float("inf"), dim=1).clamp_(min=1e-12).div_(127)  # [out]
+        self.weight_int8 = w.div_(scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)  # [out, in]
         self.scales = scales.to(weight.dtype)  # [out], the kernel takes them in x's dtype
 
     @property
