@@ -238,3 +238,24 @@ def test_prefix_reuse_prefills_only_what_is_new_and_changes_no_output(backend, t
     new = len(second_prompt) - 1 - shared  # a fresh prefill feeds len(second_prompt) - 1 = 20
     # the draft's cache lags the target's by the tokens of the last round it did not feed
     assert prefill[0] == new and new <= prefill[1] <= new + 3, prefill
+
+
+def test_a_cpu_choice_is_measured_once_per_machine(monkeypatch, tmp_path):
+    """`cpu.remembered` keeps a measured choice on disk per machine: read back, not measured
+    again; measured again for another machine or a corrupt file, never an error."""
+    from treespec.backends import cpu
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    calls = []
+
+    def measure(value=True):
+        calls.append(value)
+        return value
+
+    assert cpu.remembered("choice", measure) is True
+    assert cpu.remembered("choice", lambda: measure(False)) is True and calls == [True]  # read back
+    assert cpu.remembered("other", lambda: measure(False)) is False and calls == [True, False]
+    monkeypatch.setattr(cpu, "machine_key", lambda: {"cpu": "another"})
+    assert cpu.remembered("choice", lambda: measure(False)) is False  # another machine: measured
+    (tmp_path / cpu.CHOICES_FILE).write_text("{not json")
+    assert cpu.remembered("choice", measure) is True and calls == [True, False, False, True]

@@ -1,16 +1,22 @@
 """What this machine's processor offers, for choosing dtypes and weight formats: bf16 matrix
 instructions read from /proc/cpuinfo, and one-off measurements of whether bf16 products beat
-fp32 here and whether int4 products beat the dtype's own; and the machine's key, for what is
-measured or compiled once per machine (`machine_key`)."""
+fp32 here and whether int4 products beat the dtype's own (taken once per machine, kept on
+disk); and the machine's key, for what is measured or compiled once per machine
+(`machine_key`)."""
 
 from __future__ import annotations
 
 import copy
 import functools
+import json
 import os
+import tempfile
 import time
+from collections.abc import Callable
 
 import torch
+
+from ..config import default_cache_dir
 
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")  # bf16 matrix instructions (AMX tiles, AVX-512 dot products)
 
@@ -67,12 +73,46 @@ def auto_dtype(device: torch.device | str, role: str = "target") -> torch.dtype:
     return torch.float32
 
 
+CHOICES_FILE = "cpu-choices.json"  # under $TREESPEC_CACHE: the measured choices below, per machine
+
+
+def remembered(name: str, measure: Callable[[], bool]) -> bool:
+    """`measure()`, taken once per machine: kept under `name` in $TREESPEC_CACHE/cpu-choices.json
+    beside `machine_key()`. A missing, unreadable or other machine's file is measured again
+    (and replaced), never an error; a read-only cache only measures each time. The measurements
+    below took ~0.25 s of every start of the default pair."""
+    path = default_cache_dir() / CHOICES_FILE
+    machine = machine_key()
+    try:
+        data = json.loads(path.read_text())
+        choices = data["choices"] if data["machine"] == machine else {}
+    except (OSError, ValueError, KeyError, TypeError):
+        choices = {}
+    if isinstance(choices.get(name), bool):
+        return choices[name]
+    value = bool(measure())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"machine": machine, "choices": {**choices, name: value}}, f, indent=1)
+        os.replace(tmp, path)  # whole: a concurrent reader sees the old file or the new one
+    except OSError:
+        pass
+    return value
+
+
 @functools.cache
 def bf16_matmul_is_faster(margin: float = 0.9) -> bool:
     """Whether bf16 matrix products beat fp32 on this CPU, measured the way the native backend
     multiplies (`linear.Projection`, packed where oneDNN can): a decode-shaped product
     (1 x 1024 @ 1024 x 2048) and a tree-shaped one (16 rows), median of 15 each after a warm-up;
-    bf16 must take under `margin` of fp32's time in both. About 30 ms, once per process."""
+    bf16 must take under `margin` of fp32's time in both. About 30 ms, once per machine
+    (`remembered`)."""
+    return remembered(f"bf16 products under {margin} of float32's", lambda: _bf16_faster(margin))
+
+
+def _bf16_faster(margin: float) -> bool:
     from .linear import Projection
 
     g = torch.Generator().manual_seed(0)
@@ -99,13 +139,18 @@ def int4_matmul_is_faster(dtype: torch.dtype, dense: torch.dtype | None = None, 
     step); medians of 7 sweeps. torch's int4 kernel is fast with bf16 inputs (AVX512 and
     AVX2 cores alike) and far slower than dense with float32 ones; a tree's many rows favour
     dense weights, which the automatic tree accounts for with the measured t(n). About 50 ms
-    a dtype, once per process; False where int4 cannot compute in `dtype`."""
+    a dtype, once per machine (`remembered`); False where int4 cannot compute in `dtype`."""
     from .linear import QUANTIZABLE_DTYPES
 
     if dtype not in QUANTIZABLE_DTYPES:
         return False
-    bar = margin * _streamed_seconds("dense", dense or dtype)
-    return _streamed_seconds("int4", dtype, stop_above=3 * bar) < bar
+    dense = dense or dtype
+
+    def measure() -> bool:
+        bar = margin * _streamed_seconds("dense", dense)
+        return _streamed_seconds("int4", dtype, stop_above=3 * bar) < bar
+
+    return remembered(f"int4 products in {dtype} under {margin} of dense {dense}'s", measure)
 
 
 @functools.cache
