@@ -8,13 +8,15 @@
 
 Every drafter decodes the pair's held-out chats with the same chain (depth 4 by default) at
 T=0 and T=1, same seeds; acceptance at depth d is accepted / attempted there, pooled over the
-prompts. No timing: what it compares is what a drafter proposes, not how fast. Writes
-results/compare_heads_<tag>.json.
+prompts. `--dynamic WxDxB ...` adds EAGLE-2 dynamic trees (width W, depth D, B nodes kept) per
+drafter: the tokens/step a wide tree reaches. No timing: what it compares is what a drafter
+proposes, not how fast. Writes results/compare_heads_<tag>.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 
 from record import write_results
 
@@ -29,8 +31,13 @@ def main() -> None:
     ap.add_argument("--n-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--dynamic", nargs="*", default=[], metavar="WxDxB", help="dynamic trees, e.g. 6x8x32")
     ap.add_argument("--tag", default="cpu")
     args = ap.parse_args()
+    trees = {"chain": TreeConfig(1, args.depth)}
+    for spec in args.dynamic:
+        width, depth, budget = (int(v) for v in spec.split("x"))
+        trees[f"dynamic {spec}"] = TreeConfig(width=width, depth=depth, strategy="dynamic", budget=budget)
 
     target = pair(args.pair)[0]
     drafts = dict(d.split("=", 1) for d in args.drafts)
@@ -38,28 +45,34 @@ def main() -> None:
         name: SpeculativeDecoder.from_pretrained(target=target, draft=path) for name, path in drafts.items()
     }
     prompts = heldout_prompt_ids(args.pair, next(iter(decs.values())).tokenizer, args.n_prompts)
-    results = {"pair": args.pair, "drafts": drafts, "prompts": len(prompts), "depth": args.depth, "runs": {}}
-    for temperature in (0.0, 1.0):
-        for name, dec in decs.items():
-            outs = dec.generate_batch(
-                prompts, max_new_tokens=args.max_new_tokens, tree=TreeConfig(1, args.depth),
-                sampling=SamplingConfig(temperature=temperature), seeds=list(range(len(prompts))),
-            )  # fmt: skip
+    results = {
+        "pair": args.pair, "drafts": drafts, "prompts": len(prompts), "depth": args.depth,
+        "trees": {k: str(t) for k, t in trees.items()}, "runs": {},
+    }  # fmt: skip
+    for temperature, (name, dec), (tree_name, tree) in itertools.product(
+        (0.0, 1.0), decs.items(), trees.items()
+    ):
+        outs = dec.generate_batch(
+            prompts, max_new_tokens=args.max_new_tokens, tree=tree,
+            sampling=SamplingConfig(temperature=temperature), seeds=list(range(len(prompts))),
+        )  # fmt: skip
+        depth = tree.depth
 
-            def pooled(field: str, d: int, outs=outs) -> int:
-                return sum(getattr(o.stats, field)[d] for o in outs if d < len(getattr(o.stats, field)))
+        def pooled(field: str, d: int, outs=outs) -> int:
+            return sum(getattr(o.stats, field)[d] for o in outs if d < len(getattr(o.stats, field)))
 
-            by_depth = [
-                round(pooled("accepted_by_depth", d) / max(1, pooled("attempted_by_depth", d)), 4)
-                for d in range(args.depth)
-            ]
-            steps = sum(o.stats.target_steps for o in outs)
-            record = {
-                "acceptance_by_depth": by_depth,
-                "tokens_per_step": round(sum(len(o.token_ids) for o in outs) / steps, 4),
-            }
-            results["runs"][f"{name}, T={temperature:g}"] = record
-            print(f"{name:>16}  T={temperature:g}  {record}", flush=True)
+        by_depth = [
+            round(pooled("accepted_by_depth", d) / max(1, pooled("attempted_by_depth", d)), 4)
+            for d in range(depth)
+        ]
+        steps = sum(o.stats.target_steps for o in outs)
+        record = {
+            "acceptance_by_depth": by_depth,
+            "tokens_per_step": round(sum(len(o.token_ids) for o in outs) / steps, 4),
+        }
+        label = name if tree_name == "chain" else f"{name}, {tree_name}"  # the chain's keys as before
+        results["runs"][f"{label}, T={temperature:g}"] = record
+        print(f"{label:>16}  T={temperature:g}  {record}", flush=True)
     write_results(f"compare_heads_{args.tag}.json", results)
 
 
