@@ -167,6 +167,61 @@ def test_head_tree_forward_equals_its_definition_on_every_path():
     assert torch.isinf(got).sum(-1).eq(cfg.vocab_size - 40).all()  # q only on the head's 40 rows
 
 
+def test_a_compiled_head_equals_the_eager_one(tmp_path):
+    """The head's graph (`HeadRunner(compile=True)`, one graph for every feed from the store, as
+    int4 heads get): the same logits and output states as the eager layer, one token and trees
+    alike. Cheap inductor settings: one small graph compiles (~15 s)."""
+    from treespec.backends.aot import GraphStore
+    from treespec.backends.native import CompiledForward
+
+    from .test_native import CHEAP
+
+    target = tiny_llama(0).float()
+    cfg, w = random_head(target, draft_vocab=40, seed=1)
+    w = {k: v.float() if v.is_floating_point() else v for k, v in w.items()}
+    embed = target.model.embed_tokens.weight.detach()
+    eager = HeadRunner(cfg, w, embed)
+    nat = HeadRunner(cfg, w, embed, compile=True)
+    nat.compiled = CompiledForward(nat, CHEAP, GraphStore(tmp_path))
+    nat.compiled.static_max = 0
+    rng, g = random.Random(0), torch.Generator().manual_seed(2)
+    feeds = [  # (nodes, their parents, the path committed): a prefill, a step, a tree
+        (7, list(range(-1, 6)), list(range(7))),
+        (1, [-1], [0]),
+        (7, [-1, 0, 0, 1, 1, 3, 2], [0, 1, 3, 5]),
+    ]
+    for n, parents, path in feeds:
+        tokens = [rng.randrange(cfg.vocab_size) for _ in range(n)]
+        hidden = torch.randn(n, cfg.hidden_size, generator=g)
+        want, got = (extend_many([(r, tokens, parents, hidden)])[0] for r in (eager, nat))
+        torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=1e-4)
+        torch.testing.assert_close(got.features, want.features, rtol=0, atol=1e-4)
+        for r in (eager, nat):
+            r.commit(path)
+    assert not nat.compiled.failed and set(nat.compiled.packages) == {"dynamic"}
+
+
+def test_the_cost_measurement_feeds_a_compiled_head_every_size():
+    """Before timing, a compiled pair's runners get one feed of every size a round may score
+    (`autotree._compile_every_feed_size`); a feature head's come with hidden states in its own
+    dtype (eager runners here: what is fed, not the compiling, is under test)."""
+    from treespec import autotree
+
+    target = tiny_llama(0).float()
+    cfg, w = random_head(target, draft_vocab=40, seed=1)
+    head = HeadRunner(cfg, w, target.model.embed_tokens.weight.detach(), dtype=torch.bfloat16)
+    seen = []
+    extend = head.extend
+    head.extend = lambda ids, parents, hidden: (
+        seen.append((len(ids), hidden.dtype)) or extend(ids, parents, hidden)
+    )
+    autotree._compile_every_feed_size(head, list(range(40)), 16)
+    assert seen == [(16, torch.bfloat16)] + [
+        (n, torch.bfloat16) for n in range(1, autotree.AUTO_MAX_NODES + 2)
+    ]
+    assert head.filled == 0  # left reset
+
+
 def test_target_features_come_with_the_scores_and_equal_hf_hidden_states():
     """Taps are layer inputs (HF's hidden_states[i]); the layer count is the last layer's
     output before the final norm. Native and HF runners return the same rows for a prefill and a

@@ -205,10 +205,19 @@ def _compile_every_feed_size(lane, tokens: list[int], prefix: int) -> None:
     draft's catch-up size follows its acceptance, and a compile of tens of seconds in a timed
     round made a compiled pair's per-node costs 10x what they were."""
     room = (lane.max_positions or prefix + AUTO_MAX_NODES + 2) - AUTO_MAX_NODES - 2
+    start = max(1, min(prefix, room))
+
+    def feed(ids: list[int], parents: list[int]) -> None:
+        """A feed of `ids`; a feature head's (`takes_hidden`) with a zero state per token."""
+        takes_hidden = getattr(lane, "takes_hidden", False)
+        hidden = torch.zeros(len(ids), lane.shape.hidden, dtype=lane.dtype) if takes_hidden else None
+        lane.extend(ids, parents, hidden)
+
     lane.reset()
-    lane.prefill(tokens[: max(1, min(prefix, room))])
+    feed(tokens[:start], list(range(-1, start - 1)))
+    lane.commit(list(range(start)))
     for n in range(1, AUTO_MAX_NODES + 2):
-        lane.score(TokenTree(tokens[prefix : prefix + n], [-1] + [0] * (n - 1)))
+        feed(tokens[prefix : prefix + n], [-1] + [0] * (n - 1))
         lane.commit([])
     lane.reset()
 

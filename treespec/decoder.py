@@ -191,7 +191,7 @@ class SpeculativeDecoder:
         head = (
             None
             if draft is None
-            else load_head_runner(draft, target_runner, head_dtype, device, draft_quantize)
+            else load_head_runner(draft, target_runner, head_dtype, device, draft_quantize, compile)
         )
         runners = [
             target_runner,

@@ -33,10 +33,22 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .aot import GraphStore
+from .attention import graph_lane_attention
 from .base import Feed, Scores
 from .checkpoint import LlamaShape
 from .linear import Int4Projection, Projection, QuantizedProjection, check_quantize
-from .native import KVPool, Layer, NativeRunner, rms_norm, rotate, split_scores
+from .native import (
+    CompiledForward,
+    KVPool,
+    Layer,
+    NativeRunner,
+    _ForwardGraph,
+    rms_norm,
+    rope_rows,
+    rotate,
+    split_scores,
+)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # what save_head writes
 ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM")  # what a head's config may name (vLLM's alias)
@@ -246,11 +258,14 @@ class HeadRunner(NativeRunner):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         quantize: str | None = None,
+        compile: bool = False,
     ):
         """`embed`: the target's embedding matrix [V, hidden] (EAGLE-3 heads share it), unless
         `weights` holds an `embed_tokens.weight` of the head's own. `quantize` ("int8", "int4"):
         the head's products weight-only quantized (`linear.QuantizedProjection`,
-        `linear.Int4Projection`); a head's q only proposes, so the output stays lossless."""
+        `linear.Int4Projection`); a head's q only proposes, so the output stays lossless.
+        `compile`: its forwards with logits as an inductor graph (`native.CompiledForward`,
+        kept across processes as the target's are)."""
         check_head_weights(cfg, weights)
         if quantize is not None:
             check_quantize(quantize, dtype)
@@ -300,7 +315,11 @@ class HeadRunner(NativeRunner):
         self.flash, self.prefix_attention, self.compiled = False, None, None
         self.pool, self.row = KVPool(s, 1, self.inv_freq, dtype, self.device), 0
         self.taps = ()
+        self.compiled = CompiledForward(self, store=GraphStore()) if compile else None
         super(NativeRunner, self).__init__()
+
+    def forward_graph(self) -> _HeadGraph:
+        return _HeadGraph(self)
 
     @property
     def target_taps(self) -> tuple[int, ...]:
@@ -319,6 +338,11 @@ class HeadRunner(NativeRunner):
         """The one layer over every lane's (token, hidden) pairs in one forward."""
         s, pool = self.shape, self.pool
         ns, starts = [f.tokens.shape[0] for f in feeds], [lane.filled for lane in lanes]
+        if len(lanes) == 1 and need_logits and self.compiled is not None:
+            scores = self.compiled(self, feeds[0], starts[0])
+            if scores is not None:
+                self.filled = starts[0] + ns[0]
+                return [scores]
         tokens, positions, attend = self._packed_inputs(lanes, feeds, starts, ns)
         h = torch.cat([f.hidden for f in feeds]).to(self.dtype)  # [T, hidden]
         T, D, eps, layer = tokens.shape[0], s.head_dim, s.eps, self.layers[0]
@@ -339,15 +363,60 @@ class HeadRunner(NativeRunner):
         return split_scores(logits, out, ns)
 
 
+class _HeadGraph(_ForwardGraph):
+    """The head's layer with logits, written for inductor as `native._ForwardGraph` is: fed
+    (token, hidden state) pairs; the math is `HeadRunner._packed_forward`'s."""
+
+    FED = 5  # tokens, hidden states, positions, slots, the mask
+
+    def __init__(self, runner: HeadRunner):
+        torch.nn.Module.__init__(self)
+        self.shape, self.taps, self.tp, self.vocab_size = (
+            runner.shape,
+            runner.cfg.taps,
+            None,
+            runner.vocab_size,
+        )
+        for name in ("embed", "hidden_norm", "norm", "ids"):
+            self.register_buffer(name, getattr(runner, name))
+        self._register("lm_head", runner.lm_head)
+        layer = runner.layers[0]
+        for name in ("attn_norm", "mlp_norm"):
+            self.register_buffer(f"{name}_0", getattr(layer, name))
+        for name in ("qkv", "o", "gate_up", "down"):
+            self._register(f"{name}_0", getattr(layer, name))
+            self._buffer(f"{name}_bias_0", getattr(layer, name).bias)
+
+    @staticmethod
+    def inputs(feed: Feed, slots: torch.Tensor, mask: torch.Tensor, pool: KVPool) -> tuple:
+        hidden = feed.hidden.to(pool.kv.dtype)  # [n, hidden]: in the head's dtype, as the graph was made
+        return (feed.tokens, hidden, feed.positions, slots, mask, pool.cos, pool.sin_signed, pool.kv)
+
+    def forward(self, tokens, hidden, positions, slots, mask, cos_table, sin_table, kv):
+        s, layer = self.shape, self.layer(0)
+        T, D, eps = tokens.shape[0], s.head_dim, s.eps
+        cos, sin = rope_rows(cos_table, sin_table, positions, s)  # [T, Hq+2Hkv, D] each
+        h = hidden  # [T, hidden]
+        e = rms_norm(F.embedding(tokens, self.embed), layer.attn_norm, eps)
+        x = torch.cat([e, rms_norm(h, self.hidden_norm, eps)], dim=-1)  # [T, 2 hidden]
+        qkv = rotate(layer.qkv(x).view(T, s.heads + 2 * s.kv_heads, D), cos, sin)
+        a = layer.o(graph_lane_attention(kv, 0, qkv, slots, mask, s.heads)) + h
+        gate, up = layer.gate_up(rms_norm(a, layer.mlp_norm, eps)).chunk(2, dim=-1)
+        out = layer.down(F.silu(gate) * up) + a  # [T, hidden]: the output state
+        rows = self._linear(rms_norm(out, self.norm, eps), "lm_head")  # [T, K]
+        logits = rows.new_full((T, self.vocab_size), float("-inf")).index_copy(1, self.ids, rows)
+        return logits, out  # [T, V], [T, hidden]
+
+
 def load_head_runner(
-    path, target, dtype: torch.dtype, device, quantize: str | None = None
+    path, target, dtype: torch.dtype, device, quantize: str | None = None, compile: bool = False
 ) -> HeadRunner | None:
     """A `HeadRunner` for the EAGLE-3 checkpoint in the local directory `path`, over the
     embedding of `target` (a runner), its products `quantize`d (None, "int8", "int4"; "auto":
     int4 on a CPU whose int4 products in `dtype` measure faster than dense ones,
     `cpu.int4_matmul_is_faster`, where the head's shapes suit torch's int4 layout; int8's
-    one scale per row cost the SmolLM2 head acceptance, int4's groups of 32 did not); None
-    when `path` is not a head."""
+    one scale per row cost the SmolLM2 head acceptance, int4's groups of 32 did not), its
+    forwards compiled with `compile` (`HeadRunner`); None when `path` is not a head."""
     if not isinstance(path, (str, Path)) or not is_head(path):
         return None
     embed = target.input_embeddings()
@@ -367,4 +436,4 @@ def load_head_runner(
         )
         faster = fits and torch.device(device).type == "cpu" and cpu.int4_matmul_is_faster(dtype)
         quantize = "int4" if faster else None
-    return HeadRunner(cfg, weights, embed, dtype=dtype, device=device, quantize=quantize)
+    return HeadRunner(cfg, weights, embed, dtype=dtype, device=device, quantize=quantize, compile=compile)

@@ -407,6 +407,10 @@ class NativeRunner(Runner):
         self._graphs_by_taps: dict[tuple[int, ...], CompiledForward] = {}  # see set_taps
         super().__init__()
 
+    def forward_graph(self) -> _ForwardGraph:
+        """This runner's forward with logits as a module for inductor (`CompiledForward`)."""
+        return _ForwardGraph(self)
+
     # ---- constructors ----------------------------------------------------------------------
     @classmethod
     def from_hf(
@@ -665,6 +669,13 @@ class _ForwardGraph(torch.nn.Module):
             product("down"),
         )
 
+    FED = 4  # the inputs per fed token (the attention mask last), then the pool's tables and cache
+
+    @staticmethod
+    def inputs(feed: Feed, slots: torch.Tensor, mask: torch.Tensor, pool: KVPool) -> tuple:
+        """`forward`'s inputs for `feed`, written to `slots` under `mask`."""
+        return (feed.tokens, feed.positions, slots, mask, pool.cos, pool.sin_signed, pool.kv)
+
     def forward(self, tokens, positions, slots, mask, cos_table, sin_table, kv):
         s = self.shape
         cos, sin = rope_rows(cos_table, sin_table, positions, s)  # [T, Hq+2Hkv, D] each
@@ -685,20 +696,13 @@ def _quiet_compiler():
         yield
 
 
-def _two_rows(inputs: tuple) -> tuple:
-    """A one-token graph's inputs as two tokens', to export a graph for any number of tokens
-    from (export traces them as fakes: nothing is computed or written)."""
-    tokens, positions, slots, mask, cos, sin, kv = inputs
+def _two_rows(inputs: tuple, fed: int) -> tuple:
+    """A one-token graph's inputs as two tokens' (its first `fed` inputs, the mask last among
+    them, are per fed token), to export a graph for any number of tokens from: export traces
+    them as fakes, so only their sizes matter, and nothing is computed or written."""
+    *rows, mask = inputs[:fed]
     mask = torch.ones(2, mask.shape[1] + 1, dtype=mask.dtype, device=mask.device)  # [2, span + 1]
-    return (
-        tokens.repeat(2),
-        torch.cat([positions, positions + 1]),
-        torch.cat([slots, slots + 1]),
-        mask,
-        cos,
-        sin,
-        kv,
-    )
+    return (*(torch.cat([t, t]) for t in rows), mask, *inputs[fed:])
 
 
 class CompiledForward:
@@ -760,12 +764,12 @@ class CompiledForward:
         # dynamo keeps compiled graphs, and counts its recompile limit, per code object: a
         # forward of its own keeps this runner's graphs apart from every other runner's (a
         # target and its draft, or two dtypes, would share one cache and exhaust the limit)
-        forward = _ForwardGraph.forward
+        self.module = runner.forward_graph().eval()
+        forward = type(self.module).forward
         own = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__)
         # its module's buffers are the frozen weights, never reassigned: dynamo need not guard
         # them (~0.1 ms of guard checks a call on a 30-layer model); inputs keep their guards
         skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
-        self.module = _ForwardGraph(runner).eval()
         self.graph = torch.compile(
             types.MethodType(own, self.module),
             fullgraph=True,
@@ -818,7 +822,7 @@ class CompiledForward:
         else:
             mask = causal_visible(n, S, runner.device)
         slots = torch.arange(S, span, device=runner.device)
-        inputs = (feed.tokens, feed.positions, slots, mask, pool.cos, pool.sin_signed, pool.kv)
+        inputs = self.module.inputs(feed, slots, mask, pool)
         # static_max 0: the dynamic graph serves every feed where it comes from the store; in
         # process, dynamo keeps no dimension of size 1 dynamic, so one token gets a graph of its own
         static = n <= self.static_max or (n == 1 and 1 in self.compiled)
@@ -838,7 +842,7 @@ class CompiledForward:
             if n == 1 and not static:  # in process: the one-token graph (above)
                 static, graph, what = True, 1, "1 tokens"
             if not static:
-                for t in (feed.tokens, feed.positions, slots, mask):
+                for t in inputs[: self.module.FED]:
                     torch._dynamo.mark_dynamic(t, 0, min=max(self.static_max, 1) + 1, max=COMPILE_MAX_TOKENS)
             torch._dynamo.mark_dynamic(mask, 1)
             for t, dim in ((pool.kv, 4), (pool.cos, 0), (pool.sin_signed, 0)):
@@ -907,9 +911,10 @@ class CompiledForward:
         Dim = torch.export.Dim  # noqa: N806 - torch's name
         span, rope, cap = Dim("span", min=2), Dim("rope", min=2), Dim("cap", min=3)
         rows = {0: Dim("n", min=self.static_max + 1, max=COMPILE_MAX_TOKENS)} if graph == "dynamic" else None
-        dims = (rows, rows, rows, {1: span, **(rows or {})}, {0: rope}, {0: rope}, {4: cap})
+        fed = self.module.FED
+        dims = ((rows,) * (fed - 1)) + ({1: span, **(rows or {})}, {0: rope}, {0: rope}, {4: cap})
         if rows is not None and inputs[0].shape[0] == 1:
-            inputs = _two_rows(inputs)  # export keeps no dimension of size 1 dynamic
+            inputs = _two_rows(inputs, fed)  # export keeps no dimension of size 1 dynamic
         log.info(
             "compiling the forward for %s ahead of time (once for this machine and model, kept in %s; "
             "about a minute)", what, self.store.root,
