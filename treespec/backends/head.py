@@ -26,6 +26,7 @@ per target id), and `embed_tokens.weight` only when the head has an embedding of
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -312,7 +313,7 @@ class HeadRunner(NativeRunner):
             torch.arange(cfg.draft_vocab_size, device=self.device) + weights["d2t"].to(self.device).long()
         )  # [K]
         self.inv_freq = s.inv_freq().to(self.device)
-        self.flash, self.prefix_attention, self.compiled = False, None, None
+        self.flash, self.prefix_attention = False, None
         self.pool, self.row = KVPool(s, 1, self.inv_freq, dtype, self.device), 0
         self.taps = ()
         self.compiled = CompiledForward(self, store=GraphStore()) if compile else None
@@ -345,22 +346,36 @@ class HeadRunner(NativeRunner):
                 return [scores]
         tokens, positions, attend = self._packed_inputs(lanes, feeds, starts, ns)
         h = torch.cat([f.hidden for f in feeds]).to(self.dtype)  # [T, hidden]
-        T, D, eps, layer = tokens.shape[0], s.head_dim, s.eps, self.layers[0]
         cos, sin = pool.rope(positions)  # [T, Hq+2Hkv, D] each
-        e = rms_norm(F.embedding(tokens, self.embed), layer.attn_norm, eps)  # [T, hidden]
-        x = torch.cat([e, rms_norm(h, self.hidden_norm, eps)], dim=-1)  # [T, 2 hidden]
-        qkv = rotate(layer.qkv(x).view(T, s.heads + 2 * s.kv_heads, D), cos, sin)
-        a = layer.o(attend(0, qkv)) + h  # the residual stream starts at the hidden state
-        gate, up = layer.gate_up(rms_norm(a, layer.mlp_norm, eps)).chunk(2, dim=-1)
-        out = layer.down(F.silu(gate) * up) + a  # [T, hidden]: the output state
+        out = head_layer(tokens, h, self.embed, self.hidden_norm, self.layers[0], attend, cos, sin, s)
         for lane, S, n in zip(lanes, starts, ns):
             lane.filled = S + n
-        logits = None
-        if need_logits:
-            rows = self.lm_head(rms_norm(out, self.norm, eps))  # [T, K]
-            logits = rows.new_full((T, self.vocab_size), float("-inf"))
-            logits[:, self.ids] = rows  # [T, V]
+        logits = (
+            head_logits(out, self.norm, self.lm_head, self.ids, self.vocab_size, s.eps)
+            if need_logits
+            else None
+        )
         return split_scores(logits, out, ns)
+
+
+def head_layer(tokens, h, embed, hidden_norm, layer: Layer, attend, cos, sin, s: LlamaShape) -> torch.Tensor:
+    """The head's layer (the module docstring's first three lines), eager and compiled alike:
+    the output states [T, hidden] of the fed `tokens` [T] read with hidden states `h` [T, hidden];
+    `attend(0, qkv)` its attention over the cache, `cos`, `sin` the RoPE rows [T, Hq+2Hkv, D]."""
+    T, D, eps = tokens.shape[0], s.head_dim, s.eps
+    e = rms_norm(F.embedding(tokens, embed), layer.attn_norm, eps)  # [T, hidden]
+    x = torch.cat([e, rms_norm(h, hidden_norm, eps)], dim=-1)  # [T, 2 hidden]
+    qkv = rotate(layer.qkv(x).view(T, s.heads + 2 * s.kv_heads, D), cos, sin)
+    a = layer.o(attend(0, qkv)) + h  # the residual stream starts at the hidden state
+    gate, up = layer.gate_up(rms_norm(a, layer.mlp_norm, eps)).chunk(2, dim=-1)
+    return layer.down(F.silu(gate) * up) + a  # [T, hidden]: the output state
+
+
+def head_logits(out, norm, lm_head, ids, vocab_size: int, eps: float) -> torch.Tensor:
+    """Logits [T, V] of output states `out` [T, hidden]: the head's K rows at target ids `ids`,
+    -inf everywhere else."""
+    rows = lm_head(rms_norm(out, norm, eps))  # [T, K]
+    return rows.new_full((out.shape[0], vocab_size), float("-inf")).index_copy(1, ids, rows)
 
 
 class _HeadGraph(_ForwardGraph):
@@ -393,18 +408,12 @@ class _HeadGraph(_ForwardGraph):
         return (feed.tokens, hidden, feed.positions, slots, mask, pool.cos, pool.sin_signed, pool.kv)
 
     def forward(self, tokens, hidden, positions, slots, mask, cos_table, sin_table, kv):
-        s, layer = self.shape, self.layer(0)
-        T, D, eps = tokens.shape[0], s.head_dim, s.eps
+        s = self.shape
         cos, sin = rope_rows(cos_table, sin_table, positions, s)  # [T, Hq+2Hkv, D] each
-        h = hidden  # [T, hidden]
-        e = rms_norm(F.embedding(tokens, self.embed), layer.attn_norm, eps)
-        x = torch.cat([e, rms_norm(h, self.hidden_norm, eps)], dim=-1)  # [T, 2 hidden]
-        qkv = rotate(layer.qkv(x).view(T, s.heads + 2 * s.kv_heads, D), cos, sin)
-        a = layer.o(graph_lane_attention(kv, 0, qkv, slots, mask, s.heads)) + h
-        gate, up = layer.gate_up(rms_norm(a, layer.mlp_norm, eps)).chunk(2, dim=-1)
-        out = layer.down(F.silu(gate) * up) + a  # [T, hidden]: the output state
-        rows = self._linear(rms_norm(out, self.norm, eps), "lm_head")  # [T, K]
-        logits = rows.new_full((T, self.vocab_size), float("-inf")).index_copy(1, self.ids, rows)
+        attend = lambda i, qkv: graph_lane_attention(kv, i, qkv, slots, mask, s.heads)  # noqa: E731
+        out = head_layer(tokens, hidden, self.embed, self.hidden_norm, self.layer(0), attend, cos, sin, s)
+        lm_head = functools.partial(self._linear, name="lm_head")
+        logits = head_logits(out, self.norm, lm_head, self.ids, self.vocab_size, s.eps)
         return logits, out  # [T, V], [T, hidden]
 
 
