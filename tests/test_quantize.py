@@ -145,9 +145,9 @@ def test_compiled_quantized_runner_equals_the_eager_one(quantize):
 
 def test_each_weight_format_compiles_the_products_measured_faster():
     """int4: one dynamic graph for every feed (no static one), inductor's C++ template for
-    every product untimed; bf16: oneDNN's
-    packed products in both, nothing tuned; float32 and int8: a tuned graph per small feed
-    size and untuned products for longer feeds. Nothing compiles here."""
+    every product untimed; bf16: oneDNN's packed products in both, nothing tuned; float32 and
+    int8: a tuned graph per small feed size and untuned products for longer feeds. Nothing
+    compiles here."""
     model = build("gqa_tied")
     auto, packed, templates = CompiledForward.AUTOTUNED, CompiledForward.PACKED, CompiledForward.TEMPLATES
     for quantize, dtype, static, dynamic, static_max in (

@@ -45,7 +45,6 @@ import json
 import logging
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -56,7 +55,14 @@ import torch
 from . import parallel
 from .adaptive import DepthPolicy
 from .backends.cpu import machine_key
-from .config import AUTO_MAX_DEPTH, AUTO_MAX_NODES, SamplingConfig, TreeConfig, default_cache_dir
+from .config import (
+    AUTO_MAX_DEPTH,
+    AUTO_MAX_NODES,
+    SamplingConfig,
+    TreeConfig,
+    default_cache_dir,
+    write_cache_json,
+)
 from .proposal import DepthStep, DraftTree, Walk
 from .sequoia import TreeShape, by_level, optimal_shape, tree_expected_tokens
 from .tree import TokenTree
@@ -209,8 +215,7 @@ def _compile_every_feed_size(lane, tokens: list[int], prefix: int) -> None:
 
     def feed(ids: list[int], parents: list[int]) -> None:
         """A feed of `ids`; a feature head's (`takes_hidden`) with a zero state per token."""
-        takes_hidden = getattr(lane, "takes_hidden", False)
-        hidden = torch.zeros(len(ids), lane.shape.hidden, dtype=lane.dtype) if takes_hidden else None
+        hidden = torch.zeros(len(ids), lane.shape.hidden, dtype=lane.dtype) if lane.takes_hidden else None
         lane.extend(ids, parents, hidden)
 
     lane.reset()
@@ -449,7 +454,7 @@ class CostCache:
                 )
                 costs = measure()
                 record = {**costs.to_json(), "settings": settings, "machine": machine_key()}
-                if parallel.leader() and _write_json(path, record, replace=stale):
+                if parallel.leader() and write_cache_json(path, record, replace=stale):
                     costs = self._read(path) or costs  # another process's, if it wrote first
                 costs = parallel.agree(costs)
             self.memory[key] = costs
@@ -702,7 +707,7 @@ class Planner:
         old = AcceptanceCounts(*(data.get(cls) or ([], [])))
         old.add(counts)
         data[cls] = [old.hits, old.visits, old.level_hits, old.level_visits]
-        _write_json(self.record, data)
+        write_cache_json(self.record, data)
 
     @staticmethod
     def remembered(record: Path | None) -> dict[str, tuple[tuple[float, ...], ...]]:
@@ -918,27 +923,6 @@ def _level_vector(first: float, rest: Sequence[float]) -> tuple[float, ...]:
     rest = _check_vector(rest)
     room = 1.0 - first
     return (first, *(x * room / sum(rest) for x in rest)) if sum(rest) > room else (first, *rest)
-
-
-def _write_json(path: Path, data, replace: bool = True) -> bool:
-    """Write `data` to `path` whole (a temporary file, then a rename; `replace=False`: only if
-    no file is there, so a concurrent first writer wins). Whether the cache is writable."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, default=str)
-        if replace:
-            os.replace(tmp, path)
-        else:
-            try:
-                os.link(tmp, path)  # fails where another process wrote first
-            except FileExistsError:
-                pass
-            os.unlink(tmp)
-        return True
-    except OSError:
-        return False  # a read-only cache: nothing kept
 
 
 def measure_acceptance(decoder, prompts, sampling: SamplingConfig, max_new_tokens: int = 64, seed: int = 0):

@@ -6,8 +6,10 @@ site with a message that says what to change, never deep inside a decode loop.
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -300,3 +302,25 @@ def default_cache_dir() -> Path:
     """Where what is made once per machine and model is kept (converted GGUF files, measured
     costs, compiled graphs): $TREESPEC_CACHE, or ~/.cache/treespec."""
     return Path(os.environ.get("TREESPEC_CACHE") or "~/.cache/treespec").expanduser()
+
+
+def write_cache_json(path: Path, data, replace: bool = True) -> bool:
+    """Write `data` to `path` whole (a temporary file, then a rename; `replace=False`: only if
+    no file is there, so a concurrent first writer wins). Whether the cache is writable: a
+    read-only cache keeps nothing, never an error."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, default=str)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)  # fails where another process wrote first
+            except FileExistsError:
+                pass
+            os.unlink(tmp)
+        return True
+    except OSError:
+        return False  # a read-only cache: nothing kept

@@ -10,13 +10,12 @@ import copy
 import functools
 import json
 import os
-import tempfile
 import time
 from collections.abc import Callable
 
 import torch
 
-from ..config import default_cache_dir
+from ..config import default_cache_dir, write_cache_json
 
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")  # bf16 matrix instructions (AMX tiles, AVX-512 dot products)
 
@@ -91,14 +90,7 @@ def remembered(name: str, measure: Callable[[], bool]) -> bool:
     if isinstance(choices.get(name), bool):
         return choices[name]
     value = bool(measure())
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"machine": machine, "choices": {**choices, name: value}}, f, indent=1)
-        os.replace(tmp, path)  # whole: a concurrent reader sees the old file or the new one
-    except OSError:
-        pass
+    write_cache_json(path, {"machine": machine, "choices": {**choices, name: value}})
     return value
 
 
