@@ -24,6 +24,10 @@ from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.zoo import heldout_prompt_ids, pair
 
 
+def none_is_dense(value: str) -> str | None:
+    return None if value == "none" else value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", default="smollm2")
@@ -32,6 +36,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--dynamic", nargs="*", default=[], metavar="WxDxB", help="dynamic trees, e.g. 6x8x32")
+    ap.add_argument("--quantize", default="auto", help="the target's weights: auto, int8, int4 or none")
+    ap.add_argument(
+        "--draft-quantize", default="auto", help="the drafters' weights: auto, int8, int4 or none"
+    )
     ap.add_argument("--tag", default="cpu")
     args = ap.parse_args()
     trees = {"chain": TreeConfig(1, args.depth)}
@@ -42,11 +50,18 @@ def main() -> None:
     target = pair(args.pair)[0]
     drafts = dict(d.split("=", 1) for d in args.drafts)
     decs = {
-        name: SpeculativeDecoder.from_pretrained(target=target, draft=path) for name, path in drafts.items()
+        name: SpeculativeDecoder.from_pretrained(
+            target=target,
+            draft=path,
+            quantize=none_is_dense(args.quantize),
+            draft_quantize=none_is_dense(args.draft_quantize),
+        )
+        for name, path in drafts.items()
     }
     prompts = heldout_prompt_ids(args.pair, next(iter(decs.values())).tokenizer, args.n_prompts)
     results = {
-        "pair": args.pair, "drafts": drafts, "prompts": len(prompts), "depth": args.depth,
+        "pair": args.pair, "drafts": drafts, "quantize": args.quantize,
+        "draft_quantize": args.draft_quantize, "prompts": len(prompts), "depth": args.depth,
         "trees": {k: str(t) for k, t in trees.items()}, "runs": {},
     }  # fmt: skip
     for temperature, (name, dec), (tree_name, tree) in itertools.product(
