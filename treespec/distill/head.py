@@ -181,7 +181,9 @@ def compute_features(target, data: Dataset, taps, store, done: int = 0, on_chunk
         target.set_taps(())
 
 
-class _InMemory:
+class FeaturesInMemory:
+    """`Features` held in memory, [T, F] bf16: a held-out set's, small enough to recompute."""
+
     def __init__(self, tokens: int, width: int):
         self.values = torch.zeros(tokens, width, dtype=torch.bfloat16)
 
@@ -515,7 +517,7 @@ class _HeadRun:
             raise ValueError(f"taps {list(taps)} name layers beyond the target's {s.layers}")
         parts = [self._features(run, Dataset(shards), taps) for run, shards in zip(self.runs, run_data)]
         features, feature_seconds = FeatureSet([f for f, _ in parts]), round(sum(t for _, t in parts), 1)
-        held_features = _InMemory(len(held.tokens), len(taps) * s.hidden)
+        held_features = FeaturesInMemory(len(held.tokens), len(taps) * s.hidden)
         compute_features(self.target_runner, held, taps, held_features)
         model = HeadModel(cfg, self.target_runner.embed.detach(), weights)
         if rec.freeze_lm_head:
