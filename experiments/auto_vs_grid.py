@@ -26,7 +26,7 @@ from record import write_results
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.bench import machine_info
 from treespec.config import QUANTIZATIONS
-from treespec.options import target_quantize
+from treespec.options import quantize_option
 from treespec.zoo import heldout_prompt_ids, pair, pair_draft
 
 GRID = {
@@ -64,7 +64,7 @@ def main() -> None:
         draft=draft,
         dtype=args.dtype,
         compile=args.compile,
-        quantize=target_quantize(args),
+        quantize=quantize_option(args.quantize),
     )
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()

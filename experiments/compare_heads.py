@@ -21,11 +21,9 @@ import itertools
 from record import write_results
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
+from treespec.config import QUANTIZATIONS
+from treespec.options import quantize_option
 from treespec.zoo import heldout_prompt_ids, pair
-
-
-def none_is_dense(value: str) -> str | None:
-    return None if value == "none" else value
 
 
 def main() -> None:
@@ -36,10 +34,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--dynamic", nargs="*", default=[], metavar="WxDxB", help="dynamic trees, e.g. 6x8x32")
-    ap.add_argument("--quantize", default="auto", help="the target's weights: auto, int8, int4 or none")
-    ap.add_argument(
-        "--draft-quantize", default="auto", help="the drafters' weights: auto, int8, int4 or none"
-    )
+    weights = ("auto", "none", *QUANTIZATIONS)
+    ap.add_argument("--quantize", choices=weights, default="auto", help="the target's weights")
+    ap.add_argument("--draft-quantize", choices=weights, default="auto", help="the drafters' weights")
     ap.add_argument("--tag", default="cpu")
     args = ap.parse_args()
     trees = {"chain": TreeConfig(1, args.depth)}
@@ -53,8 +50,8 @@ def main() -> None:
         name: SpeculativeDecoder.from_pretrained(
             target=target,
             draft=path,
-            quantize=none_is_dense(args.quantize),
-            draft_quantize=none_is_dense(args.draft_quantize),
+            quantize=quantize_option(args.quantize),
+            draft_quantize=quantize_option(args.draft_quantize),
         )
         for name, path in drafts.items()
     }

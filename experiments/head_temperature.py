@@ -36,9 +36,7 @@ TEMPERATURES = (0.6, 0.7, 0.75, 0.8, 0.9, 1.0, 1.1, 1.2)
 @torch.no_grad()
 def alpha_by_temperature(target, model: HeadModel, held: Dataset, features) -> dict:
     """{"full": {tau: mean sum min(p, q)}, "stored_top_k": {...}, "rows": M}."""
-    vocab = target.shape.vocab
-    row_of = torch.full((vocab,), -1, dtype=torch.long)
-    row_of[model.ids] = torch.arange(len(model.ids))
+    row_of = model.row_of(target.shape.vocab)
     mask, seqs = held.response_rows(), held.sequences()
     full, stored, rows = dict.fromkeys(TEMPERATURES, 0.0), dict.fromkeys(TEMPERATURES, 0.0), 0
     for s, seq in enumerate(seqs):

@@ -35,7 +35,7 @@ from treespec.backends.head import HeadRunner
 from treespec.backends.native import NativeRunner
 from treespec.bench import machine_info
 from treespec.config import QUANTIZATIONS
-from treespec.options import target_quantize
+from treespec.options import quantize_option
 from treespec.zoo import PAIRS, heldout_prompt_ids, load_prompts, pair, pair_draft
 
 PARTS = ("target_forward", "target_prefill", "draft_forwards", "draft_prefill", "drafting_python", "verify", "rest")
@@ -109,7 +109,7 @@ def main() -> None:
         dtype=args.dtype,
         backend="native",
         compile=args.compile,
-        quantize=target_quantize(args),
+        quantize=quantize_option(args.quantize),
     )
     prompts = heldout_prompt_ids(args.pair, dec.tokenizer, args.n_prompts) if args.chat else [
         dec.tokenizer(p)["input_ids"] for p in load_prompts(n=args.n_prompts)

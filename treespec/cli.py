@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from .config import ADAPTIVE, STRATEGIES, SamplingConfig, TreeConfig
-from .options import add_model_arguments, target_quantize
+from .options import add_model_arguments, quantize_option
 
 COLOURS = {"accepted": "\033[32m", "correction": "\033[33m", "bonus": "\033[36m"}  # green, yellow, cyan
 RESET = "\033[0m"
@@ -399,7 +399,7 @@ def cmd_bench(args) -> None:
     llama = _find_llama_cpp(args, paths[0])  # before loading: a wrong --llama-cpp fails at once
     paths = tuple(checkpoint(p) for p in paths)  # a GGUF file: its converted directory
     device = resolve_device(args.device)
-    quantize = None if args.backend == "hf" else target_quantize(args)
+    quantize = None if args.backend == "hf" else quantize_option(args.quantize)
     dtype, quantize = resolve_weights(args.dtype, quantize, paths[0], device, args.backend)
     draft_dtype = resolve_dtype(args.dtype if args.draft_dtype is None else args.draft_dtype, device, "draft")
     target, draft = hf.load_model(paths[0], dtype, device), hf.load_model(paths[1], draft_dtype, device)

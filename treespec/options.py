@@ -99,9 +99,10 @@ def model_paths(args, model_free: bool = False) -> tuple:
     return args.target, args.draft
 
 
-def target_quantize(args) -> str | None:
-    """--quantize as `from_pretrained` takes it: "none" is None; "auto", "int8", "int4" as given."""
-    return None if args.quantize == "none" else args.quantize
+def quantize_option(value: str) -> str | None:
+    """--quantize / --draft-quantize as `from_pretrained` takes them: "none" is None; "auto",
+    "int8", "int4" as given."""
+    return None if value == "none" else value
 
 
 def load_decoder(args, model_free: bool = False, **overrides):
@@ -118,8 +119,8 @@ def load_decoder(args, model_free: bool = False, **overrides):
         draft_dtype=args.draft_dtype,
         drafter=args.drafter or "model",
         compile=args.compile,
-        quantize=target_quantize(args),
-        draft_quantize=None if args.draft_quantize == "none" else args.draft_quantize,
+        quantize=quantize_option(args.quantize),
+        draft_quantize=quantize_option(args.draft_quantize),
         tp=args.tp,
     )
     return SpeculativeDecoder.from_pretrained(**{**kwargs, **overrides})

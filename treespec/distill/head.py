@@ -211,6 +211,13 @@ class HeadModel(torch.nn.Module):
         )
         self.t2d = weights["t2d"]
 
+    def row_of(self, vocab: int) -> torch.Tensor:
+        """[vocab] the head's row of each target id, -1 where it has none (what `head_batch` maps
+        the stored ids with)."""
+        rows = torch.full((vocab,), -1, dtype=torch.long)
+        rows[self.ids] = torch.arange(len(self.ids))
+        return rows
+
     def w(self, name: str) -> torch.Tensor:
         return self.params[name.replace(".", "__")]
 
@@ -522,8 +529,7 @@ class _HeadRun:
         model = HeadModel(cfg, self.target_runner.embed.detach(), weights)
         if rec.freeze_lm_head:
             model.w("lm_head.weight").requires_grad_(False)
-        row_of = torch.full((s.vocab,), -1, dtype=torch.long)  # target id -> the head's row
-        row_of[model.ids] = torch.arange(len(model.ids))
+        row_of = model.row_of(s.vocab)
         self.eval_ids = held.prompts()[: rec.eval_prompts]
         rows_mask = data.row_mask(train_on_prompt=False)
         bf16 = bf16_kernels_enabled()  # AVX512-BF16 / AMX: the products under bf16 autocast
