@@ -27,15 +27,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .adaptive import DepthPolicy, GoodputSwitch
-from .autotree import AutoDepth, Plan, Planner
 from .backends.base import Runner, Scores, prefill_many, score_many
 from .config import TreeConfig
 from .drafters import Drafter, DrafterFactory, check_draft, propose_many
 from .output import GenerationOutput, OutputBuilder, StopMatcher, TokenLogprobs
+from .planning import AutoDepth, DepthPolicy, GoodputSwitch, Plan, Planner, RoundPolicy, depth_policy
 from .proposal import DraftTree
-from .request import Request, choose_rule, make_request, rule_fits
+from .request import Request, make_request
 from .rng import Rng, TorchRng
+from .rules import Siblings, choose_rule, rule_fits
 from .sampling import PenaltyContext
 from .stats import GenerationStats
 from .trace import RoundTrace
@@ -93,7 +93,7 @@ class Engine:
     `drafts` may hold None where no draft model is loaded. `speculate_max_live`: with more
     live requests, rounds draft nothing (plain decoding); `switch` decides each round instead
     (`GoodputSwitch`). `planner` plans the requests whose tree is automatic (`TreeConfig()`,
-    `treespec.autotree`). `shared_tree_nodes`: in a round with other requests, a request whose
+    `treespec.planning`). `shared_tree_nodes`: in a round with other requests, a request whose
     tree holds more nodes than this decodes plainly, so that one client's large tree cannot
     slow every other request's rounds.
     """
@@ -124,14 +124,25 @@ class Engine:
         self.eos_token_ids = frozenset(targets[0].eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.vocab_size = targets[0].vocab_size
         self.max_live, self.max_kv_tokens = len(self.targets), max_kv_tokens
-        self.speculate_max_live = speculate_max_live
-        self.switch, self.planner, self.shared_tree_nodes = switch, planner, shared_tree_nodes
+        self.planner = planner
+        # whether and how deep each request drafts each round (load, its own policy, node cap)
+        self.rounds = RoundPolicy(speculate_max_live, switch, shared_tree_nodes)
         self.requests: dict[int, RequestState] = {}
         self.waiting: list[RequestState] = []  # admission order
         self.live: dict[int, RequestState] = {}  # lane -> request
         self._next_id = 0
         self._lock = threading.RLock()  # add / cancel / take from other threads; held while stepping
         self._stepping = False
+
+    @property
+    def switch(self) -> GoodputSwitch | None:
+        """The speculate-or-not switch of `speculate_max_live="auto"` (None: none), which the
+        round policy asks each round; replaceable between rounds."""
+        return self.rounds.switch
+
+    @switch.setter
+    def switch(self, switch: GoodputSwitch | None) -> None:
+        self.rounds.switch = switch
 
     # ---- the public API -------------------------------------------------------------------
     def add(self, prompt, max_new_tokens: int | None = None, **settings) -> int:
@@ -233,17 +244,9 @@ class Engine:
         clock = time.perf_counter
         t0 = clock()
         try:
-            # 1. propose: every request's tree, never deeper than the tokens it still wants;
-            # none (depth 0: the tree is its root) with more than speculate_max_live requests
-            # live, or when the switch ("auto") has measured plain rounds faster at this many
-            switched = self.switch is not None and any(r.drafter is not None for r in live)
-            if switched:
-                t_round, speculate = self.switch.clock(), self.switch.speculate(len(live))
-            else:
-                speculate = self.speculate_max_live is None or len(live) <= self.speculate_max_live
-            # with others in the round, a tree over shared_tree_nodes drafts nothing
-            cap = self.shared_tree_nodes if len(live) > 1 else None
-            depths = {r.id: self._depth(r, speculate, cap) for r in live}
+            # 1. propose: every request's tree, as deep as the round policy says (0: its root)
+            asked = [(r.depth_policy, r.tree, r.builder.remaining) for r in live]
+            depths = {r.id: depth for r, depth in zip(live, self.rounds.depths(asked))}
             proposing = [r for r in live if depths[r.id]]
             proposed = propose_many([(r.drafter, r.context, depths[r.id]) for r in proposing], True)
             drafts = {r.id: DraftTree.root_only(r.context[-1]) for r in live if not depths[r.id]}
@@ -297,19 +300,8 @@ class Engine:
                 if not isinstance(e, Exception):  # an interrupt: the rest of the round is undone
                     self._rollback(live[k + 1 :], snapshots)
                     raise
-        if switched:
-            tokens = sum(map(len, emitted.values()))
-            self.switch.record(len(live), any(depths.values()), tokens, self.switch.clock() - t_round)
+        self.rounds.record(len(live), any(depths.values()), sum(map(len, emitted.values())))
         return emitted
-
-    @staticmethod
-    def _depth(r: RequestState, speculate: bool, cap: int | None) -> int:
-        """Request `r`'s draft depth this round: its policy's, never deeper than the tokens it
-        still wants; 0 (a plain round) where its tree holds more than `cap` nodes."""
-        if not (r.drafter and speculate):
-            return 0
-        depth = min(r.depth_policy.next_depth(), r.builder.remaining - 1)
-        return 0 if cap is not None and r.tree.max_nodes > cap else depth
 
     def _commit(self, r: RequestState, draft: DraftTree, walk, depth: int, draft_s, verify_s, rows: Scores):
         """Apply a verified round to request `r` (`rows`: its target scores, [nodes] rows): the
@@ -448,8 +440,7 @@ class Engine:
         """The verification rule of `request` drafting `tree` (an automatic tree is resolved
         when its plan is made). Plain decoding verifies no draft, so every rule is the same
         there: it walks a lone root by the cheapest ("token")."""
-        siblings = "custom" if tree is None else self.drafter.siblings(tree, request.verification)
-        return choose_rule(siblings, request.verification)
+        return choose_rule(self.drafter.siblings(tree, request.verification), request.verification)
 
     def _plan(self, request: Request) -> Plan:
         """An automatic tree's plan for `request`: plain decoding where there is nothing to
@@ -460,8 +451,8 @@ class Engine:
             raise ValueError(
                 "an automatic tree (TreeConfig()) needs the engine's planner; give a shape instead"
             )
-        chain = self.drafter.siblings(request.tree, request.verification) != "distinct"
-        iid = rule_fits("iid", request.verification)  # i.i.d. trees run the token rule only
+        chain = self.drafter.siblings(request.tree, request.verification) is not Siblings.DISTINCT
+        iid = rule_fits(Siblings.IID, request.verification)  # i.i.d. trees run the token rule only
         return self.planner.plan(request.sampling, chain_only=chain, iid=iid)
 
     def _admit(self) -> None:
@@ -482,7 +473,7 @@ class Engine:
             for r in admitted:
                 r.started = t0
                 r.status, r.context = "live", list(r.request.prompt)
-                # 0 unless prefix_reuse; with a feature drafter, no more than the positions whose
+                # 0 unless prefix_reuse; with a head drafter, no more than the positions whose
                 # features it still holds (the target recomputes the rest, features included)
                 limit = self.drafter.reusable(self.drafts[r.lane], r.context) if self.taps else None
                 kept.append(self.targets[r.lane].keep_prefix(r.context[:-1][:limit]))
@@ -512,7 +503,7 @@ class Engine:
                 continue
             try:
                 r.drafter = self.drafter.make(tree, self.drafts[r.lane])
-                r.depth_policy = DepthPolicy(tree) if r.plan is None else AutoDepth(r.plan)
+                r.depth_policy = depth_policy(tree, r.plan)
                 r.drafter.start(r.request.prompt, r.request.sampling, r.rng)
                 if r.drafter.taps and prompt is not None:
                     r.drafter.read_target(prompt)

@@ -10,23 +10,28 @@ import logging
 import pytest
 import torch
 
-from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig, autotree
-from treespec.autotree import (
-    IID_DEPTH,
-    PROBE_EVERY,
+from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
+from treespec.config import AUTO_MAX_DEPTH, AUTO_MAX_NODES
+from treespec.planning import (
     AcceptanceCounts,
     AutoDepth,
     CostCache,
     Costs,
     IidLevels,
     Planner,
+    files_key,
     load_acceptance,
     measure_acceptance,
     measure_iid_levels,
     planner_for,
 )
-from treespec.config import AUTO_MAX_DEPTH, AUTO_MAX_NODES
+from treespec.planning import cache as cost_cache
+from treespec.planning import planner as planner_module
+from treespec.planning import policy as policy_module
+from treespec.planning.acceptance import IID_DEPTH
+from treespec.planning.policy import PLAN_WEIGHT, PROBE_EVERY
 from treespec.proposal import DraftTree, Draw, ProposalGroup, Walk
+from treespec.sequoia import tree_expected_tokens
 from treespec.tree import TokenTree
 
 from .conftest import tiny_llama
@@ -89,12 +94,12 @@ def test_a_shape_expected_within_the_margin_of_plain_is_not_planned(monkeypatch)
 
     def speedup(a: float) -> float:
         with monkeypatch.context() as m:
-            m.setattr(autotree, "PLAN_MARGIN", 0.0)
+            m.setattr(planner_module, "PLAN_MARGIN", 0.0)
             return Planner(base, {"T0": (a,), "T1": (a,)}, "shipped").plan(GREEDY).speedup
 
     grid = [a / 200 for a in range(200)]
-    near = next(a for a in grid if 1.0 < speedup(a) < 1 + autotree.PLAN_MARGIN)
-    clear = next(a for a in grid if speedup(a) > 1 + autotree.PLAN_MARGIN)
+    near = next(a for a in grid if 1.0 < speedup(a) < 1 + planner_module.PLAN_MARGIN)
+    clear = next(a for a in grid if speedup(a) > 1 + planner_module.PLAN_MARGIN)
     plan = Planner(base, {"T0": (near,), "T1": (near,)}, "shipped").plan(GREEDY)
     assert plan.tree is None and "by 5%" in plan.describe()
     assert Planner(base, {"T0": (clear,), "T1": (clear,)}, "shipped").plan(GREEDY).tree is not None
@@ -173,7 +178,7 @@ def test_a_few_rejections_do_not_move_a_request_off_a_near_tie(monkeypatch):
         return out
 
     assert depths() == [depth] * 7
-    monkeypatch.setattr(autotree, "DEPTH_MARGIN", 0.0)
+    monkeypatch.setattr(policy_module, "DEPTH_MARGIN", 0.0)
     assert depths()[-1] < depth
 
 
@@ -181,11 +186,11 @@ def test_a_few_rejections_do_not_move_a_request_off_a_near_tie(monkeypatch):
 def test_a_planned_chain_starts_at_the_deepest_depth_near_the_best(monkeypatch, margin):
     """A request learns the acceptance of the levels it drafts only: a planned chain starts at
     the deepest depth within DEPTH_MARGIN of the best (the request cuts it if it is too deep)."""
-    monkeypatch.setattr(autotree, "DEPTH_MARGIN", margin)
+    monkeypatch.setattr(planner_module, "DEPTH_MARGIN", margin)
     p = planner(acc0=(0.7,), verify_slope=0.1, draft=0.1)
     plan = p.plan(GREEDY)
     values = {
-        d: autotree.tree_expected_tokens(tuple(range(-1, d)), ((0.7,),)) / p.costs.round_cost(d, d, "T0")
+        d: tree_expected_tokens(tuple(range(-1, d)), ((0.7,),)) / p.costs.round_cost(d, d, "T0")
         for d in range(1, AUTO_MAX_DEPTH + 1)
     }
     best = max(values, key=values.get)
@@ -209,8 +214,8 @@ def test_a_chains_cuts_are_valued_as_the_general_path_values_them():
         tree = TokenTree(list(range(shape.depth + 1)), [-1] + list(range(shape.depth)))
         for _ in range(40):
             policy.counts.count(tree, Walk(tuple(range(rng.randint(0, shape.depth) + 1)), 9, "bonus"))
-            acc_now = policy.counts.levels(plan.acceptance, autotree.PLAN_WEIGHT)
-            general = [autotree.tree_expected_tokens(parents, acc_now) for _, parents, _ in policy.cuts]
+            acc_now = policy.counts.levels(plan.acceptance, PLAN_WEIGHT)
+            general = [tree_expected_tokens(parents, acc_now) for _, parents, _ in policy.cuts]
             assert policy._expected_tokens() == general
 
 
@@ -293,7 +298,7 @@ def test_an_iid_plan_cuts_its_levels_by_the_requests_own_acceptance():
 def test_the_automatic_iid_tree_is_lossless_by_enumeration_and_runs_the_token_rule():
     target, draft = pair()
     decoder = SpeculativeDecoder(TableRunner(target), TableRunner(draft))
-    decoder._planner = iid_planner(draft=0.01)
+    decoder.planner = iid_planner(draft=0.01)
     assert decoder.planner.plan(T1).iid
     got = enumerate_decoder(decoder, TreeConfig(), T1)
     assert abs(sum(got.values()) - 1) < 1e-9
@@ -336,12 +341,12 @@ def test_a_shipped_acceptance_by_level_is_read_and_a_planned_chain_runs_block(tm
     assert load_acceptance(tmp_path)["iid"] == ()  # ... or i.i.d. trees measured
     target, draft = pair()
     decoder = SpeculativeDecoder(TableRunner(target), TableRunner(draft))
-    decoder._planner = Planner(costs(verify_slope=0.3, draft=0.01), {"T0": (0.8,), "T1": (0.8,)}, "shipped")
+    decoder.planner = Planner(costs(verify_slope=0.3, draft=0.01), {"T0": (0.8,), "T1": (0.8,)}, "shipped")
     shape = decoder.planner.plan(T1).tree.shape
     assert shape.n_nodes == shape.depth > 1  # a chain ...
     out = decoder.generate(PROMPT, 4, sampling=T1, seed=0)
     assert out.verification == "block"  # ... verified by the rule that accepts the most on chains
-    decoder._planner = Planner(costs(verify_slope=0.3, draft=0.01), {"T0": (0.0,), "T1": (0.0,)}, "shipped")
+    decoder.planner = Planner(costs(verify_slope=0.3, draft=0.01), {"T0": (0.0,), "T1": (0.0,)}, "shipped")
     assert decoder.planner.plan(T1).tree is None  # plain decoding: a lone root walked the cheapest way
     out = decoder.generate(PROMPT, 4, sampling=T1, seed=0)
     assert (
@@ -377,7 +382,7 @@ def test_the_automatic_tree_is_lossless_by_enumeration(sampling_name):
     sampling = SAMPLINGS[sampling_name]
     target, draft = pair()
     decoder = SpeculativeDecoder(TableRunner(target), TableRunner(draft))
-    decoder._planner = Planner(costs(draft=0.01), {"T0": (0.5, 0.3), "T1": (0.5, 0.3)}, "shipped")
+    decoder.planner = Planner(costs(draft=0.01), {"T0": (0.5, 0.3), "T1": (0.5, 0.3)}, "shipped")
     shape = decoder.planner.plan(sampling).tree.shape
     assert shape.n_nodes > shape.depth > 1  # a tree, not a chain
     got = enumerate_decoder(decoder, TreeConfig(), sampling)
@@ -388,7 +393,7 @@ def test_the_automatic_tree_is_lossless_by_enumeration(sampling_name):
 def test_greedy_automatic_trees_give_the_targets_argmax_and_say_what_they_chose():
     target, draft = pair()
     decoder = SpeculativeDecoder(TableRunner(target), TableRunner(draft))
-    decoder._planner = planner()
+    decoder.planner = planner()
     got = enumerate_decoder(decoder, TreeConfig(), GREEDY, k=4)
     assert got == pytest.approx(target.joint(PROMPT, 4, GREEDY)) and len(got) == 1
     out = decoder.generate(list(PROMPT), 4, sampling=GREEDY)
@@ -398,7 +403,7 @@ def test_greedy_automatic_trees_give_the_targets_argmax_and_say_what_they_chose(
 
 def test_a_batch_of_automatic_trees_equals_each_request_alone():
     dec = SpeculativeDecoder(tiny_llama(0), tiny_llama(1, hidden=16, layers=1, heads=2, kv_heads=1))
-    dec._planner = planner()
+    dec.planner = planner()
     prompts = [[3, 4, 5], [7, 8], [9, 10, 11, 12]]
     batch = dec.generate_batch(prompts, 12, sampling=T1, seeds=[0, 1, 2])
     for prompt, seed, out in zip(prompts, [0, 1, 2], batch):
@@ -420,14 +425,12 @@ def test_costs_are_measured_once_per_key_and_kept_on_disk(tmp_path):
     other = CostCache(tmp_path).get({**settings, "dtypes": ["fp32"]}, measure)  # other settings
     assert other != first and len(calls) == 2
     # another machine: the key changes
-    import treespec.autotree as autotree
-
-    real = autotree.machine_key
+    real = cost_cache.machine_key
     try:
-        autotree.machine_key = lambda: {**real(), "cpu": "another"}
+        cost_cache.machine_key = lambda: {**real(), "cpu": "another"}
         assert CostCache(tmp_path).get(settings, measure) != first and len(calls) == 3
     finally:
-        autotree.machine_key = real
+        cost_cache.machine_key = real
     # a corrupt or truncated entry is measured again, never an error
     path = tmp_path / f"{CostCache.key(settings)}.json"
     path.write_text("{not json")
@@ -451,20 +454,20 @@ def test_a_models_key_follows_its_weights_and_config_not_the_files_beside_them(t
     (model / "config.json").write_text("{}")
     (model / "model.safetensors").write_bytes(b"1234")
     (model / "README.md").write_text("a head")
-    key = autotree.files_key(model)
+    key = files_key(model)
     assert [f[0] for f in key[1:]] == ["config.json", "model.safetensors"]
     (model / "README.md").write_text("a head, measured again")
     (model / "acceptance.json").write_text("{}")
-    assert autotree.files_key(model) == key
+    assert files_key(model) == key
     (model / "model.safetensors").write_bytes(b"12345")  # new weights
-    assert autotree.files_key(model) != key
-    key = autotree.files_key(model)
+    assert files_key(model) != key
+    key = files_key(model)
     os.utime(model / "config.json", (1, 1))  # the config rewritten
-    assert autotree.files_key(model) != key
+    assert files_key(model) != key
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    assert autotree.files_key(gguf)[1] == ["m.gguf", 4, int(gguf.stat().st_mtime)]
-    assert autotree.files_key("org/model") == ["org/model"] and autotree.files_key(None) is None
+    assert files_key(gguf)[1] == ["m.gguf", 4, int(gguf.stat().st_mtime)]
+    assert files_key("org/model") == ["org/model"] and files_key(None) is None
 
 
 def test_the_first_measurement_written_wins(tmp_path):
@@ -500,20 +503,17 @@ def test_measured_costs_and_acceptance_of_a_real_decoder():
 def test_acceptance_is_remembered_for_later_processes(tmp_path, monkeypatch):
     """A pair with no shipped acceptance plans with the prior, and its requests' counts are kept
     for the next process (this decoder keeps its vectors: a batch equals each request alone)."""
-    import treespec.autotree as autotree
-
-    monkeypatch.setattr(autotree, "COSTS", CostCache(tmp_path))
+    monkeypatch.setattr(cost_cache, "COSTS", CostCache(tmp_path))
     dec = SpeculativeDecoder(tiny_llama(0), tiny_llama(1, hidden=16, layers=1, heads=2, kv_heads=1))
     settings = {"target": ["a"], "draft": ["b"]}
-    first = planner_for(dec, settings)
+    first = planner_for(costs, settings)
     assert first.sources == {"T0": "prior", "T1": "prior"}
-    first._costs = costs()
-    dec._planner = first
+    dec.planner = first
     dec.generate([3, 4, 5], 24, sampling=GREEDY)
     assert first.sources["T0"] == "prior"  # unchanged in this process
-    later = planner_for(dec, settings)
+    later = planner_for(costs, settings)
     assert later.sources == {"T0": "measured", "T1": "prior"} and later.vectors["T0"] != first.vectors["T0"]
-    shipped = planner_for(dec, settings, {"T0": (0.9,), "T1": (0.8,)})
+    shipped = planner_for(costs, settings, {"T0": (0.9,), "T1": (0.8,)})
     assert shipped.sources["T1"] == "shipped" and shipped.record is None
 
 
@@ -535,7 +535,6 @@ def test_measurement_leaves_the_decoders_own_caches_alone():
 
 
 def test_a_measurement_is_announced_once_and_the_cli_shows_it(tmp_path, caplog, capsys):
-    from treespec.autotree import CostCache, Costs
     from treespec.cli import show_progress
 
     settings = {"target": "t"}
@@ -549,7 +548,7 @@ def test_a_measurement_is_announced_once_and_the_cli_shows_it(tmp_path, caplog, 
     capsys.readouterr()  # (an earlier test's main() may have shown them already)
     show_progress()
     show_progress()  # main() twice in one process: still one line a message
-    logging.getLogger("treespec.autotree").info("measuring")
+    logging.getLogger("treespec.planning.cache").info("measuring")
     assert capsys.readouterr().err == "treespec: measuring\n"
 
 
@@ -564,7 +563,7 @@ def test_planning_time_is_not_counted_as_prefill():
         time.sleep(0.4)
         return costs()
 
-    dec._planner = Planner(slow, {"T0": (0.6, 0.1), "T1": (0.5, 0.1)}, "shipped")
+    dec.planner = Planner(slow, {"T0": (0.6, 0.1), "T1": (0.5, 0.1)}, "shipped")
     out = dec.generate([3, 4, 5], 8, sampling=GREEDY)
     s = out.stats
     assert s.prefill_seconds < 0.3 <= s.plan_seconds < s.total_seconds and s.other_seconds < 0.3
