@@ -220,14 +220,14 @@ def test_memory_stays_flat_over_2000_requests():
 def test_a_cache_larger_than_memory_is_refused_before_allocating(dec, solo, monkeypatch):
     """max_live beyond what memory holds is a clear error at once (not an allocator failure
     minutes later), and a cache that must grow past the memory left ends its request alone."""
-    import treespec.backends.native as native
+    from treespec.backends.native import kv
 
     with pytest.raises(MemoryError, match="KV cache of 10000000 lane.*GiB.*max_live"):
         dec.engine(max_live=10_000_000)
     engine = dec.engine(max_live=5)
     ids = add_all(engine)
     engine.step()  # every lane holds its prompt in the pool's initial capacity
-    monkeypatch.setattr(native, "available_memory", lambda device: 0)  # no memory left to grow
+    monkeypatch.setattr(kv, "available_memory", lambda device: 0)  # no memory left to grow
     too_long = engine.add(PROMPTS[0] * 80, seed=9, **SETTINGS)  # more slots than the pool has
     outputs = engine.run()
     failed = outputs[too_long]

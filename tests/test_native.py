@@ -18,7 +18,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from treespec.backends import attention, linear, native
+from treespec.backends import attention, linear
 from treespec.backends.attention import reference_prefix_attention
 from treespec.backends.base import prefill_many, score_many
 from treespec.backends.checkpoint import LlamaShape, unsupported_reason
@@ -28,10 +28,12 @@ from treespec.backends.native import (
     CompiledForward,
     NativeRunner,
     compile_unsupported_reason,
+    kv,
     rms_norm,
     rope_rows,
     rotate,
 )
+from treespec.backends.native import compile as native_compile
 from treespec.tree import TokenTree
 
 from .conftest import tiny_llama
@@ -173,7 +175,11 @@ def test_tree_logits_match_hf(variant, dtype, packed, monkeypatch):
             r.commit([0])
 
 
+# ~12 s (a 128k x 2048 embedding): with -m slow. The default run keeps each of its parts on
+# small models: tied embeddings (gqa_tied), llama3 RoPE (llama3_rope, inv_freq == HF's),
+# every projection packed (packed=True), GQA, and the SmolLM2-shaped model's real sizes.
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_llama32_1b_shaped():
     """Llama-3.2-1B's shape (hidden 2048, 32 q / 8 kv heads, head_dim 64, 128k vocab, tied,
     llama3 rope theta 500k factor 32), cut to ONE layer to stay fast."""
@@ -510,7 +516,7 @@ def test_cascade_path_matches_sdpa(dtype):
 
 # ---- 7. cache growth ------------------------------------------------------------------------
 def test_capacity_growth_matches_hf(monkeypatch):
-    monkeypatch.setattr(native, "INITIAL_CAPACITY", 8)
+    monkeypatch.setattr(kv, "INITIAL_CAPACITY", 8)
     model = build("llama3_rope", max_positions=64)
     hf, nat = runners(model)
     assert nat.capacity == 8
@@ -681,8 +687,8 @@ def test_compiled_forward_matches_hf(monkeypatch):
     nine) and one for larger feeds serve every forward with logits of 1..64 tokens, through
     cache growth (8 slots at first, here) without recompiling; prefills and packed lanes run
     eagerly; HF's logits."""
-    monkeypatch.setattr(native, "INITIAL_CAPACITY", 8)
-    monkeypatch.setattr(native, "COMPILE_STATIC_MAX", 2)
+    monkeypatch.setattr(kv, "INITIAL_CAPACITY", 8)
+    monkeypatch.setattr(native_compile, "COMPILE_STATIC_MAX", 2)
     model = build("gqa_tied")
     hf, nat = HFRunner(model), compiled_runner(model, CHEAP)
     assert all(p.packed is None for p in projections(nat))  # the graphs pack their own copies
@@ -694,7 +700,7 @@ def test_compiled_forward_matches_hf(monkeypatch):
     drive(hf, nat, rng, rounds=4, tol=1e-4)
     assert nat.capacity >= 32 and not nat.compiled.failed
     graphs = unique_graphs() - before  # one per size seen, whatever the span and capacity
-    assert graphs == native.COMPILE_STATIC_MAX + 1  # sizes 1, 2 and the dynamic graph
+    assert graphs == native_compile.COMPILE_STATIC_MAX + 1  # sizes 1, 2 and the dynamic graph
     assert graphs == len(nat.compiled.compiled)  # none recompiled: called unmarked, the grown cache too
     long = TokenTree([rng.randrange(VOCAB) for _ in range(70)], [-1] + list(range(69)))  # > 64: eager
     assert max_diff(hf.score(long), nat.score(long)) < 1e-4
@@ -713,7 +719,7 @@ def test_a_cache_grown_while_decoding_recompiles_no_graph(monkeypatch):
     `torch.inference_mode`): its tensors must stay ordinary ones, or every graph compiled
     before the growth recompiles for the new dispatch keys, and past dynamo's recompile limit
     the graph's code runs eagerly (the compiled pycode pair decoded at half eager's speed)."""
-    monkeypatch.setattr(native, "INITIAL_CAPACITY", 8)
+    monkeypatch.setattr(kv, "INITIAL_CAPACITY", 8)
     model = build("gqa_tied")
     nat, eager = compiled_runner(model, CHEAP), NativeRunner.from_hf(model)
     rng = random.Random(5)

@@ -128,8 +128,8 @@ def _shared_model():
 def test_eager_mask_is_additive_float_and_sdpa_mask_is_bool():
     visible = torch.tensor([[True, False], [True, True]])
     sdpa, eager = HFRunner(tiny_llama(0)), HFRunner(tiny_llama(0, attn="eager"))
-    assert sdpa._mask(visible).dtype == torch.bool
-    m = eager._mask(visible)
+    assert sdpa.mask_4d(visible[None, None]).dtype == torch.bool
+    m = eager.mask_4d(visible[None, None])
     assert m.dtype == torch.float64 and m.shape == (1, 1, 2, 2)
     assert m[0, 0, 0, 0] == 0 and m[0, 0, 0, 1] == torch.finfo(torch.float64).min
 
@@ -259,3 +259,30 @@ def test_a_cpu_choice_is_measured_once_per_machine(monkeypatch, tmp_path):
     assert cpu.remembered("choice", lambda: measure(False)) is False  # another machine: measured
     (tmp_path / cpu.CHOICES_FILE).write_text("{not json")
     assert cpu.remembered("choice", measure) is True and calls == [True, False, False, True]
+
+
+def test_a_runner_with_the_old_hook_names_still_works():
+    """A Runner subclass written against the hooks' former names (`_forward`, `_keep`, ...) gets
+    them under the new ones, with a DeprecationWarning."""
+    from treespec.backends.base import Runner, Scores
+
+    with pytest.warns(DeprecationWarning, match=r"Old\._forward is deprecated.* forward"):
+
+        class Old(Runner):
+            vocab_size, max_positions = 4, None
+
+            def _reset_cache(self):
+                self.slots = 0
+
+            def _forward(self, tokens, positions, visible, need_logits):
+                self.slots += len(tokens)
+                return Scores(torch.zeros(len(tokens), 4) if need_logits else None)
+
+            def _keep(self, nodes):
+                self.kept = list(nodes)
+
+    runner = Old()
+    runner.prefill([1, 2])
+    assert runner.score(TokenTree([3, 1, 2], [-1, 0, 0])).shape == (3, 4) and runner.slots == 5
+    runner.commit([0, 2])
+    assert runner.kept == [0, 2] and runner.committed == [1, 2, 3, 2]

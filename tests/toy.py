@@ -93,15 +93,15 @@ class TableRunner(Runner):
         self.eos_token_ids = frozenset(eos_token_ids)
         super().__init__()
 
-    def _new_lane(self) -> TableRunner:
+    def new_lane(self) -> TableRunner:
         lane = TableRunner(self.model, self.max_positions, self.eos_token_ids)
         lane.taps = self.taps
         return lane
 
-    def _reset_cache(self) -> None:
+    def reset_cache(self) -> None:
         self.slots: list[int] = []  # token of every cache slot
 
-    def _forward(self, tokens, positions, visible, need_logits):
+    def forward(self, tokens, positions, visible, need_logits):
         tokens, positions = tokens.tolist(), positions.tolist()
         n, s = len(tokens), len(self.slots)
         if visible is None:  # prefill: causal
@@ -121,11 +121,11 @@ class TableRunner(Runner):
         features = torch.cat([logits * (t + 1) for t in self.taps], -1) if self.taps else None
         return Scores(logits if need_logits else None, features)
 
-    def _keep(self, nodes):
+    def keep_slots(self, nodes):
         c = self.n_committed
         self.slots = self.slots[:c] + [self.slots[c + n] for n in nodes]
 
-    def _truncate(self, n_slots):
+    def truncate(self, n_slots):
         self.slots = self.slots[:n_slots]
 
 
@@ -234,7 +234,7 @@ class TableHead(Runner):
         self.vocab_size, self.max_positions = target.vocab_size, None
         super().__init__()
 
-    def _new_lane(self) -> TableHead:
+    def new_lane(self) -> TableHead:
         return TableHead(self.target, self.draft, self.first, self.target_taps)
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
@@ -242,15 +242,15 @@ class TableHead(Runner):
         block = features[:, :V] / (self.target_taps[0] + 1)  # TableRunner's first tap
         return torch.cat([block, torch.ones(features.shape[0], 1, dtype=block.dtype)], -1)  # [n, V + 1]
 
-    def _reset_cache(self) -> None:
+    def reset_cache(self) -> None:
         self.slots: list[int] = []
 
     @classmethod
-    def _forward_many(cls, runners, feeds, need_logits):
+    def forward_many(cls, runners, feeds, need_logits):
         return [r._forward_fed(f) for r, f in zip(runners, feeds)]
 
-    def _forward(self, tokens, positions, visible, need_logits):
-        raise AssertionError("a head is fed through _forward_many, with its hidden states")
+    def forward(self, tokens, positions, visible, need_logits):
+        raise AssertionError("a head is fed through forward_many, with its hidden states")
 
     def _forward_fed(self, feed) -> Scores:
         tokens, positions, hidden = feed.tokens.tolist(), feed.positions.tolist(), feed.hidden
@@ -273,9 +273,9 @@ class TableHead(Runner):
         self.slots = all_tokens
         return Scores(torch.stack(logits), torch.stack(states))
 
-    def _keep(self, nodes):
+    def keep_slots(self, nodes):
         c = self.n_committed
         self.slots = self.slots[:c] + [self.slots[c + n] for n in nodes]
 
-    def _truncate(self, n_slots):
+    def truncate(self, n_slots):
         self.slots = self.slots[:n_slots]

@@ -1,12 +1,18 @@
 """Model backends behind one seam: a `Runner` scores token trees and commits accepted paths.
 
-    base.py    the Runner interface and its bookkeeping (committed prefix, pending tree,
-               tree mask from parent pointers, positions); every backend shares it
-    hf.py      a Hugging Face model over a DynamicCache, plus everything else that imports
-               transformers (loading, tokenizer, EOS lookup, logging)
-    native.py  a lean static-cache forward for Llama-architecture checkpoints
-    attention.py  tree attention math for native.py (masked attention with LSE, the
-               flash-attn cascade)
+    base.py        the Runner interface and its bookkeeping (committed prefix, pending tree,
+                   tree mask from parent pointers, positions); every backend shares it
+    native/        a lean static-cache forward for Llama-architecture checkpoints: its model,
+                   cache, weights, sharding and compiled graphs apart (see native/__init__.py)
+    attention.py   tree attention math for the native forward (masked attention with LSE, the
+                   flash-attn cascade)
+    linear.py      how the native forward multiplies by a weight (packed, int8, int4)
+    checkpoint.py  Llama-architecture config and safetensors weights, without transformers
+    hf.py          a Hugging Face model over a DynamicCache, plus everything else that imports
+                   transformers (loading, tokenizer, EOS lookup, logging)
+    head.py        a feature head (EAGLE-3) as a one-layer native runner
+    subset.py      a draft over a subset of the target's vocabulary, wrapping another runner
+    cpu.py         what this machine's processor offers (dtype and weight-format choices)
 
 `make_runner` picks a backend for a model: "native" where the architecture is supported,
 else "hf" (with a one-line notice when "auto" had to fall back).

@@ -199,10 +199,9 @@ def cascade_attention(
 #
 # GQA layout: a feed of at most FOLD_MAX_QUERIES queries per lane folds the g = Hq // Hkv query
 # heads that share a kv head into the query axis (q viewed as [B, Hkv, g * n, D], row j * n + t
-# is query head kv * g + j at token t; a mask is repeated g times to match), which measured
-# faster than SDPA's enable_gqa or repeating k and v, masked or not (numbers in
-# docs/performance.md). Longer feeds (prefills) keep enable_gqa: a folded mask would be g times
-# the n x (S + n) one.
+# is query head kv * g + j at token t; a mask is repeated g times to match), which is faster
+# than SDPA's enable_gqa or repeating k and v, masked or not (docs/performance.md). Longer
+# feeds (prefills) keep enable_gqa: a folded mask would be g times the n x (S + n) one.
 FOLD_MAX_QUERIES = 64
 
 

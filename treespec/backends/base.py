@@ -18,13 +18,22 @@ re-rotated.
 pointers) and the position ids; a backend only computes logits and moves cache slots. The
 decoder and the drafters therefore never do slot arithmetic, and the exactness tests drive
 this very bookkeeping with table-defined toy models.
+
+The seam has two sides. The decoder and the drafters call `prefill`, `score`, `extend`,
+`commit`, `discard_pending`, `keep_prefix`, `lanes` (and `prefill_many`, `score_many`,
+`extend_many` for several runners at once). A model backend implements the cache hooks
+`reset_cache`, `forward`, `keep_slots`, `truncate` (and `forward_many` where its lanes share
+one forward, `new_lane` where it makes lanes by copying); the bookkeeping calls them. A wrapper
+(`subset.SubsetVocabRunner`) delegates the hooks and the bookkeeping state (`committed`,
+`pending`) to the runner it wraps.
 """
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -59,7 +68,31 @@ class Scores:
         )
 
 
+@dataclass
+class PendingNodes:
+    """The tree nodes fed since the last commit, by pending index (see the module docstring)."""
+
+    tokens: list[int] = field(default_factory=list)  # token of each pending node
+    parents: list[int] = field(default_factory=list)  # pending parent of each (-1: the prefix)
+    depths: list[int] = field(default_factory=list)  # depth below the committed prefix (0: continues it)
+
+
+# the cache hooks' names before they became public: a subclass that still defines one gets it
+# under the new name, with a DeprecationWarning
+RENAMED_HOOKS = {
+    "_reset_cache": "reset_cache",
+    "_forward": "forward",
+    "_keep": "keep_slots",
+    "_truncate": "truncate",
+    "_new_lane": "new_lane",
+    "_forward_many": "forward_many",
+}
+
+
 class Runner(ABC):
+    """A causal LM and its KV cache, with the bookkeeping of the module docstring: the decoder's
+    calls on one side, the cache hooks a backend implements on the other."""
+
     vocab_size: int  # rows of the output projection
     max_positions: int | None  # longest sequence the model supports (None: unknown)
     eos_token_ids: frozenset[int] = frozenset()  # from the model's generation config
@@ -80,6 +113,18 @@ class Runner(ABC):
     n_layers: int | None = None  # decoder layers (None: this runner has no features to tap)
     takes_hidden: bool = False  # True: each fed token comes with a hidden state (`Feed.hidden`)
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        """A hook defined under its former name (`RENAMED_HOOKS`) serves under its new one."""
+        super().__init_subclass__(**kwargs)
+        for old, new in RENAMED_HOOKS.items():
+            if old in cls.__dict__ and new not in cls.__dict__:
+                warnings.warn(
+                    f"{cls.__name__}.{old} is deprecated: the Runner hook is now named {new}",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
+                setattr(cls, new, cls.__dict__[old])
+
     def __init__(self) -> None:
         self.forwards = 0  # model calls so far (prefills included), for statistics
         self.reset()
@@ -87,13 +132,8 @@ class Runner(ABC):
     def reset(self) -> None:
         """Forget everything (start of a new sequence)."""
         self.committed: list[int] = []  # token ids in the committed slots
-        self._clear_pending()
-        self._reset_cache()
-
-    def _clear_pending(self) -> None:
-        self._tokens: list[int] = []  # token of each pending node
-        self._parents: list[int] = []  # pending parent of each pending node (-1: the prefix)
-        self._depths: list[int] = []  # depth below the committed prefix (0: continues it)
+        self.pending = PendingNodes()
+        self.reset_cache()
 
     @property
     def n_committed(self) -> int:
@@ -101,7 +141,7 @@ class Runner(ABC):
 
     @property
     def n_pending(self) -> int:
-        return len(self._tokens)
+        return len(self.pending.tokens)
 
     @property
     def n_slots(self) -> int:
@@ -147,7 +187,7 @@ class Runner(ABC):
                 break
             kept += 1
         del self.committed[kept:]
-        self._truncate(kept)
+        self.truncate(kept)
         return kept
 
     def prefill(self, tokens: Sequence[int]) -> None:
@@ -173,11 +213,12 @@ class Runner(ABC):
         """
         return extend_many([(self, tokens, parents, hidden)])[0].logits
 
-    def _plan(
+    def add_pending(
         self, tokens: Sequence[int], parents: Sequence[int], hidden: torch.Tensor | None = None
     ) -> Feed:
-        """Record new pending nodes and say what to feed for them (no forward yet)."""
-        n, p0, c = len(tokens), self.n_pending, self.n_committed
+        """Record new pending nodes and say what to feed for them (no forward yet; `extend_many`
+        runs it)."""
+        n, p0, c, pending = len(tokens), self.n_pending, self.n_committed, self.pending
         if n == 0 or len(parents) != n:
             raise ValueError(f"extend() needs one parent per token, got {n} tokens, {len(parents)} parents")
         if (hidden is not None) != self.takes_hidden or (hidden is not None and hidden.shape[0] != n):
@@ -189,22 +230,22 @@ class Runner(ABC):
             if not -1 <= parent < p0 + i:
                 raise ValueError(f"node {i}: parent {parent} is not a pending node before it")
             depths.append(
-                0 if parent == -1 else (self._depths[parent] if parent < p0 else depths[parent - p0]) + 1
+                0 if parent == -1 else (pending.depths[parent] if parent < p0 else depths[parent - p0]) + 1
             )
-        self._check_positions(c + max(depths))
-        self._tokens += [int(t) for t in tokens]
-        self._parents += [int(p) for p in parents]
-        self._depths += depths
+        self.check_positions(c + max(depths))
+        pending.tokens += [int(t) for t in tokens]
+        pending.parents += [int(p) for p in parents]
+        pending.depths += depths
         if all(d == p0 + i for i, d in enumerate(depths)):
             # a chain below every pending node (each step of linear drafting, a chain tree):
             # every new node sees all slots before it, the causal pattern; no tree mask to build
-            ids = torch.tensor([self._tokens[p0:], [c + d for d in depths]], device=self.device)  # [2, n]
+            ids = torch.tensor([pending.tokens[p0:], [c + d for d in depths]], device=self.device)  # [2, n]
             return Feed(ids[0], ids[1], None, hidden)
         # one host -> device copy: tokens, positions and the parent pointers of every pending node
         ids = torch.tensor(
-            [self._tokens, [c + d for d in self._depths], self._parents], device=self.device
+            [pending.tokens, [c + d for d in pending.depths], pending.parents], device=self.device
         )  # [3, P]
-        new = ancestor_rows(ids[2], p0, max(self._depths[p0:]))  # [n, P] ancestor-or-self of the new nodes
+        new = ancestor_rows(ids[2], p0, max(pending.depths[p0:]))  # [n, P] ancestor-or-self of the new nodes
         visible = torch.ones(n, c + p0 + n, dtype=torch.bool, device=self.device)  # [n, S + n]
         visible[:, c:] = new
         return Feed(ids[0, p0:], ids[1, p0:], visible, hidden)
@@ -213,30 +254,32 @@ class Runner(ABC):
         """Commit the chain of pending `nodes` (root level first); drop every other pending node."""
         nodes = [int(n) for n in nodes]
         for i, n in enumerate(nodes):
-            if not 0 <= n < self.n_pending or self._parents[n] != (nodes[i - 1] if i else -1):
+            if not 0 <= n < self.n_pending or self.pending.parents[n] != (nodes[i - 1] if i else -1):
                 raise ValueError(f"nodes {nodes} are not a root-first chain of pending nodes")
         if nodes != list(range(len(nodes))):  # a chain fed in order is already in place
-            self._keep(nodes)
-        self.committed.extend(self._tokens[n] for n in nodes)
-        self._clear_pending()
-        self._truncate(self.n_committed)
+            self.keep_slots(nodes)
+        self.committed.extend(self.pending.tokens[n] for n in nodes)
+        self.pending = PendingNodes()
+        self.truncate(self.n_committed)
 
     def discard_pending(self) -> None:
         """Drop every pending node, keeping the committed prefix: undoes `score` / `extend`
         when a round is abandoned (the engine's rollback)."""
-        self._clear_pending()
-        self._truncate(self.n_committed)
+        self.pending = PendingNodes()
+        self.truncate(self.n_committed)
 
-    def _check_positions(self, last: int) -> None:
+    def check_positions(self, last: int) -> None:
+        """Refuse a position id past the model's last one."""
         if self.max_positions is not None and last >= self.max_positions:
             raise ValueError(f"position {last} exceeds the model's {self.max_positions} positions")
 
-    # ---- what a model backend implements -------------------------------------------------
+    # ---- the cache hooks: what a model backend implements (the bookkeeping calls them) -----
     @abstractmethod
-    def _reset_cache(self) -> None: ...
+    def reset_cache(self) -> None:
+        """Empty the cache (a new sequence)."""
 
     @abstractmethod
-    def _forward(
+    def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor | None, need_logits: bool
     ) -> Scores:
         """Append `tokens` [n] at `positions` [n] to the cache (slots S .. S+n-1, S = n_slots).
@@ -244,33 +287,34 @@ class Runner(ABC):
         `visible` [n, S+n] (bool, on the device) is the attention pattern; None means a prefill:
         plain causal after the committed prefix. Returns the logits [n, V] (None when
         `need_logits` is False) and, with `taps`, the features [n, F]. A runner that
-        `takes_hidden` overrides `_forward_many`, which sees each feed's hidden states."""
+        `takes_hidden` overrides `forward_many`, which sees each feed's hidden states."""
 
     @abstractmethod
-    def _keep(self, nodes: list[int]) -> None:
+    def keep_slots(self, nodes: list[int]) -> None:
         """Move pending `nodes` (pending indices) to the slots right after the committed prefix."""
 
-    def _truncate(self, n_slots: int) -> None:
+    def truncate(self, n_slots: int) -> None:
         """Drop every cache slot from `n_slots` on (a static cache just forgets them)."""
+
+    @classmethod
+    def forward_many(cls, runners: list[Runner], feeds: list[Feed], need_logits: bool) -> list[Scores]:
+        """One `forward` per runner; a backend whose lanes share a batched forward overrides
+        this (`runners` are all of this class)."""
+        return [r.forward(f.tokens, f.positions, f.visible, need_logits) for r, f in zip(runners, feeds)]
 
     # ---- batching ----------------------------------------------------------------------------
     def lanes(self, n: int) -> list[Runner]:
         """`n` runners of this very model, each with a cache of its own (one per request of a
-        batch). A backend whose lanes can share one forward (`_forward_many`) returns them so;
-        by default each lane is a copy made by `_new_lane` and runs its own forwards."""
+        batch). A backend whose lanes can share one forward (`forward_many`) returns them so;
+        by default each lane is a copy made by `new_lane` and runs its own forwards."""
         check_positive_int("lanes(n)", n)
-        return [self._new_lane() for _ in range(n)]
+        return [self.new_lane() for _ in range(n)]
 
-    def _new_lane(self) -> Runner:
+    def new_lane(self) -> Runner:
+        """A runner of this very model with a cache of its own (what `lanes` makes by default)."""
         raise NotImplementedError(
-            f"{type(self).__name__} cannot make lanes for batched decoding; implement _new_lane()"
+            f"{type(self).__name__} cannot make lanes for batched decoding; implement new_lane()"
         )
-
-    @classmethod
-    def _forward_many(cls, runners: list[Runner], feeds: list[Feed], need_logits: bool) -> list[Scores]:
-        """One `_forward` per runner; a backend whose lanes share a batched forward overrides
-        this (`runners` are all of this class)."""
-        return [r._forward(f.tokens, f.positions, f.visible, need_logits) for r, f in zip(runners, feeds)]
 
 
 def tapped(x: torch.Tensor, layer: int, taps: tuple[int, ...], found: dict[int, torch.Tensor]) -> None:
@@ -288,7 +332,7 @@ def extend_many(jobs: Sequence[tuple]) -> list[Scores]:
     """`runner.extend(tokens, parents[, hidden])` for every job `(runner, tokens, parents[,
     hidden])`; the `Scores` of each job's n_i new nodes. Lanes of one batched backend (see
     `Runner.lanes`) run in ONE forward; others one after another."""
-    feeds = [job[0]._plan(*job[1:]) for job in jobs]
+    feeds = [job[0].add_pending(*job[1:]) for job in jobs]
     return _run([job[0] for job in jobs], feeds, need_logits=True)
 
 
@@ -296,7 +340,7 @@ def score_many(jobs: Sequence[tuple[Runner, TokenTree]]) -> list[Scores]:
     """`runner.score(tree)` for every job, in one forward where the runners allow it: each
     tree's `Scores` (logits [N, V], features where the runner has taps)."""
     for runner, _ in jobs:
-        if runner._tokens:
+        if runner.n_pending:
             raise RuntimeError("score() needs an empty pending area; commit() the last tree first")
     return extend_many([(runner, tree.tokens, tree.parents) for runner, tree in jobs])
 
@@ -306,7 +350,7 @@ def prefill_many(jobs: Sequence[tuple[Runner, Sequence[int]]]) -> list[Scores | 
     each job's `Scores` without logits, its features where the runner has taps (None for an
     empty job)."""
     for runner, _ in jobs:
-        if runner._tokens:
+        if runner.n_pending:
             raise RuntimeError("prefill() with pending tree nodes; commit() them first")
         if runner.takes_hidden:
             raise ValueError(f"{type(runner).__name__} reads a hidden state per token: feed it with extend()")
@@ -314,7 +358,7 @@ def prefill_many(jobs: Sequence[tuple[Runner, Sequence[int]]]) -> list[Scores | 
     jobs = [(r, tokens) for r, tokens in given if tokens]
     feeds = []
     for runner, tokens in jobs:
-        runner._check_positions(runner.n_committed + len(tokens) - 1)
+        runner.check_positions(runner.n_committed + len(tokens) - 1)
         c = runner.n_committed
         ids = torch.tensor([tokens, list(range(c, c + len(tokens)))], device=runner.device)  # [2, n]
         feeds.append(Feed(ids[0], ids[1], None))
@@ -331,7 +375,7 @@ def _run(runners: list[Runner], feeds: list[Feed], need_logits: bool) -> list[Sc
         runners,
         feeds,
         lambda r: id(r) if r.batch_invariant else type(r),
-        lambda group, fs: type(group[0])._forward_many(group, fs, need_logits),
+        lambda group, fs: type(group[0]).forward_many(group, fs, need_logits),
     )
     for r in runners:
         r.forwards += 1

@@ -10,12 +10,12 @@ import copy
 import functools
 import json
 import os
-import time
 from collections.abc import Callable
 
 import torch
 
 from ..config import default_cache_dir, write_cache_json
+from ..timing import median_seconds
 
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")  # bf16 matrix instructions (AMX tiles, AVX-512 dot products)
 
@@ -78,8 +78,7 @@ CHOICES_FILE = "cpu-choices.json"  # under $TREESPEC_CACHE: the measured choices
 def remembered(name: str, measure: Callable[[], bool]) -> bool:
     """`measure()`, taken once per machine: kept under `name` in $TREESPEC_CACHE/cpu-choices.json
     beside `machine_key()`. A missing, unreadable or other machine's file is measured again
-    (and replaced), never an error; a read-only cache only measures each time. The measurements
-    below took ~0.25 s of every start of the default pair."""
+    (and replaced), never an error; a read-only cache only measures each time."""
     path = default_cache_dir() / CHOICES_FILE
     machine = machine_key()
     try:
@@ -99,8 +98,7 @@ def bf16_matmul_is_faster(margin: float = 0.9) -> bool:
     """Whether bf16 matrix products beat fp32 on this CPU, measured the way the native backend
     multiplies (`linear.Projection`, packed where oneDNN can): a decode-shaped product
     (1 x 1024 @ 1024 x 2048) and a tree-shaped one (16 rows), median of 15 each after a warm-up;
-    bf16 must take under `margin` of fp32's time in both. About 30 ms, once per machine
-    (`remembered`)."""
+    bf16 must take under `margin` of fp32's time in both. Once per machine (`remembered`)."""
     return remembered(f"bf16 products under {margin} of float32's", lambda: _bf16_faster(margin))
 
 
@@ -114,7 +112,7 @@ def _bf16_faster(margin: float) -> bool:
         proj = Projection(weight.to(dtype))
         for rows in (1, 16):
             x = torch.randn(rows, 1024, generator=g).to(dtype)
-            median[dtype, rows] = _median_seconds(functools.partial(proj, x))
+            median[dtype, rows] = median_seconds(functools.partial(proj, x), 15, warmup=3)
     return all(median[torch.bfloat16, rows] < margin * median[torch.float32, rows] for rows in (1, 16))
 
 
@@ -126,12 +124,11 @@ def int4_matmul_is_faster(dtype: torch.dtype, dense: torch.dtype | None = None, 
     under `margin` of the dense ones in `dense` (default: `dtype`; `linear.Projection`, packed
     where oneDNN can) on this CPU: the decode step's product, 1 x 1024 @ 1024 x 2048, over
     `STREAMED_COPIES` distinct weights in turn, as a forward reads its layers' weights from
-    memory (one weight, left in the cache, favours the dense product: on a 2-core Zen 5 run
-    as an AVX2 core, int4 in bf16 took 1.2x dense fp32's time cached, 0.5x in a whole decode
-    step); medians of 7 sweeps. torch's int4 kernel is fast with bf16 inputs (AVX512 and
-    AVX2 cores alike) and far slower than dense with float32 ones; a tree's many rows favour
-    dense weights, which the automatic tree accounts for with the measured t(n). About 50 ms
-    a dtype, once per machine (`remembered`); False where int4 cannot compute in `dtype`."""
+    memory (one weight, left in the cache, would favour the dense product); medians of 7
+    sweeps. torch's int4 kernel is fast with bf16 inputs and far slower than dense with
+    float32 ones; a tree's many rows favour dense weights, which the automatic tree accounts
+    for with the measured t(n). Once per machine and dtype (`remembered`); False where int4
+    cannot compute in `dtype`."""
     from .linear import QUANTIZABLE_DTYPES
 
     if dtype not in QUANTIZABLE_DTYPES:
@@ -162,23 +159,7 @@ def _streamed_seconds(kind: str, dtype: torch.dtype, stop_above: float = float("
             if isinstance(value, torch.Tensor):
                 setattr(c, name, value.clone())  # oneDNN's packed layout clones as itself
         products.append(c)
-    return _median_seconds(lambda: [p(x) for p in products], calls=7, warmup=1, stop_above=stop_above)
-
-
-def _median_seconds(run, calls: int = 15, warmup: int = 3, stop_above: float = float("inf")) -> float:
-    """The median time of `calls` calls `run()` after `warmup` untimed ones (the first calls
-    pay for allocation and primitive creation); a call taking over `stop_above` seconds ends
-    the measurement at once with its time (what is that slow is not worth timing further)."""
-    times = []
-    for i in range(warmup + calls):
-        t0 = time.perf_counter()
-        run()
-        seconds = time.perf_counter() - t0
-        if i >= warmup:
-            if seconds > stop_above:
-                return seconds
-            times.append(seconds)
-    return sorted(times)[len(times) // 2]
+    return median_seconds(lambda: [p(x) for p in products], 7, warmup=1, stop_above=stop_above)
 
 
 def machine_key() -> dict:

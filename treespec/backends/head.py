@@ -26,7 +26,6 @@ per target id), and `embed_tokens.weight` only when the head has an embedding of
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,22 +33,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .aot import GraphStore
 from .attention import graph_lane_attention
 from .base import Feed, Scores
 from .checkpoint import LlamaShape
 from .linear import Int4Projection, Projection, QuantizedProjection, check_quantize
-from .native import (
-    CompiledForward,
-    KVPool,
-    Layer,
-    NativeRunner,
-    _ForwardGraph,
-    rms_norm,
-    rope_rows,
-    rotate,
-    split_scores,
-)
+from .native.aot import GraphStore
+from .native.compile import CompiledForward, ForwardGraph
+from .native.kv import KVPool
+from .native.model import Layer, rms_norm, rope_rows, rotate
+from .native.runner import NativeRunner, split_scores
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # what save_head writes
 ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM")  # what a head's config may name (vLLM's alias)
@@ -265,7 +257,7 @@ class HeadRunner(NativeRunner):
         `weights` holds an `embed_tokens.weight` of the head's own. `quantize` ("int8", "int4"):
         the head's products weight-only quantized (`linear.QuantizedProjection`,
         `linear.Int4Projection`); a head's q only proposes, so the output stays lossless.
-        `compile`: its forwards with logits as an inductor graph (`native.CompiledForward`,
+        `compile`: its forwards with logits as an inductor graph (`native.compile.CompiledForward`,
         kept across processes as the target's are)."""
         check_head_weights(cfg, weights)
         if quantize is not None:
@@ -319,8 +311,8 @@ class HeadRunner(NativeRunner):
         self.compiled = CompiledForward(self, store=GraphStore()) if compile else None
         super(NativeRunner, self).__init__()
 
-    def forward_graph(self) -> _HeadGraph:
-        return _HeadGraph(self)
+    def forward_graph(self) -> HeadGraph:
+        return HeadGraph(self)
 
     @property
     def target_taps(self) -> tuple[int, ...]:
@@ -339,11 +331,9 @@ class HeadRunner(NativeRunner):
         """The one layer over every lane's (token, hidden) pairs in one forward."""
         s, pool = self.shape, self.pool
         ns, starts = [f.tokens.shape[0] for f in feeds], [lane.filled for lane in lanes]
-        if len(lanes) == 1 and need_logits and self.compiled is not None:
-            scores = self.compiled(self, feeds[0], starts[0])
-            if scores is not None:
-                self.filled = starts[0] + ns[0]
-                return [scores]
+        scores = self._compiled_forward(lanes, feeds, starts, need_logits)
+        if scores is not None:
+            return scores
         tokens, positions, attend = self._packed_inputs(lanes, feeds, starts, ns)
         h = torch.cat([f.hidden for f in feeds]).to(self.dtype)  # [T, hidden]
         cos, sin = pool.rope(positions)  # [T, Hq+2Hkv, D] each
@@ -378,29 +368,18 @@ def head_logits(out, norm, lm_head, ids, vocab_size: int, eps: float) -> torch.T
     return rows.new_full((out.shape[0], vocab_size), float("-inf")).index_copy(1, ids, rows)
 
 
-class _HeadGraph(_ForwardGraph):
-    """The head's layer with logits, written for inductor as `native._ForwardGraph` is: fed
-    (token, hidden state) pairs; the math is `HeadRunner._packed_forward`'s."""
+class HeadGraph(ForwardGraph):
+    """The head's layer with logits, written for inductor as `native.compile.ForwardGraph` is:
+    fed (token, hidden state) pairs; the math is `HeadRunner._packed_forward`'s. Its `taps`
+    (what its digest covers) are the target layers the head reads."""
 
     FED = 5  # tokens, hidden states, positions, slots, the mask
 
     def __init__(self, runner: HeadRunner):
-        torch.nn.Module.__init__(self)
-        self.shape, self.taps, self.tp, self.vocab_size = (
-            runner.shape,
-            runner.cfg.taps,
-            None,
-            runner.vocab_size,
-        )
-        for name in ("embed", "hidden_norm", "norm", "ids"):
-            self.register_buffer(name, getattr(runner, name))
-        self._register("lm_head", runner.lm_head)
-        layer = runner.layers[0]
-        for name in ("attn_norm", "mlp_norm"):
-            self.register_buffer(f"{name}_0", getattr(layer, name))
-        for name in ("qkv", "o", "gate_up", "down"):
-            self._register(f"{name}_0", getattr(layer, name))
-            self._buffer(f"{name}_bias_0", getattr(layer, name).bias)
+        super().__init__(runner)
+        self.taps, self.vocab_size = runner.cfg.taps, runner.vocab_size
+        self.register_buffer("hidden_norm", runner.hidden_norm)
+        self.register_buffer("ids", runner.ids)
 
     @staticmethod
     def inputs(feed: Feed, slots: torch.Tensor, mask: torch.Tensor, pool: KVPool) -> tuple:
@@ -412,8 +391,7 @@ class _HeadGraph(_ForwardGraph):
         cos, sin = rope_rows(cos_table, sin_table, positions, s)  # [T, Hq+2Hkv, D] each
         attend = lambda i, qkv: graph_lane_attention(kv, i, qkv, slots, mask, s.heads)  # noqa: E731
         out = head_layer(tokens, hidden, self.embed, self.hidden_norm, self.layer(0), attend, cos, sin, s)
-        lm_head = functools.partial(self._linear, name="lm_head")
-        logits = head_logits(out, self.norm, lm_head, self.ids, self.vocab_size, s.eps)
+        logits = head_logits(out, self.norm, self.lm_head, self.ids, self.vocab_size, s.eps)
         return logits, out  # [T, V], [T, hidden]
 
 
@@ -423,8 +401,8 @@ def load_head_runner(
     """A `HeadRunner` for the EAGLE-3 checkpoint in the local directory `path`, over the
     embedding of `target` (a runner), its products `quantize`d (None, "int8", "int4"; "auto":
     int4 on a CPU whose int4 products in `dtype` measure faster than dense ones,
-    `cpu.int4_matmul_is_faster`, where the head's shapes suit torch's int4 layout; int8's
-    one scale per row cost the SmolLM2 head acceptance, int4's groups of 32 did not), its
+    `cpu.int4_matmul_is_faster`, where the head's shapes suit torch's int4 layout; int4's
+    groups of 32 keep the head's acceptance where int8's one scale per row loses some), its
     forwards compiled with `compile` (`HeadRunner`); None when `path` is not a head."""
     if not isinstance(path, (str, Path)) or not is_head(path):
         return None

@@ -24,7 +24,7 @@ TREE_MASK_ATTENTION = ("sdpa", "eager")
 class HFRunner(Runner):
     """A Hugging Face causal LM over a `DynamicCache` (tested on Llama, with sdpa and eager
     attention, and GPT-2). Lanes of one model (`lanes(n)`, batched decoding) run as one
-    padded forward per round (`_batched_forward`)."""
+    padded forward per round (`batched_forward`)."""
 
     def __init__(self, model: torch.nn.Module):
         impl = getattr(model.config, "_attn_implementation", None) or "eager"
@@ -40,29 +40,26 @@ class HFRunner(Runner):
         self.eos_token_ids = eos_token_ids(model)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self._blocks = decoder_blocks(model)
-        self.n_layers = None if self._blocks is None else len(self._blocks[0])
+        self.blocks = decoder_blocks(model)  # where features are tapped
+        self.n_layers = None if self.blocks is None else len(self.blocks[0])
         super().__init__()
 
     def input_embeddings(self) -> torch.Tensor:
         return self.model.get_input_embeddings().weight.detach()
 
-    def _new_lane(self) -> HFRunner:
+    def new_lane(self) -> HFRunner:
         lane = HFRunner(self.model)  # the modules are shared; each lane has its own DynamicCache
         lane.taps = self.taps
         return lane
 
-    def _reset_cache(self) -> None:
+    def reset_cache(self) -> None:
         from transformers import DynamicCache
 
         self.cache = DynamicCache(config=self.model.config)
 
-    def _mask(self, visible: torch.Tensor) -> torch.Tensor:
-        """[n, S+n] visibility -> the 4D mask the attention implementation expects."""
-        return self._mask_4d(visible[None, None])  # [1, 1, n, S+n]
-
-    def _mask_4d(self, visible: torch.Tensor) -> torch.Tensor:
-        """[B, 1, n, S+n] visibility -> what the attention implementation expects."""
+    def mask_4d(self, visible: torch.Tensor) -> torch.Tensor:
+        """[B, 1, n, S+n] bool visibility (True: attend) -> the 4D mask the attention
+        implementation expects."""
         if self.attn_impl == "sdpa":
             return visible  # bool, True = attend
         # eager adds the mask to the scores: 0 where visible, dtype min elsewhere
@@ -70,12 +67,13 @@ class HFRunner(Runner):
         return torch.where(visible, zero, torch.finfo(self.dtype).min)
 
     @torch.inference_mode()
-    def _forward(self, tokens, positions, visible, need_logits):
-        with tap_inputs(self._blocks, self.taps) as found:
+    def forward(self, tokens, positions, visible, need_logits):
+        with tap_inputs(self.blocks, self.taps) as found:
             out = self.model(
                 input_ids=tokens[None],  # [1, n]
                 position_ids=positions[None],  # [1, n]
-                attention_mask=None if visible is None else self._mask(visible),
+                # [1, 1, n, S+n]
+                attention_mask=None if visible is None else self.mask_4d(visible[None, None]),
                 past_key_values=self.cache,
                 use_cache=True,
                 logits_to_keep=0 if need_logits else 1,  # 0 = all rows
@@ -84,27 +82,29 @@ class HFRunner(Runner):
         return Scores(out.logits[0] if need_logits else None, None if features is None else features[0])
 
     @classmethod
-    def _forward_many(cls, runners: list[HFRunner], feeds: list[Feed], need_logits: bool) -> list[Scores]:
-        """Lanes of one model run as ONE batched forward (`_batched_forward`); a lone runner,
+    def forward_many(cls, runners: list[HFRunner], feeds: list[Feed], need_logits: bool) -> list[Scores]:
+        """Lanes of one model run as ONE batched forward (`batched_forward`); a lone runner,
         or lanes whose caches are not plain `DynamicLayer`s (sliding windows, quantized
         caches), run one forward each."""
 
         def model_forward(lanes: list[HFRunner], lane_feeds: list[Feed]) -> list[Scores]:
-            if len(lanes) > 1 and all(lane._plain_cache() for lane in lanes):
-                return _batched_forward(lanes, lane_feeds, need_logits)
+            if len(lanes) > 1 and all(lane.plain_cache() for lane in lanes):
+                return batched_forward(lanes, lane_feeds, need_logits)
             return [
-                r._forward(f.tokens, f.positions, f.visible, need_logits) for r, f in zip(lanes, lane_feeds)
+                r.forward(f.tokens, f.positions, f.visible, need_logits) for r, f in zip(lanes, lane_feeds)
             ]
 
         return forward_grouped(runners, feeds, lambda r: id(r.model), model_forward)
 
-    def _plain_cache(self) -> bool:
+    def plain_cache(self) -> bool:
+        """Whether every layer of the cache is a plain `DynamicLayer` (what `batched_forward`
+        copies; not a sliding window's or a quantized cache's)."""
         from transformers.cache_utils import DynamicLayer
 
         return all(type(layer) is DynamicLayer for layer in self.cache.layers)
 
     @torch.inference_mode()
-    def _keep(self, nodes: list[int]) -> None:
+    def keep_slots(self, nodes: list[int]) -> None:
         c, k = self.n_committed, len(nodes)
         idx = torch.tensor(nodes, dtype=torch.long, device=self.device) + c
         for layer in self.cache.layers:
@@ -118,7 +118,7 @@ class HFRunner(Runner):
             layer.keys[..., c : c + k, :] = keys
             layer.values[..., c : c + k, :] = values
 
-    def _truncate(self, n_slots: int) -> None:
+    def truncate(self, n_slots: int) -> None:
         for layer in self.cache.layers:
             if getattr(layer, "is_initialized", False):
                 layer.keys = layer.keys[..., :n_slots, :]
@@ -160,7 +160,7 @@ class tap_inputs:
 
 
 @torch.inference_mode()
-def _batched_forward(lanes: list[HFRunner], feeds: list[Feed], need_logits: bool) -> list[Scores]:
+def batched_forward(lanes: list[HFRunner], feeds: list[Feed], need_logits: bool) -> list[Scores]:
     """B lanes of one model in one forward. Each lane's cache (S_b slots) is copied into one
     batched `DynamicCache`, right-padded to S = max S_b; the new tokens are padded to
     [B, n_max]; a [B, 1, n_max, S + n_max] mask lets lane b's row i see its own S_b slots
@@ -184,25 +184,16 @@ def _batched_forward(lanes: list[HFRunner], feeds: list[Feed], need_logits: bool
     cache = DynamicCache()
     if S > 0:  # every layer's keys and values, each lane right-padded to S slots
         ref = next(lane for lane, S_b in zip(lanes, starts) if S_b > 0).cache.layers
-
-        def padded(lane: HFRunner, S_b: int, layer: int, which: str) -> torch.Tensor:  # [1, H, S, D]
-            if S_b == 0:
-                like = getattr(ref[layer], which)
-                return like.new_zeros(1, like.shape[1], S, like.shape[3])
-            t = getattr(lane.cache.layers[layer], which)
-            return torch.nn.functional.pad(t, (0, 0, 0, S - S_b)) if S_b < S else t
-
-        for layer in range(len(ref)):  # [B, H, S, D] each
-            keys, values = (
-                torch.cat([padded(lane, S_b, layer, which) for lane, S_b in zip(lanes, starts)])
-                for which in ("keys", "values")
-            )
-            cache.update(keys, values, layer)
-    with tap_inputs(first._blocks, first.taps) as found:
+        for i, like in enumerate(ref):
+            layers = [lane.cache.layers[i] if S_b else None for lane, S_b in zip(lanes, starts)]
+            keys = torch.cat([_padded(None if la is None else la.keys, like.keys, S) for la in layers])
+            values = torch.cat([_padded(None if la is None else la.values, like.values, S) for la in layers])
+            cache.update(keys, values, i)  # [B, H, S, D] each
+    with tap_inputs(first.blocks, first.taps) as found:
         out = first.model(
             input_ids=tokens,
             position_ids=positions,
-            attention_mask=first._mask_4d(mask),
+            attention_mask=first.mask_4d(mask),
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=0 if need_logits else 1,
@@ -218,6 +209,15 @@ def _batched_forward(lanes: list[HFRunner], feeds: list[Feed], need_logits: bool
         )
         for b, n in enumerate(ns)
     ]
+
+
+def _padded(t: torch.Tensor | None, like: torch.Tensor, S: int) -> torch.Tensor:
+    """A lane's cached keys or values [1, H, S_b, D] right-padded with zeros to [1, H, S, D];
+    None (an empty cache): zeros shaped as `like`'s heads and head dim."""
+    if t is None:
+        return like.new_zeros(1, like.shape[1], S, like.shape[3])
+    S_b = t.shape[-2]
+    return torch.nn.functional.pad(t, (0, 0, 0, S - S_b)) if S_b < S else t
 
 
 def eos_token_ids(model) -> frozenset[int]:
@@ -294,7 +294,7 @@ def load_model(path, dtype: torch.dtype, device, attn_implementation: str = "sdp
 
 
 # tokenizer_config.json classes that are tokenizer.json alone: loaded without AutoTokenizer,
-# which reads the model's config first (1.4 s more of imports for SmolLM2, the same object)
+# which reads the model's config first (more imports, the same object)
 GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 

@@ -54,7 +54,7 @@ class Projection:
         # unpacked: W^T [in, out]. A transposed view makes x @ W^T the very BLAS call F.linear
         # makes (float64: bitwise HF; CUDA: cuBLAS transposes for free; bf16 on a CPU without
         # oneDNN's bf16: torch's own bf16 kernel, whose one-row product reads W [out, in] row by
-        # row, 17x faster than through W^T laid out [in, out]); a CPU float32 weight is laid out
+        # row, far faster than through W^T laid out [in, out]); a CPU float32 weight is laid out
         # [in, out], which MKL multiplies faster per row than F.linear's layout
         if self.packed is not None:
             self.weight_t = None  # the packed copy replaces it
@@ -120,7 +120,7 @@ class QuantizedProjection:
         check_quantize("int8", weight.dtype)
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        w = weight.to(torch.float32, copy=True)  # rounded in place: half the time (SmolLM2's output layer)
+        w = weight.to(torch.float32, copy=True)  # a copy of its own, rounded in place
         scales = torch.linalg.vector_norm(w, ord=float("inf"), dim=1).clamp_(min=1e-12).div_(127)  # [out]
         self.weight_int8 = w.div_(scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)  # [out, in]
         self.scales = scales.to(weight.dtype)  # [out], the kernel takes them in x's dtype

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .base import Feed, Runner, Scores, forward_grouped
+from .base import Feed, PendingNodes, Runner, Scores, forward_grouped
 
 MAP_FILE = "vocab_map.json"
 
@@ -96,19 +96,28 @@ class SubsetVocabRunner(Runner):
         self._rows = vocab_map.input_rows(torch.arange(vocab_map.target_vocab)).to(inner.device)  # [V]
         super().__init__()
 
-    # the bookkeeping attributes of `Runner` are the wrapped runner's
-    committed = property(
-        lambda self: self.inner.committed, lambda self, v: setattr(self.inner, "committed", v)
-    )
-    _tokens = property(lambda self: self.inner._tokens, lambda self, v: setattr(self.inner, "_tokens", v))
-    _parents = property(lambda self: self.inner._parents, lambda self, v: setattr(self.inner, "_parents", v))
-    _depths = property(lambda self: self.inner._depths, lambda self, v: setattr(self.inner, "_depths", v))
+    # the bookkeeping state of `Runner` is the wrapped runner's
+    @property
+    def committed(self) -> list[int]:
+        return self.inner.committed
+
+    @committed.setter
+    def committed(self, tokens: list[int]) -> None:
+        self.inner.committed = tokens
+
+    @property
+    def pending(self) -> PendingNodes:
+        return self.inner.pending
+
+    @pending.setter
+    def pending(self, nodes: PendingNodes) -> None:
+        self.inner.pending = nodes
 
     def set_taps(self, taps) -> None:
         self.inner.set_taps(taps)
         self.taps = self.inner.taps
 
-    def _scatter(self, scores: Scores) -> Scores:
+    def scatter(self, scores: Scores) -> Scores:
         """Draft logits [n, K + 1] -> [n, V] target logits, -inf outside the subset."""
         logits = scores.logits
         if logits is None:
@@ -117,20 +126,21 @@ class SubsetVocabRunner(Runner):
         out[:, self._ids] = logits[:, : self.map.size]
         return Scores(out, scores.features)
 
-    def _feed(self, feed: Feed) -> Feed:
+    def draft_feed(self, feed: Feed) -> Feed:
+        """`feed` with the draft's input rows for its target ids."""
         return Feed(self._rows[feed.tokens], feed.positions, feed.visible, feed.hidden)
 
-    def _reset_cache(self) -> None:
-        self.inner._reset_cache()
+    def reset_cache(self) -> None:
+        self.inner.reset_cache()
 
-    def _forward(self, tokens, positions, visible, need_logits):
-        return self._scatter(self.inner._forward(self._rows[tokens], positions, visible, need_logits))
+    def forward(self, tokens, positions, visible, need_logits):
+        return self.scatter(self.inner.forward(self._rows[tokens], positions, visible, need_logits))
 
-    def _keep(self, nodes: list[int]) -> None:
-        self.inner._keep(nodes)
+    def keep_slots(self, nodes: list[int]) -> None:
+        self.inner.keep_slots(nodes)
 
-    def _truncate(self, n_slots: int) -> None:
-        self.inner._truncate(n_slots)
+    def truncate(self, n_slots: int) -> None:
+        self.inner.truncate(n_slots)
 
     @property
     def lanes_match_solo(self) -> bool:
@@ -140,15 +150,15 @@ class SubsetVocabRunner(Runner):
         return [SubsetVocabRunner(lane, self.map) for lane in self.inner.lanes(n)]
 
     @classmethod
-    def _forward_many(cls, runners, feeds, need_logits):
+    def forward_many(cls, runners, feeds, need_logits):
         """The wrapped lanes' own (batched) forward, then one scatter per lane."""
         inner = forward_grouped(
             [r.inner for r in runners],
-            [r._feed(f) for r, f in zip(runners, feeds)],
+            [r.draft_feed(f) for r, f in zip(runners, feeds)],
             type,
-            lambda group, fs: type(group[0])._forward_many(group, fs, need_logits),
+            lambda group, fs: type(group[0]).forward_many(group, fs, need_logits),
         )
-        return [r._scatter(out) for r, out in zip(runners, inner)]
+        return [r.scatter(out) for r, out in zip(runners, inner)]
 
 
 def full_vocabulary_model(model: torch.nn.Module, vocab_map: VocabMap) -> torch.nn.Module:

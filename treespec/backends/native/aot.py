@@ -2,17 +2,16 @@
 
 A graph compiled in process (`torch.compile`) is rebuilt by every new process: dynamo traces the
 forward again and AOT autograd captures it again (its cache refuses frozen graphs) before
-inductor's own cache answers, ~13 s a graph for SmolLM2 on two cores. An AOTInductor package
-(`torch._inductor.aoti_compile_and_package`) is the graph compiled once, its frozen weights
-inside, into a shared library; loading one takes ~0.1 s and it runs as fast as the graph built
-in process.
+inductor's own cache answers. An AOTInductor package (`torch._inductor.aoti_compile_and_package`)
+is the graph compiled once, its frozen weights inside, into a shared library; a later process
+loads it instead, and it runs as fast as the graph built in process (docs/performance.md).
 
 `GraphStore` keeps packages under a directory (default $TREESPEC_CACHE/graphs-v1), one file a
 graph, named by a digest of everything the compiled code depends on: the module's weights
 (their bytes) and what else its forward reads (the model's shape, the taps it returns), which
-graph it is (a feed size, or "dynamic"), the inductor settings, this package's backend
-source, torch's version and the machine (`cpu.machine_key`). When any of them changes, another
-file is named; a file that does not load is compiled again and replaced.
+graph it is (a feed size, or "dynamic"), the inductor settings, the backends' source,
+torch's version and the machine (`cpu.machine_key`). When any of them changes, another file is
+named; a file that does not load is compiled again and replaced.
 """
 
 from __future__ import annotations
@@ -30,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import default_cache_dir
-from .cpu import machine_key
+from ...config import default_cache_dir
+from ..cpu import machine_key
 
 STORE_VERSION = 1  # bump when what a package holds or how it is called changes
 
@@ -40,17 +39,19 @@ log = logging.getLogger(__name__)
 
 @functools.cache
 def source_digest() -> str:
-    """A digest of the backend's source files: the forward a package compiled."""
+    """A digest of the backends' source files (treespec/backends/, native/ included): the
+    forward a package compiled."""
     h = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        h.update(path.name.encode())
+    backends = Path(__file__).parents[1]
+    for path in sorted(backends.rglob("*.py")):
+        h.update(path.relative_to(backends).as_posix().encode())
         h.update(path.read_bytes())
     return h.hexdigest()
 
 
 def model_digest(module: torch.nn.Module, **attributes) -> str:
     """A digest of what a graph of `module` computes with: its buffers (names, dtypes, shapes
-    and bytes; ~50 ms for SmolLM2's int4 weights) and the `attributes` its forward reads
+    and bytes) and the `attributes` its forward reads
     besides (the model's shape, the taps it returns)."""
     h = hashlib.sha256()
     for name, value in sorted(attributes.items()):
@@ -63,8 +64,7 @@ def model_digest(module: torch.nn.Module, **attributes) -> str:
 
 class GraphStore:
     """AOTInductor packages on disk, one per graph, found by `key`; a package not used for
-    `keep_days` is removed when another is stored (a package holds its model's weights: ~160 MB
-    for SmolLM2 in int4, ~13 MB for the pycode pair)."""
+    `keep_days` is removed when another is stored (a package holds its model's weights)."""
 
     def __init__(self, root: str | os.PathLike | None = None, keep_days: float = 14.0):
         if root is None:
