@@ -627,6 +627,7 @@ def test_a_head_run_resumed_after_interruptions_equals_the_uninterrupted_one(
     its evaluations redone once."""
     import shutil
 
+    from treespec.distill import features as features_module
     from treespec.distill import head as head_module
 
     target, _ = tiny_target
@@ -641,8 +642,8 @@ def test_a_head_run_resumed_after_interruptions_equals_the_uninterrupted_one(
     head_module.distill_head(target, tmp_path / "whole", runs["whole"], **recipe)
 
     out = tmp_path / "cut"
-    monkeypatch.setattr(head_module, "FEATURE_CHUNK_TOKENS", 64)  # several chunks, one of them cut
-    monkeypatch.setattr(head_module, "prefill_many", failing_after(2, head_module.prefill_many))
+    monkeypatch.setattr(features_module, "FEATURE_CHUNK_TOKENS", 64)  # several chunks, one of them cut
+    monkeypatch.setattr(features_module, "prefill_many", failing_after(2, features_module.prefill_many))
     with pytest.raises(KeyboardInterrupt):
         head_module.distill_head(target, out, runs["cut"], **recipe)
     state = runs["cut"] / "work" / "data" / "features_0_float32.json"

@@ -25,6 +25,7 @@ from treespec.backends.linear import Int4Projection, QuantizedProjection
 from treespec.backends.native import NativeRunner
 from treespec.loading import load_runner, resolve_weights
 from treespec.loading.gguf import convert, gguf_file, is_gguf, smollm2_gguf
+from treespec.timing import median_seconds
 
 from .conftest import tiny_llama
 
@@ -202,7 +203,7 @@ def test_auto_weights_run_a_files_blocks_in_the_dtype_that_multiplies_them_faste
 
     with (
         patch.object(cpu, "int4_matmul_is_faster", avx2_like),
-        patch("treespec.loading.auto_dtype", lambda device, role="target": fp32),
+        patch("treespec.loading.weights.auto_dtype", lambda device, role="target": fp32),
     ):
         assert resolve_weights("auto", "auto", out, cpu_) == (bf16, "int4")
         assert resolve_weights(fp32, "auto", out, cpu_) == (fp32, None)  # the dtype was given
@@ -223,10 +224,10 @@ def test_int4_measurement_streams_distinct_weights_and_gives_up_on_slow_kernels(
     """int4_matmul_is_faster reads its weights as a forward does (distinct copies, not one
     cached matrix) and stops timing a kernel as soon as it is clearly slower."""
     calls = []
-    assert cpu._median_seconds(lambda: calls.append(1), calls=5, warmup=2) >= 0
+    assert median_seconds(lambda: calls.append(1), 5, warmup=2) >= 0
     assert len(calls) == 7
     calls.clear()
-    assert cpu._median_seconds(lambda: calls.append(1), calls=5, warmup=2, stop_above=-1.0) >= 0
+    assert median_seconds(lambda: calls.append(1), 5, warmup=2, stop_above=-1.0) >= 0
     assert len(calls) == 3  # the warm-up and the first timed call, over the bar
     assert cpu.int4_matmul_is_faster(torch.float64) is False  # int4 cannot compute in float64
     assert isinstance(cpu.int4_matmul_is_faster(torch.bfloat16, torch.float32), bool)

@@ -171,8 +171,8 @@ def test_a_compiled_head_equals_the_eager_one(tmp_path):
     """The head's graph (`HeadRunner(compile=True)`, one graph for every feed from the store, as
     int4 heads get): the same logits and output states as the eager layer, one token and trees
     alike. Cheap inductor settings: one small graph compiles (~15 s)."""
-    from treespec.backends.aot import GraphStore
     from treespec.backends.native import CompiledForward
+    from treespec.backends.native.aot import GraphStore
 
     from .test_native import CHEAP
 
@@ -203,9 +203,10 @@ def test_a_compiled_head_equals_the_eager_one(tmp_path):
 
 def test_the_cost_measurement_feeds_a_compiled_head_every_size():
     """Before timing, a compiled pair's runners get one feed of every size a round may score
-    (`autotree._compile_every_feed_size`); a feature head's come with hidden states in its own
-    dtype (eager runners here: what is fed, not the compiling, is under test)."""
-    from treespec import autotree
+    (`treespec.planning.costs.compile_every_feed_size`); a feature head's come with hidden
+    states in its own dtype (eager runners here: what is fed, not the compiling, is under test)."""
+    from treespec.config import AUTO_MAX_NODES
+    from treespec.planning.costs import compile_every_feed_size
 
     target = tiny_llama(0).float()
     cfg, w = random_head(target, draft_vocab=40, seed=1)
@@ -215,10 +216,8 @@ def test_the_cost_measurement_feeds_a_compiled_head_every_size():
     head.extend = lambda ids, parents, hidden: (
         seen.append((len(ids), hidden.dtype)) or extend(ids, parents, hidden)
     )
-    autotree._compile_every_feed_size(head, list(range(40)), 16)
-    assert seen == [(16, torch.bfloat16)] + [
-        (n, torch.bfloat16) for n in range(1, autotree.AUTO_MAX_NODES + 2)
-    ]
+    compile_every_feed_size(head, list(range(40)), 16)
+    assert seen == [(16, torch.bfloat16)] + [(n, torch.bfloat16) for n in range(1, AUTO_MAX_NODES + 2)]
     assert head.filled == 0  # left reset
 
 
@@ -353,8 +352,24 @@ def head_decoder():
     return target, SpeculativeDecoder(TableRunner(target), TableHead(target, draft, PROMPT[0]))
 
 
-@pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
-@pytest.mark.parametrize("case", range(len(HEAD_CASES)), ids=lambda i: f"{HEAD_CASES[i][0].strategy}-{i}")
+# Draws without replacement at T=1 (cases 4 and 5, ~6 s and ~4 s: the most outcomes) run with
+# -m slow; both stay enumerated, under the token and the traversal rule, at the other samplings.
+SLOW_HEAD_CASES = ((4, "T1"), (5, "T1"))
+
+
+@pytest.mark.parametrize(
+    "case,sampling_name",
+    [
+        pytest.param(
+            c,
+            s,
+            id=f"{HEAD_CASES[c][0].strategy}-{c}-{s}",
+            marks=pytest.mark.slow if (c, s) in SLOW_HEAD_CASES else (),
+        )
+        for c in range(len(HEAD_CASES))
+        for s in SAMPLINGS
+    ],
+)
 def test_feature_head_is_lossless_by_enumeration(case, sampling_name):
     tree, rule = HEAD_CASES[case]
     sampling = SAMPLINGS[sampling_name]
@@ -460,7 +475,7 @@ def test_training_time_test_computes_what_drafting_computes():
     """The training forward's unrolled step j at slot t (EAGLE-3's training-time test) equals
     the head drafting j levels below the root: target-fed slots up to t - j, then a chain of j
     nodes each fed its parent's output state."""
-    from treespec.distill.head import HeadModel
+    from treespec.distill.head_model import HeadModel
 
     target = tiny_llama(0)
     cfg, w = random_head(target, taps=(0, 1, 2), draft_vocab=48, seed=11)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from treespec import ModelDrafter, SamplingConfig, TreeConfig
-from treespec.adaptive import DepthPolicy
 from treespec.drafters import draft_tree
+from treespec.planning import DepthPolicy
 from treespec.proposal import Walk
 from treespec.rng import TorchRng
 

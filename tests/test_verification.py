@@ -54,10 +54,23 @@ def check_lossless(tree: TreeConfig, rule: str, sampling: SamplingConfig, k: int
     assert max_abs_diff(got, target.joint(PROMPT, k, sampling)) < 1e-9
 
 
-@pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
-@pytest.mark.parametrize("rule", ["block", "traversal"])
+CHAINS = [("iid", 1), ("iid", 2), ("iid", 3), ("without_replacement", 2), ("topk", 3)]
+# The i.i.d. depth-3 chains at T=1 (~10 s and ~5 s: the most outcomes) run with -m slow; depth 3
+# stays in the default run under the other two samplings and for top-k chains, T=1 at depth 2.
+SLOW_CHAINS = (("iid", 3, "block", "T1"), ("iid", 3, "traversal", "T1"))
+
+
 @pytest.mark.parametrize(
-    "strategy,depth", [("iid", 1), ("iid", 2), ("iid", 3), ("without_replacement", 2), ("topk", 3)]
+    "strategy,depth,rule,sampling_name",
+    [
+        pytest.param(*case, marks=pytest.mark.slow) if case in SLOW_CHAINS else case
+        for case in (
+            (strategy, depth, rule, s)
+            for strategy, depth in CHAINS
+            for rule in ("block", "traversal")
+            for s in SAMPLINGS
+        )
+    ],
 )
 def test_chain_rules_are_lossless(strategy, depth, rule, sampling_name):
     check_lossless(TreeConfig(1, depth, strategy), rule, SAMPLINGS[sampling_name], k=depth + 1)
@@ -308,6 +321,35 @@ def test_each_round_is_checked_against_the_rule():
         verify(iid, logits[:3], SAMPLINGS["T1"], None, "traversal")
 
 
+def test_one_table_says_which_rules_apply():
+    """`treespec.rules` owns the decision: how a drafter kind draws a tree's siblings, the rules
+    lossless there (worst to best), and the one a request runs."""
+    from treespec.rules import Siblings, choose_rule, rules_for, siblings_of
+
+    cases = [  # drafter, tree, siblings
+        ("model", TreeConfig(1, 3), Siblings.CHAIN),
+        ("model", TreeConfig(2, 2), Siblings.IID),
+        ("model", TreeConfig(2, 2, "topk"), Siblings.DISTINCT),
+        ("model", sequoia(SHAPE_W2D2), Siblings.DISTINCT),
+        ("model", TreeConfig(), Siblings.DISTINCT),  # an automatic tree plans Sequoia shapes
+        ("ngram", TreeConfig(), Siblings.CHAIN),  # ... or chains, for drafters of chains
+        ("lookup", TreeConfig(3, 2), Siblings.DISTINCT),
+        ("merged", TreeConfig(1, 2), Siblings.MERGED),
+        ("custom", TreeConfig(2, 2), Siblings.CUSTOM),
+        ("model", None, Siblings.CUSTOM),  # plain decoding
+    ]
+    for drafter, tree, siblings in cases:
+        assert siblings_of(tree, drafter) is siblings, (drafter, tree)
+    assert siblings_of(TreeConfig(), "model", "block") is Siblings.CHAIN
+    assert rules_for("chain") == ("token", "traversal", "block") and rules_for(Siblings.IID) == ("token",)
+    assert [choose_rule(s, None) for s in ("chain", "distinct", "iid", "merged", "custom")] == [
+        "block", "traversal", "token", "token", "token",
+    ]  # fmt: skip
+    assert choose_rule("chain", "auto") == "block" and choose_rule("distinct", "token") == "token"
+    with pytest.raises(ValueError, match="verification='traversal' does not apply.*here 'token' applies"):
+        choose_rule("iid", "traversal")
+
+
 # ---- real (tiny) Llamas: chi-square against the target's joint, greedy parity with HF ----
 from collections import Counter  # noqa: E402
 
@@ -340,7 +382,12 @@ MC_CASES = {  # name: (tree, rule, sampling)
 }
 
 
-@pytest.mark.parametrize("case", list(MC_CASES))
+# One chi-square per rule in the default run (block on a chain, traversal on a top-k tree);
+# traversal on a Sequoia tree (~5 s), enumerated exactly above, runs with -m slow.
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=pytest.mark.slow) if c == "traversal-sequoia-topk" else c for c in MC_CASES],
+)
 def test_sampled_output_matches_target_joint(models, case):  # noqa: F811
     target, draft = models
     tree, rule, sampling = MC_CASES[case]

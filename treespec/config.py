@@ -2,6 +2,18 @@
 
 Both dataclasses validate themselves on construction, so a bad value fails at the call
 site with a message that says what to change, never deep inside a decode loop.
+
+How many nodes a tree holds, by name (root excluded throughout):
+
+    TreeConfig.max_nodes   the most draft nodes one round of this tree can hold
+    MAX_TREE_NODES         the most any tree may hold (`max_nodes` above it is refused)
+    AUTO_MAX_NODES         the automatic tree's `max_nodes`
+    TreeConfig.budget      "dynamic": the nodes a round keeps after drafting (`effective_budget`)
+    shared_tree_nodes      (`SpeculativeDecoder.engine`) above it, a request sharing a round decodes
+                           plainly; a server's --max-tree-nodes refuses larger trees outright
+
+How a tree's siblings are drawn has three names for three concepts (`TreeConfig.strategy`,
+`proposal.Draw`, `rules.Siblings`): `treespec.rules` says which is which.
 """
 
 from __future__ import annotations
@@ -12,19 +24,21 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 Strategy = Literal["auto", "iid", "without_replacement", "topk", "dynamic", "sequoia"]
-STRATEGIES: tuple[str, ...] = ("auto", "iid", "without_replacement", "topk", "dynamic", "sequoia")
-# The automatic tree (`TreeConfig()`, `treespec.autotree`) holds at most this many draft nodes
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+# The automatic tree (`TreeConfig()`, `treespec.planning`) holds at most this many draft nodes
 # and is at most this deep.
 AUTO_MAX_NODES = 16
 AUTO_MAX_DEPTH = 8
-# the depth policies of `TreeConfig.adaptive` (`treespec.adaptive.DepthPolicy`)
+# the depth policies of `TreeConfig.adaptive` (`treespec.planning.DepthPolicy`)
 ADAPTIVE: tuple[str, ...] = ("hf", "entropy")
 # who proposes (`treespec.drafters.DrafterFactory`): a draft model, a feature head, n-gram
 # tables, prompt lookup, or a draft model and n-grams merged
 DRAFTER_KINDS: tuple[str, ...] = ("model", "head", "ngram", "lookup", "merged")
+# the drafter kinds that draft along any tree shape; the others propose chains of their own making
+SHAPED_DRAFTERS: tuple[str, ...] = ("model", "head")
 # weight-only formats of the native backend's products (`treespec.backends.linear`): int8 with a
 # scale per row; int4 in groups of 32 (a GGUF file's Q4_0 / Q4_1 blocks as they are)
 QUANTIZATIONS: tuple[str, ...] = ("int8", "int4")
@@ -144,7 +158,7 @@ class TreeConfig:
     `TreeConfig()` (no shape given, or `strategy="auto"`) is the automatic tree: for each
     request, the shape with the most expected tokens per second on this machine, from the
     drafter's measured acceptance and the target's measured costs, or plain decoding where no
-    shape beats it (`treespec.autotree`). Giving `width`, `depth` or another field fixes the
+    shape beats it (`treespec.planning`). Giving `width`, `depth` or another field fixes the
     shape: `TreeConfig(width=1, depth=4)` is a chain of 4, whatever the machine.
 
     `width=1` is linear speculative decoding (Leviathan et al. 2023, Algorithm 1) for every
@@ -171,7 +185,7 @@ class TreeConfig:
     - "auto": see above.
 
     Two decisions the decode loop takes after each round, for every drafter
-    (`treespec.adaptive.DepthPolicy`), each its own field:
+    (`treespec.planning.DepthPolicy`), each its own field:
     - `adaptive`, how deep the next round drafts: None keeps `depth`; "hf" is Hugging Face's
       heuristic (depth + 2 after a fully accepted round, - 1 otherwise); "entropy" is
       EGAG-style (the EMA, factor `ema_beta`, of the draft's normalised entropy along the
@@ -181,7 +195,7 @@ class TreeConfig:
       at `depth`.
     - `plain_fallback`, whether the next round drafts at all: per request, speculative or
       plain rounds, by which has measured more tokens per second for this request so far
-      (`treespec.adaptive.GoodputSwitch`): speculation where this draft pays on this text and
+      (`treespec.planning.GoodputSwitch`): speculation where this draft pays on this text and
       hardware, plain decoding where it does not. Decisions follow past timings, so at
       temperature > 0 an output is exact but no longer reproducible from its seed alone.
       The automatic tree needs no such flag: its plan already includes plain decoding.
@@ -191,6 +205,9 @@ class TreeConfig:
     in order (the zero-temperature limit of Gumbel-top-k), "topk" is unchanged.
     """
 
+    # Fields that apply to one strategy or policy each (the others ignore them): `budget` to
+    # "dynamic" and `shape` to "sequoia" (both refused elsewhere); `width` to every strategy but
+    # "sequoia"; `depth_min`, `depth_max` to `adaptive` depth, `ema_beta` to adaptive="entropy".
     width: int | None = None  # branching: sequences ("iid") or children per node / beam size (1)
     depth: int | None = None  # draft tokens per branch; a round emits 1 .. depth + 1 tokens (6)
     strategy: Strategy | None = None  # see the class docstring; None: "auto" if no shape is given
@@ -199,7 +216,7 @@ class TreeConfig:
     plain_fallback: bool = False  # per request, plain rounds where they measure faster
     depth_min: int = 1  # adaptive depth lower bound
     depth_max: int = 8  # adaptive depth upper bound
-    ema_beta: float = 0.8  # "entropy": weight of the past in the entropy EMA, in [0, 1)
+    ema_beta: float = 0.8  # adaptive="entropy": weight of the past in the entropy EMA, in [0, 1)
     shape: object = None  # "sequoia": the TreeShape to draft along
 
     def __post_init__(self) -> None:
@@ -281,20 +298,8 @@ class TreeConfig:
         return w * d
 
     @property
-    def siblings(self) -> str:
-        """How this tree's sibling proposals are drawn (the key of `treespec.request.RULES_FOR`):
-        "chain" (width 1, or a Sequoia shape that is a chain), "iid", or "distinct" (drawn
-        without replacement or deterministically)."""
-        if self.auto:  # its Sequoia shapes draw distinct siblings (a chain where block is asked)
-            return "distinct"
-        if self.strategy == "sequoia":
-            chain = all(len(c) <= 1 for c in self.shape.children())
-        else:
-            chain = self.width == 1
-        return "chain" if chain else "iid" if self.strategy == "iid" else "distinct"
-
-    @property
-    def node_budget(self) -> int:
+    def effective_budget(self) -> int:
+        """ "dynamic": the draft nodes a round keeps, `budget` or by default width * depth."""
         return self.budget if self.budget is not None else self.width * self.depth
 
 

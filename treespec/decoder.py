@@ -21,14 +21,15 @@ from pathlib import Path
 
 import torch
 
-from .adaptive import GoodputSwitch
 from .backends import Runner, make_runner
 from .config import SamplingConfig, TreeConfig, check_int_at_least, check_positive_int
 from .drafters import Drafter, DrafterFactory
 from .engine import Engine
 from .output import GenerationOutput, OnTokens
-from .request import RULES_FOR, make_request
+from .planning import Costs, GoodputSwitch, Planner, measure_costs, planner_for
+from .request import make_request
 from .rng import Rng
+from .rules import rules_for
 from .vocab import compare_tokenizers, shared_support
 
 
@@ -101,7 +102,7 @@ class SpeculativeDecoder:
         # draft's shipped acceptance, read by `planner`
         self._origin: dict | None = None
         self._shipped_acceptance = None
-        self._planner = None
+        self._planner: Planner | None = None
 
     @classmethod
     def from_pretrained(
@@ -125,36 +126,32 @@ class SpeculativeDecoder:
         bf16 on CUDA; on a CPU, bf16 for the target where the CPU has AMX or AVX512-BF16 and
         bf16 products measure faster, or where it runs a GGUF file's 4-bit blocks faster in bf16
         (`quantize` below), fp32 for the draft (`treespec.backends.auto_dtype`); a
-        feature head runs in the target's dtype (bf16 made SmolLM2's head forward 0.89 -> 0.64 ms
-        on a 2-core Zen 5). `draft_dtype` overrides the draft's (default: `dtype`). `device`
-        defaults to the CPU. The native backend reads the weights straight from safetensors;
-        `compile=True` runs its forwards as inductor graphs (minutes of compilation on first use;
-        docs/performance.md).
+        feature head runs in the target's dtype. `draft_dtype` overrides the draft's (default:
+        `dtype`). `device` defaults to the CPU. The native backend reads the weights straight
+        from safetensors; `compile=True` runs its forwards as inductor graphs (minutes of
+        compilation on first use; docs/performance.md).
         `quantize` / `draft_quantize` ("int8", "int4"; native backend): weight-only int8 or int4
         for the target / the draft (a draft model or a feature head). A quantized draft is still
         lossless; `draft_quantize="auto"` (the default) runs a feature head's products as int4
-        where int4 measures faster than dense here (`backends.head.load_head_runner`; a draft
+        where int4 measures faster than dense here (`loading.resolve_quantize`; a draft
         model is quantized by "auto" only as a target would be). A quantized target is
         another model, and the output is distributed exactly as that quantized model's. "int4"
         runs a GGUF target's own Q4_0 / Q4_1 blocks as they are: the file's model, as llama.cpp
         runs it. `quantize="auto"` (the default) picks "int4" for such a GGUF target where this
         CPU multiplies int4 faster than dense (measured once per process; with `dtype="auto"`
         in bf16 where that is faster than the auto dtype, as on AVX2-only cores), else None:
-        the file's weights dequantized into `dtype` (`loading.resolve_weights`).
+        the file's weights dequantized into `dtype` (`loading.resolve_weights`). Loading is
+        `treespec.loading.load_models`'s.
         `tp`: tensor parallelism, the target split over this many processes launched by torchrun
         (`treespec.parallel`, docs/parallel.md; native backend). None: over every process
         launched (1 without torchrun); 1: each process a whole target. Every rank must make
         the same calls with the same arguments; only rank 0 should print.
         """
-        from . import loading, parallel
         from .backends import check_backend
+        from .loading import load_models
+        from .planning import load_acceptance
 
-        for name, path in (("target", target), ("draft", draft)):
-            if path is not None and not isinstance(path, (str, os.PathLike)):
-                raise ValueError(
-                    f"from_pretrained() takes paths or hub ids, got a {type(path).__name__} for {name}; "
-                    f"pass loaded models to SpeculativeDecoder(target, draft, tokenizer) instead"
-                )
+        _check_paths(target, draft)
         DrafterFactory("model" if drafter is None else drafter)  # a bad name fails before anything loads
         check_backend(backend)
         if target is None and draft is None:
@@ -166,55 +163,15 @@ class SpeculativeDecoder:
             raise ValueError(
                 "pass target= (an HF id, a local model directory or a GGUF file) along with draft="
             )
-        device = loading.resolve_device(device)
-        group = parallel.init(tp, device)
-        if group is not None:
-            settings = {
-                "drafter": str(drafter), "dtype": str(dtype), "draft_dtype": str(draft_dtype),
-                "backend": backend, "compile": compile, "quantize": quantize,
-                "draft_quantize": draft_quantize,
-            }  # fmt: skip
-            _prepare_ranks(target, draft, settings)
-        # "auto" measures this machine's products: rank 0's measurement decides for every rank
-        target_dtype, quantize = loading.resolve_weights(dtype, quantize, target, device, backend, group)
-        dtypes = parallel.agree(
-            (
-                target_dtype,
-                loading.resolve_dtype(dtype if draft_dtype is None else draft_dtype, device, "draft"),
-            )
-        )
-        from .backends.head import load_head_runner
-
-        target_runner = loading.load_runner(target, dtypes[0], device, backend, compile, quantize, group)
-        # a feature head computes with its target's features: in the target's dtype unless told
-        head_dtype = dtypes[0] if draft_dtype is None else dtypes[1]
-        head = (
-            None
-            if draft is None
-            else load_head_runner(draft, target_runner, head_dtype, device, draft_quantize, compile)
-        )
-        runners = [
-            target_runner,
-            head
-            if head is not None or draft is None
-            else loading.load_runner(draft, dtypes[1], device, backend, compile, draft_quantize),
-        ]
-        tokenizer = loading.load_tokenizer(target)
-        # a head shares its target's tokenizer; a draft loads its own unless it holds the same files
-        draft_tokenizer = None
-        if draft is not None and head is None:
-            draft_tokenizer = loading.load_tokenizer(draft, same_as=(target, tokenizer))
+        loaded = load_models(
+            target, draft, dtype, device, backend, draft_dtype, compile, quantize, draft_quantize, tp,
+            rank_settings={"drafter": str(drafter)},
+        )  # fmt: skip
         drafter = "model" if drafter is None else drafter  # a head drafts as one (see __init__)
-        dec = cls(runners[0], runners[1], tokenizer, drafter=drafter, draft_tokenizer=draft_tokenizer)
-        from .autotree import files_key, load_acceptance
-
-        dec._origin = {
-            "target": files_key(target), "draft": files_key(draft), "drafter": dec.drafter.name,
-            "dtypes": [str(d) for d in dtypes], "device": str(device), "backend": backend,
-            "compile": compile, "quantize": target_runner.quantize,
-            "draft_quantize": getattr(runners[1], "quantize", draft_quantize),
-            "tp": 1 if group is None else group.world,
-        }  # fmt: skip
+        dec = cls(
+            loaded.target, loaded.draft, loaded.tokenizer, drafter, draft_tokenizer=loaded.draft_tokenizer
+        )
+        dec._origin = {**loaded.origin, "drafter": dec.drafter.name}
         dec._shipped_acceptance = load_acceptance(draft) if draft is not None else None
         return dec
 
@@ -237,7 +194,7 @@ class SpeculativeDecoder:
         {"role", "content"} messages, rendered with the tokenizer's chat template) or token ids.
 
         `tree`: the draft tree; `TreeConfig()` (the default) chooses one for this machine and
-        drafter (`treespec.autotree`; `out.plan` says what and why), `TreeConfig(width, depth,
+        drafter (`treespec.planning`; `out.plan` says what and why), `TreeConfig(width, depth,
         ...)` fixes it, and `tree=None` decodes autoregressively with the same runner (the
         in-library baseline).
         The output is distributed exactly as the target's own sampling under `sampling`
@@ -366,7 +323,7 @@ class SpeculativeDecoder:
         Every round is exact either way, but a request that switched mode is no longer
         token-identical to `generate()` alone (its draws are consumed differently). "auto":
         each round speculates or not by which has measured more tokens per second at about
-        this many live requests (`treespec.adaptive.GoodputSwitch`, one per decoder, so what
+        this many live requests (`treespec.planning.GoodputSwitch`, one per decoder, so what
         its engines measured carries over). None (default): always speculate.
 
         `deterministic=True`: a request's output depends only on itself (prompt, settings,
@@ -376,8 +333,8 @@ class SpeculativeDecoder:
         `TreeConfig(plain_fallback=True)` opts out for itself: its rounds follow measured timings.
 
         `shared_tree_nodes`: in a round with other requests, a request whose tree holds more
-        nodes than this decodes plainly (a server's fairness: two clients' 64-node trees made
-        every other request's rounds 4-7x slower on a 2-core CPU, docs/serving.md). Exact, like
+        nodes than this decodes plainly (a server's fairness: a large tree slows every other
+        request's round, docs/serving.md). Exact, like
         `speculate_max_live`, and like it excluded by `deterministic`; requests within the cap
         are untouched. None (default): no cap."""
         check_positive_int("max_live", max_live)
@@ -406,19 +363,31 @@ class SpeculativeDecoder:
         return self._engine(targets, drafts, max_kv_tokens, speculate_max_live, shared_tree_nodes)
 
     @property
-    def planner(self):
-        """The `treespec.autotree.Planner` of this decoder's automatic trees (`TreeConfig()`):
+    def planner(self) -> Planner:
+        """The `treespec.planning.Planner` of this decoder's automatic trees (`TreeConfig()`):
         its costs are measured (or read from the cache) at the first automatic request."""
         if self._planner is None:
-            from .autotree import planner_for
-
-            self._planner = planner_for(self, self._origin, self._shipped_acceptance)
+            self._planner = planner_for(self._measure_costs, self._origin, self._shipped_acceptance)
         return self._planner
+
+    @planner.setter
+    def planner(self, planner: Planner) -> None:
+        """Plan this decoder's automatic trees with `planner` (e.g. a `Planner` of known costs
+        and acceptance) instead of measuring this machine's costs; engines made before keep
+        the one they were given."""
+        self._planner = planner
+
+    def _measure_costs(self) -> Costs:
+        """This machine's costs for this decoder's models (`treespec.planning.measure_costs`):
+        short generations on an engine of one lane of its own, where a draft model drafts."""
+        drafts = self.drafter.needs_draft_model and self.draft_runner is not None
+        engine = (lambda: self.engine(max_live=1)) if drafts else None
+        return measure_costs(self.target_runner, self.draft_runner, engine)
 
     def rules(self, tree: TreeConfig | None) -> tuple[str, ...]:
         """The verification rules that apply to `tree` with this decoder's drafter, worst to
-        best (`treespec.request.RULES_FOR`; docs/verification.md says why)."""
-        return RULES_FOR["custom" if tree is None else self.drafter.siblings(tree)]
+        best (`treespec.rules.rules_for`; docs/verification.md says why)."""
+        return rules_for(self.drafter.siblings(tree))
 
     # ---- helpers ---------------------------------------------------------------------------
     def _engine(
@@ -496,26 +465,10 @@ def _per_request(name: str, value, n: int, per_request: bool) -> list:
     return list(value)
 
 
-def _prepare_ranks(target, draft, settings: dict) -> None:
-    """Tensor parallel, before anything loads: every rank was started with the same models
-    and settings (else every rank fails, naming what differs), and a GGUF target is converted
-    once, by rank 0, while the others wait for its directory."""
-    from . import loading, parallel
-    from .autotree import files_key
-
-    def files(path) -> list:  # names and sizes: paths and times may differ between machines
-        return [f[:2] if isinstance(f, list) else Path(f).name for f in files_key(path) or []]
-
-    parallel.check_same(
-        "models or settings",
-        {"target": files(target), "draft": files(draft), "torch": torch.__version__, **settings},
-    )
-    failed = None
-    if parallel.leader():
-        try:
-            loading.checkpoint(target)
-        except ValueError as e:
-            failed = str(e)
-    failed = parallel.agree(failed)
-    if failed:
-        raise ValueError(failed)
+def _check_paths(target, draft) -> None:
+    for name, path in (("target", target), ("draft", draft)):
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise ValueError(
+                f"from_pretrained() takes paths or hub ids, got a {type(path).__name__} for {name}; "
+                f"pass loaded models to SpeculativeDecoder(target, draft, tokenizer) instead"
+            )

@@ -99,15 +99,10 @@ def model_paths(args, model_free: bool = False) -> tuple:
     return args.target, args.draft
 
 
-def quantize_option(value: str) -> str | None:
-    """--quantize / --draft-quantize as `from_pretrained` takes them: "none" is None; "auto",
-    "int8", "int4" as given."""
-    return None if value == "none" else value
-
-
 def load_decoder(args, model_free: bool = False, **overrides):
     """`SpeculativeDecoder.from_pretrained` with what `args` say (`overrides` replace them)."""
     from .decoder import SpeculativeDecoder
+    from .loading import quantize_setting
 
     target, draft = model_paths(args, model_free)
     kwargs = dict(
@@ -119,8 +114,8 @@ def load_decoder(args, model_free: bool = False, **overrides):
         draft_dtype=args.draft_dtype,
         drafter=args.drafter or "model",
         compile=args.compile,
-        quantize=quantize_option(args.quantize),
-        draft_quantize=quantize_option(args.draft_quantize),
+        quantize=quantize_setting(args.quantize),
+        draft_quantize=quantize_setting(args.draft_quantize),
         tp=args.tp,
     )
     return SpeculativeDecoder.from_pretrained(**{**kwargs, **overrides})

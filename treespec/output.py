@@ -160,7 +160,7 @@ class GenerationOutput:
     error: str | None = None  # finish_reason "error": what went wrong (this request alone)
     exception: BaseException | None = field(default=None, repr=False, compare=False)  # ... as raised
     logprobs: TokenLogprobs | None = None  # generate(logprobs=k): the target's distribution per token
-    plan: str | None = None  # TreeConfig() (auto): the shape it chose and why (`treespec.autotree.Plan`)
+    plan: str | None = None  # TreeConfig() (auto): the shape it chose and why (`treespec.planning.Plan`)
 
 
 class TextStream:

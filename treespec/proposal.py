@@ -3,7 +3,7 @@
     DraftTree      a token tree plus how each child was proposed (its `ProposalGroup`s)
     Walk           verification's answer: the accepted path and the token that ends the round
     WalkTrace      (trace=True) every proposal's p, q, coin and outcome (`ProposalTrace`)
-    DepthStep      the depth decision taken after the round (`treespec.adaptive`)
+    DepthStep      the depth decision taken after the round (`treespec.planning.policy`)
 
 A *proposal group* is a set of sibling proposals that share one parent and one draw scheme.
 Verification tries the groups of a node in list order and the proposals of a group in draw
@@ -24,6 +24,8 @@ from .tree import TokenTree, TreeBuilder
 
 
 class Draw(str, Enum):
+    """How one proposal group was drawn (a whole tree's guarantee is `treespec.rules.Siblings`)."""
+
     IID = "iid"  # each proposal drawn independently from q (duplicates are separate trials)
     WITHOUT_REPLACEMENT = "without_replacement"  # sequential draws from q minus earlier draws
     DETERMINISTIC = "deterministic"  # q is one-hot on the proposed token (top-k, n-gram, lookup)

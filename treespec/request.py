@@ -6,9 +6,8 @@ vocabulary, the context length, whether a draft model exists) is checked by the 
 the request is added. `make_request` builds one from what users type: text, a chat or token
 ids, and stop strings or ids in any mix.
 
-Which verification rule applies is decided here, from one table: how a round's siblings are
-drawn (declared by the tree strategy, `TreeConfig.siblings`, and by the drafter kind,
-`DrafterFactory.siblings`) gives the rules that are lossless on it.
+Which verification rule a request runs is `treespec.rules`'s decision (the engine asks it when
+the request is added); here `verification` is only checked and "auto" read as None.
 """
 
 from __future__ import annotations
@@ -16,60 +15,19 @@ from __future__ import annotations
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 
 from .config import SamplingConfig, TreeConfig, check_positive_int
 from .output import OnTokens, TokenLogprobs
 from .rng import Rng
-from .verify import RULES, rule_name
+from .rules import rule_name
 
 if TYPE_CHECKING:
     from .trace import RoundTrace
 
-# How a round's sibling proposals are drawn:
-#   chain     no siblings: one proposal per node (width 1)
-#   distinct  siblings are distinct children drawn without replacement or deterministic
-#   iid       siblings drawn independently from q (duplicates merged into one node)
-#   merged    several drafters' proposals share nodes (MergedDrafter)
-#   custom    a user's Drafter: unknown until its trees are seen, so each round is checked
-Siblings = Literal["chain", "distinct", "iid", "merged", "custom"]
-
-# The verification rules that are lossless for each way of drawing siblings, worst to best
-# (treespec.verify); the last is the default, except for custom drafters ("token").
-RULES_FOR: dict[str, tuple[str, ...]] = {
-    "chain": ("token", "traversal", "block"),  # equal in law on a chain; block accepts the most
-    "distinct": ("token", "traversal"),
-    "iid": ("token",),
-    "merged": ("token",),
-    "custom": RULES,
-}
-
 ROLES = ("system", "user", "assistant", "tool")
-
-
-def rule_fits(siblings: str, verification: str | None) -> bool:
-    """Whether a tree whose siblings are drawn as `siblings` can run `verification` (None or
-    "auto": the best that applies, which always can)."""
-    verification = rule_name(verification)
-    return verification is None or verification in RULES_FOR[siblings]
-
-
-def choose_rule(siblings: str, verification: str | None) -> str:
-    """The rule a request runs: `verification`, or the best that applies when None or "auto"."""
-    fits = RULES_FOR[siblings]
-    if rule_name(verification) is None:
-        return "token" if siblings == "custom" else fits[-1]
-    if not rule_fits(siblings, verification):
-        raise ValueError(
-            f"verification={verification!r} does not apply to a tree whose siblings are "
-            f"{siblings}: block needs a "
-            f"chain (width 1), traversal needs siblings drawn without replacement or deterministically (not "
-            "strategy 'iid' with width > 1, not drafter 'merged'); here "
-            f"{' or '.join(map(repr, fits))} applies"
-        )
-    return verification
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ def render_round(round_: RoundTrace, decode: Callable[[int], str] = str, colour:
     """A round as an indented tree: every proposal with its mark (✓ accepted, ✗ rejected,
     · untried), p, q and coin (a node carrying several i.i.d. draws of one token shows one
     mark and coin per draw); then the final token and its source. `decode` turns a token id
-    into text; `colour` adds ANSI colours (use `treespec.cli.use_colour` to decide)."""
+    into text; `colour` adds ANSI colours (use `treespec.cli.common.use_colour` to decide)."""
     paint = (lambda text, key: f"{COLOUR[key]}{text}{RESET}") if colour else (lambda text, key: text)
     tree = round_.tree
     by_node = proposals_by_node(round_)

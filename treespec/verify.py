@@ -14,7 +14,8 @@ the accepted tokens plus that one token, distributed exactly as the target would
 (SpecInfer's multi-step speculative sampling; Stratos, iterative speculative sampling).
 
 That is the "token" rule. Two more rules accept whole paths and so accept more from the
-same draft, at the same target cost (`verification=` in `SpeculativeDecoder.generate`):
+same draft, at the same target cost (`verification=` in `SpeculativeDecoder.generate`; which
+rule applies to which tree is `treespec.rules`'s decision):
 
     block      (chains; Sun et al. 2025) weights w_0 = 1, w_i = min(1, w_{i-1} p_{i-1}(x_i)/q_{i-1}(x_i));
                coins from the leaf back to the root: stop at the leaf w.p. w_n, at node i < n
@@ -53,13 +54,13 @@ pass over the nodes) and need two transfers per round: one `first_success`, one 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from .config import SamplingConfig
 from .proposal import DraftTree, Draw, ProposalGroup, ProposalTrace, Walk, WalkTrace
 from .rng import Rng
+from .rules import check_rule
 from .sampling import (
     PenaltyContext,
     check_finite,
@@ -73,30 +74,13 @@ from .sampling import (
     weighted_residual,
 )
 
-Rule = Literal["token", "block", "traversal"]
-RULES: tuple[str, ...] = ("token", "block", "traversal")
-AUTO = "auto"  # `verification="auto"` (or None): the best rule that applies (`treespec.request.RULES_FOR`)
-
-
-def rule_name(verification: str | None) -> str | None:
-    """A verification setting checked once for every front end: a rule of `RULES`, or None for
-    "auto" / None (the best that applies); ValueError naming the choices otherwise."""
-    if verification is None or verification == AUTO:
-        return None
-    if verification not in RULES:
-        raise ValueError(
-            f"verification must be one of {', '.join(RULES)} or 'auto' (the best that applies), "
-            f"got {verification!r}"
-        )
-    return verification
-
 
 def verify(
     draft: DraftTree,
     target_logits: torch.Tensor,
     sampling: SamplingConfig,
     rng: Rng,
-    rule: Rule = "token",
+    rule: str = "token",
     committed: PenaltyContext | None = None,
     trace: bool = False,
     check_structure: bool = True,
@@ -136,34 +120,9 @@ def verify(
     return walk(draft, p, rng, [] if trace else None)
 
 
-def check_rule(draft: DraftTree, rule: str) -> None:
-    """The structure `rule` needs, checked on this round's tree (ValueError if missing)."""
-    if rule_name(rule) is None:
-        raise ValueError(f"verify() runs one rule of {', '.join(RULES)}, got {rule!r}")
-    tree = draft.tree
-    if rule == "block" and any(sum(len(g.tokens) for g in draft.groups_at(u)) > 1 for u in range(len(tree))):
-        raise ValueError(
-            "block verification needs a chain with one proposal per node (width 1); this draft is a tree: "
-            "use 'traversal' (siblings drawn without replacement or deterministic) or 'token'"
-        )
-    if rule == "traversal":
-        for u in range(len(tree)):
-            groups = draft.groups_at(u)
-            kids = [c for g in groups for c in g.children]
-            if len(kids) > 1 and (
-                len(set(kids)) < len(kids) or any(g.draw is Draw.IID and len(g.tokens) > 1 for g in groups)
-            ):
-                raise ValueError(
-                    "traversal verification needs siblings drawn without replacement or "
-                    "deterministic, each with its "
-                    "own subtree; this tree has i.i.d. or merged siblings: use 'token' (or 'block' "
-                    "on a chain)"
-                )
-
-
 def _verify_greedy(draft: DraftTree, logits: torch.Tensor, trace: list[ProposalTrace] | None = None) -> Walk:
     # one reduction gives each row's argmax (the first maximum, as argmax) and its max, which is
-    # finite iff the row is (`nonfinite_rows`); torch's bf16 argmax is ~4x slower than max
+    # finite iff the row is (`nonfinite_rows`)
     top, best = logits.max(-1)  # [N] each
     best, bad = torch.stack([best, ~torch.isfinite(top)]).tolist()  # [2, N]: the one transfer
     node, path = 0, [0]

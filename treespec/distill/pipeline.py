@@ -296,7 +296,7 @@ class _Run:
             meta={"corpus": f"{meta['prompts']} training prompts and the target's responses"},
         )  # fmt: skip
         plot(self.eval_path, self.out / "eval.png")
-        from ..autotree import write_acceptance  # what the automatic tree plans with, beside the draft
+        from ..planning import write_acceptance  # what the automatic tree plans with, beside the draft
 
         dec = SpeculativeDecoder(self.target_runner, load_draft_runner(self.out), self.tokenizer)
         write_acceptance(dec, self.eval_ids, self.out, rec.eval_tokens)

@@ -72,7 +72,7 @@ class Drafter(ABC):
         """The draft's uncertainty along the accepted path, in [0, 1] (normalised entropy),
         for `TreeConfig(adaptive="entropy")`; None (the default) if this drafter has no
         distribution to measure, and the depth policy falls back on the rejection rate
-        (`treespec.adaptive`)."""
+        (`treespec.planning.policy`)."""
         return None
 
     def runners(self) -> list[Runner]:

@@ -4,15 +4,16 @@ A decoder names one drafter kind for all its requests ("model", "ngram", "lookup
 "merged") or hands over one `Drafter` instance. The engine asks the factory for each
 request's drafter when the request is admitted (a named kind gets a fresh drafter over the
 request's lane of the draft model), and the request's verification rule is chosen from how
-that drafter draws siblings (`siblings`, the key of `treespec.request.RULES_FOR`).
+that drafter draws siblings (`siblings`, decided by `treespec.rules`).
 """
 
 from __future__ import annotations
 
 from ..backends.base import Runner
-from ..config import DRAFTER_KINDS, TreeConfig
+from ..config import DRAFTER_KINDS, SHAPED_DRAFTERS, TreeConfig
+from ..rules import Siblings, siblings_of
 from .base import Drafter
-from .head import FeatureDrafter
+from .head import HeadDrafter
 from .merged import MergedDrafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter, PromptLookupDrafter
@@ -39,7 +40,7 @@ class DrafterFactory:
     def follows_shapes(self) -> bool:
         """Whether its drafters draft along any tree shape (a draft model's, a head's); the
         others propose chains of their own making, so an automatic tree plans a chain for them."""
-        return self.kind in ("model", "head")
+        return self.kind in SHAPED_DRAFTERS
 
     @property
     def needs_draft_model(self) -> bool:
@@ -79,22 +80,15 @@ class DrafterFactory:
     def name(self) -> str:
         return type(self.kind).__name__ if self.custom else repr(self.kind)
 
-    def siblings(self, tree: TreeConfig, verification: str | None = None) -> str:
-        """How the drafter's trees for `tree` draw siblings ("chain", "distinct", "iid",
-        "merged" or "custom"): the key of `treespec.request.RULES_FOR`. An automatic tree is
-        planned when its request is admitted: a Sequoia shape ("distinct") for drafters that
-        follow shapes, a chain for the others and where `verification` is "block"."""
-        if self.custom:
-            return "custom"
-        if self.kind == "merged":
-            return "merged"
-        if tree.auto:
-            if self.follows_shapes and verification != "block":
-                return "distinct"
-            tree = TreeConfig(width=1, depth=1)
-        if self.kind in ("ngram", "lookup"):  # deterministic proposals
-            return "chain" if tree.width == 1 else "distinct"
-        return tree.siblings
+    @property
+    def kind_name(self) -> str:
+        """Its kind as `treespec.rules.siblings_of` reads it: a name of `DRAFTER_KINDS`, or
+        "custom" for a user's `Drafter`."""
+        return "custom" if self.custom else self.kind
+
+    def siblings(self, tree: TreeConfig | None, verification: str | None = None) -> Siblings:
+        """How the drafter's trees for `tree` draw siblings (`treespec.rules.siblings_of`)."""
+        return siblings_of(tree, self.kind_name, verification)
 
     def make(self, tree: TreeConfig, draft: Runner | None) -> Drafter:
         """The drafter of one request, drafting with `draft` (its lane of the draft model)."""
@@ -105,6 +99,6 @@ class DrafterFactory:
         if self.kind == "lookup":
             return PromptLookupDrafter(tree.width)
         if self.kind == "head":
-            return FeatureDrafter(draft, tree, vocab_size=self.vocab_size)
+            return HeadDrafter(draft, tree, vocab_size=self.vocab_size)
         model = ModelDrafter(draft, tree, vocab_size=self.vocab_size, support=self.support)
         return model if self.kind == "model" else MergedDrafter([model, NgramDrafter(tree.width)])

@@ -28,10 +28,10 @@ from ..config import SamplingConfig, TreeConfig
 from ..proposal import DraftTree, Walk
 from ..rng import Rng
 from .base import DraftForward
-from .model import ModelDrafter, _Node
+from .model import DraftNode, ModelDrafter
 
 
-class FeatureDrafter(ModelDrafter):
+class HeadDrafter(ModelDrafter):
     """`runner`: a head (`HeadRunner`, or any runner that `takes_hidden` with `target_taps` and
     `project(features)`)."""
 
@@ -68,7 +68,7 @@ class FeatureDrafter(ModelDrafter):
         tokens = list(context[c + 1 :])  # slot t reads token t + 1
         return DraftForward(run, tokens, list(range(-1, n - 1)), run.project(features))
 
-    def _level(self, nodes: list[_Node], frontier: list[int]) -> DraftForward:
+    def _level(self, nodes: list[DraftNode], frontier: list[int]) -> DraftForward:
         ask = super()._level(nodes, frontier)
         hidden = torch.stack([nodes[nodes[n].parent].state for n in frontier])  # [n, H]
         return DraftForward(ask.runner, ask.tokens, ask.parents, hidden)
@@ -77,3 +77,6 @@ class FeatureDrafter(ModelDrafter):
         self.runner.commit(self._chain)  # the target-fed slots; drafted nodes come back with features
         del self._features[: self._consumed]
         self._consumed = 0
+
+
+FeatureDrafter = HeadDrafter  # deprecated: the former name of `HeadDrafter`

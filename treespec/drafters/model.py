@@ -31,7 +31,9 @@ from .base import Drafter, DraftForward, ProposeSteps
 
 
 @dataclass
-class _Node:
+class DraftNode:
+    """A node of the tree being drafted, with what the draft computed there."""
+
     token: int
     parent: int  # node index, -1 for the root
     log_score: float  # draft log-probability of the path from the root (for ranking)
@@ -71,15 +73,14 @@ class ModelDrafter(Drafter):
         scores = yield ask
         self._chain = list(range(len(ask.tokens)))  # pending nodes 0 .. len-1
         self._committed = PenaltyContext(context, self.prompt_len)
-        nodes = [_Node(token=context[-1], parent=-1, log_score=0.0)]
+        nodes = [DraftNode(token=context[-1], parent=-1, log_score=0.0)]
         self._attach(nodes, [0], self._chain[-1], scores, last=True)
 
         groups: list[ProposalGroup] = []
         frontier = [0]
         for d in range(1, depth + 1):
             # 2. propose children for every frontier node, then pick the next frontier
-            expand = getattr(self, f"_expand_{self.config.strategy}")
-            frontier = expand(nodes, frontier, groups)
+            frontier = self._expand(nodes, frontier, groups)
             if d == depth or not frontier:
                 break
             # 3. one draft forward over the whole next frontier
@@ -88,10 +89,21 @@ class ModelDrafter(Drafter):
             self._attach(nodes, frontier, first, scores)
 
         if self.config.strategy == "dynamic":
-            nodes, groups = self._prune(nodes, groups, self.config.node_budget)
+            nodes, groups = self._prune(nodes, groups, self.config.effective_budget)
         self._nodes = nodes
         tree = TokenTree([n.token for n in nodes], [n.parent for n in nodes], vocab_size=self.vocab_size)
         return DraftTree(tree, tuple(groups))
+
+    def _expand(self, nodes: list[DraftNode], frontier: list[int], groups: list[ProposalGroup]) -> list[int]:
+        """Propose children for every frontier node as `TreeConfig.strategy` says; the next frontier."""
+        expand = {
+            "iid": self._expand_iid,
+            "without_replacement": self._expand_without_replacement,
+            "topk": self._expand_topk,
+            "dynamic": self._expand_dynamic,
+            "sequoia": self._expand_sequoia,
+        }[self.config.strategy]
+        return expand(nodes, frontier, groups)
 
     def _catch_up(self, context: Sequence[int]) -> DraftForward | None:
         """Draft forward #1: the committed tokens the draft has not fed, ending with the root."""
@@ -108,7 +120,7 @@ class ModelDrafter(Drafter):
             )
         return DraftForward(run, chain, list(range(-1, len(chain) - 1)))
 
-    def _level(self, nodes: list[_Node], frontier: list[int]) -> DraftForward:
+    def _level(self, nodes: list[DraftNode], frontier: list[int]) -> DraftForward:
         """Draft forward #d: every frontier node, under the tree mask."""
         tokens = [nodes[n].token for n in frontier]
         return DraftForward(self.runner, tokens, [nodes[nodes[n].parent].pending for n in frontier])
@@ -129,12 +141,12 @@ class ModelDrafter(Drafter):
 
     # ---- helpers ---------------------------------------------------------------------------
     def _attach(
-        self, nodes: list[_Node], fed: list[int], first: int, scores: Scores, last: bool = False
+        self, nodes: list[DraftNode], fed: list[int], first: int, scores: Scores, last: bool = False
     ) -> None:
         """Give the nodes `fed` of one draft forward (pending indices first, first+1, ...)
         their q and ranking scores: one batched transform over the logits [n, V] (`last`: of
         the forward's last row only). With penalties, each row is penalised for the committed
-        tokens plus its own path. A head's output states go with them (`_Node.state`)."""
+        tokens plus its own path. A head's output states go with them (`DraftNode.state`)."""
         logits, states = scores.logits, scores.features
         if last:
             logits, states = logits[-1:], None if states is None else states[-1:]
@@ -159,24 +171,26 @@ class ModelDrafter(Drafter):
             nodes[n].state = None if states is None else states[i]
 
     @staticmethod
-    def _add(nodes: list[_Node], parent: int, token: int) -> int:
+    def _add(nodes: list[DraftNode], parent: int, token: int) -> int:
         p = nodes[parent]
-        nodes.append(_Node(token, parent, p.log_score + math.log(max(float(p.score[token]), 1e-300))))
+        nodes.append(DraftNode(token, parent, p.log_score + math.log(max(float(p.score[token]), 1e-300))))
         return len(nodes) - 1
 
-    def _best(self, nodes: list[_Node], candidates: list[int]) -> list[int]:
+    def _best(self, nodes: list[DraftNode], candidates: list[int]) -> list[int]:
         """The `width` candidates with the highest draft path probability (ties: first)."""
         ranked = sorted(candidates, key=lambda n: -nodes[n].log_score)
         return sorted(ranked[: self.config.width])
 
-    def _top_tokens(self, node: _Node, k: int) -> list[int]:
+    def _top_tokens(self, node: DraftNode, k: int) -> list[int]:
         if k == 1:  # a chain's node (every level of a greedy chain): no count over V, no sort
             top = int(node.score.argmax())
             return [top] if node.score[top] > 0 else []
         k = min(k, int((node.score > 0).sum()))
         return torch.topk(node.score, k).indices.tolist()
 
-    def _expand_iid(self, nodes: list[_Node], frontier: list[int], groups: list[ProposalGroup]) -> list[int]:
+    def _expand_iid(
+        self, nodes: list[DraftNode], frontier: list[int], groups: list[ProposalGroup]
+    ) -> list[int]:
         """Each of the m sequences through u draws its next token from q_u independently."""
         width = self.config.width
         new: list[int] = []
@@ -209,7 +223,7 @@ class ModelDrafter(Drafter):
             new.extend(group.children)
         return self._best(nodes, new)
 
-    def _draw_distinct(self, nodes: list[_Node], u: int, k: int) -> ProposalGroup:
+    def _draw_distinct(self, nodes: list[DraftNode], u: int, k: int) -> ProposalGroup:
         """Up to k distinct children of u drawn without replacement from q (Gumbel-top-k);
         at temperature 0 its zero-temperature limit, the draft's top-k tokens."""
         node = nodes[u]
@@ -247,7 +261,7 @@ class ModelDrafter(Drafter):
         return self._best(nodes, new)
 
     @staticmethod
-    def _prune(nodes: list[_Node], groups: list[ProposalGroup], budget: int):
+    def _prune(nodes: list[DraftNode], groups: list[ProposalGroup], budget: int):
         """Keep the `budget` most probable draft nodes (and their ancestors); renumber."""
         ranked = sorted(range(1, len(nodes)), key=lambda n: (-nodes[n].log_score, n))
         keep = {0}

@@ -23,9 +23,9 @@ transformers load the directory as they load any checkpoint.
   is refused with the architecture's name.
 
 The cache lives under $TREESPEC_CACHE (default ~/.cache/treespec), in
-gguf-v<format>/<stem>-<key>, the key a hash of the file's full contents (SHA-256 runs at about
-1 GB/s, cheap next to loading the weights). A conversion is written to a temporary directory
-and renamed into place, so an interrupted one never leaves a directory that loads.
+gguf-v<format>/<stem>-<key>, the key a hash of the file's full contents. A conversion is
+written to a temporary directory and renamed into place, so an interrupted one never leaves a
+directory that loads.
 """
 
 from __future__ import annotations

@@ -67,8 +67,8 @@ def head(name: str | None = None) -> Path:
 
 def pair_draft(name: str | None = None, drafter: str | None = None) -> Path:
     """What a named pair drafts with (None: the default pair): its feature head for
-    drafter="head", and by default (drafter None) where it ships one, the head having measured
-    faster than the pair's draft model (smollm2/head/README.md); its draft model otherwise."""
+    drafter="head", and by default (drafter None) where it ships one (smollm2/head/README.md
+    says why); its draft model otherwise."""
     name = _known(default_pair_name() if name is None else name)
     if drafter == "head" or (drafter is None and (ZOO / name / "head" / "config.json").is_file()):
         return head(name)
