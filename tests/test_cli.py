@@ -243,7 +243,8 @@ def test_run_bench_takes_token_id_prompts_without_a_tokenizer(target64, draft64)
     """What experiments/shaped_bench.py relies on: random-weight models have no tokenizer, so
     the prompts are token ids (HF generate gets them left-padded, treespec as they are)."""
     from treespec import SamplingConfig, TreeConfig
-    from treespec.bench import result_table, run_bench
+    from treespec.bench.harness import run_bench
+    from treespec.bench.results import result_table
 
     result = run_bench(
         target64,
@@ -272,7 +273,7 @@ def test_run_bench_warmup_decodes_untimed_first(target64, draft64, monkeypatch):
     """warmup=True: every treespec method decodes every prompt once before the timed runs
     (compiled graphs compile there), and those decodes are neither timed nor pooled."""
     from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
-    from treespec.bench import run_bench
+    from treespec.bench.harness import run_bench
 
     calls = []
     generate = SpeculativeDecoder.generate
@@ -324,7 +325,7 @@ def test_pairs_and_model_free_target(capsys):
 def test_a_full_stdout_is_one_line_not_a_traceback():
     with open("/dev/full", "w") as full:
         r = subprocess.run(
-            [sys.executable, "-m", "treespec.cli", "generate", "x", "--max-new-tokens", "2"],
+            [sys.executable, "-m", "treespec", "generate", "x", "--max-new-tokens", "2"],
             stdout=full,
             stderr=subprocess.PIPE,
             text=True,
@@ -339,7 +340,7 @@ def test_ctrl_c_while_loading_is_exit_130_not_a_traceback():
 
     proc = subprocess.Popen(
         # HF's modules, no EOS, 480 tokens: still running when the signal comes
-        [sys.executable, "-m", "treespec.cli", "generate", "x", "--max-new-tokens", "480", "--ignore-eos"]
+        [sys.executable, "-m", "treespec", "generate", "x", "--max-new-tokens", "480", "--ignore-eos"]
         + ["--backend", "hf", "--dtype", "float32"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -363,7 +364,7 @@ def test_ctrl_c_while_loading_is_exit_130_not_a_traceback():
 
 
 def test_the_command_module_imports_without_torch():
-    """`python -m treespec.cli` and the `treespec` script import treespec.cli before main()'s
+    """`python -m treespec` and the `treespec` script import treespec.cli before main()'s
     KeyboardInterrupt guard: torch loading there made an early Ctrl-C a traceback (exit -2)."""
     code = "import sys, treespec.cli; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

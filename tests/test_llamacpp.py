@@ -1,4 +1,4 @@
-"""llama.cpp as a bench baseline (`treespec.llamacpp`): parsing its logs, finding its binaries,
+"""llama.cpp as a bench baseline (`treespec.bench.llamacpp`): parsing its logs, finding its binaries,
 and its rows in `run_bench`. CI has no llama.cpp: the binaries here are stand-ins that print
 what llama.cpp's print (the log lines below are copied from real runs of
 llama-completion and llama-speculative-simple built by experiments/build_llama_cpp.sh) and
@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from treespec import SamplingConfig, TreeConfig
-from treespec.bench import result_table, run_bench
+from treespec.bench.harness import run_bench
+from treespec.bench.llamacpp import LlamaCpp, LlamaCppBench, parse_decode, parse_speculative
+from treespec.bench.results import result_table
 from treespec.cli import main
-from treespec.llamacpp import LlamaCpp, LlamaCppBench, parse_decode, parse_speculative
 
 DECODE_LOG = """\
 0.00.663.786 I common_perf_print:    sampling time =      24.28 ms
@@ -186,8 +187,8 @@ def test_bench_cli_refuses_a_bad_llama_cpp_dir_before_loading(tmp_path, capsys):
 def test_draft_gguf_of_a_subset_draft_has_zero_rows_outside_the_subset(tmp_path, draft64, monkeypatch):
     """The converted draft is the full-vocabulary equivalent with plain (bias-free) output rows,
     zero outside the subset, handed to the convert script with the target's tokenizer."""
-    from treespec import llamacpp
     from treespec.backends.subset import VocabMap
+    from treespec.bench import llamacpp
 
     seen = {}
 

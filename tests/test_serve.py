@@ -281,11 +281,14 @@ def test_concurrent_seeded_streams_each_equal_their_solo_output(server, client, 
     assert metric(server, "treespec_requests_running") == 0
 
 
+# A second server, bf16: with -m slow. The default run keeps the property on the engine
+# the server drives (tests/test_batch.py: deterministic outputs independent of batch-mates, in
+# bf16 and fp32) and concurrent seeded streams == solo output through the server (above).
 @pytest.mark.cpu
+@pytest.mark.slow
 def test_deterministic_server_8_concurrent_bf16_streams_each_equal_their_solo_output(tmp_path_factory):
     """`--deterministic` in bf16: 8 seeded streams at once (sampled, trees and chains), each
-    the text its own `generate()` gives alone, whatever its batch-mates were. (bf16 products are
-    emulated on an AVX2 core: 16 streams of 24 tokens took a minute there.)"""
+    the text its own `generate()` gives alone, whatever its batch-mates were."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the server (--threads 1): the same products, the same rounding
     ref = SpeculativeDecoder.from_pretrained(
@@ -557,6 +560,10 @@ def test_past_the_grace_period_each_request_is_answered_and_ctrl_c_exits_0(tmp_p
     assert "Traceback" not in srv["log"].read_text(), srv["log"].read_text()
 
 
+# A second server, a head written for the pycode target: with -m slow. The default run
+# keeps a head's batched rounds == each request alone (tests/test_head.py) and the server ==
+# generate() with a draft model (above).
+@pytest.mark.slow
 def test_a_server_drafting_with_a_feature_head_serves_what_generate_gives(tmp_path_factory):
     """`treespec serve --draft HEAD`: an EAGLE-3 head (random, written by the test for the pycode
     target) drafts for the server's requests, greedy and seeded, as `generate()` does alone."""

@@ -1,6 +1,8 @@
 """`treespec serve`: an OpenAI-compatible HTTP server over the continuous-batching engine.
 
-    app.py       the FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics
+    app.py       the FastAPI app (`create_app`) and its state (`Server`): requests built, run, answered
+    routes.py    the routes: /v1/completions, /v1/chat/completions, /v1/models; /, /health, /metrics
+    errors.py    how every error is answered (OpenAI's error body), the app's exception handlers
     protocol.py  request and response bodies (pydantic), the error body, finish reasons
     loop.py      the engine thread: one thread steps the Engine; handlers talk to it via queues
     metrics.py   Prometheus metrics (one registry per app)

@@ -9,7 +9,9 @@
 
 `create_app(engine, tokenizer, model_name)` builds it around an engine it does not own the
 models of; the engine thread (`treespec.serve.loop`) starts and stops with the app's lifespan.
-Every error is answered with OpenAI's body, {"error": {"message", "type", "param", "code"}}.
+The routes (treespec.serve.routes) call the app's `Server`, which builds a treespec `Request`
+from a body, runs it and shapes the answer. Every error is answered with OpenAI's body,
+{"error": {"message", "type", "param", "code"}}.
 """
 
 from __future__ import annotations
@@ -31,51 +33,43 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.requests import Request as HTTPRequest
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import SamplingConfig, TreeConfig
 from ..engine import Engine
 from ..output import GenerationOutput, TextStream, TokenLogprobs
 from ..request import Request, check_chat, encode_prompt, make_request
 from ..trace import round_to_json
+from . import routes
+from .errors import ERROR_HANDLERS, bad_request
 from .guard import Guard
 from .loop import EngineLoop, Job
 from .metrics import Metrics
 from .protocol import (
-    ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
-    ChatResponseMessage,
     CommonFields,
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
-    ModelCard,
-    ModelList,
     ServeError,
     TokenLogprob,
     TopLogprob,
     TreespecStats,
     Usage,
-    client_message,
     error_body,
-    error_param,
     openai_finish_reason,
 )
 
 PAGE = Path(__file__).with_name("page.html")
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CONTEXT = 4096  # the context assumed for a model that does not state its positions
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
-# A request's tree costs every live request its round: t(n)/t(1) grows with the nodes (on a
-# 2-core CPU ~2-5x at 64 nodes), and a 1024-node tree made a 64-token request take 39 s.
+# a request's tree costs every live request its round (t(n)/t(1) grows with the nodes): the
+# largest a request may ask for
 DEFAULT_MAX_TREE_NODES = 64
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 TEXT_SLACK = 2  # a normalizer may shorten a text before it is split: refuse only twice past the bound
@@ -231,7 +225,7 @@ class Server:
     def parse(self, raw: bytes, model):
         """A request body as `model` (a pydantic class). Lists the context cannot hold (token
         ids, chat messages) are refused by their length before pydantic walks them: validating
-        a body of 1.25M token ids held the event loop 0.2-0.4 s, stalling every stream."""
+        a huge list holds the event loop, and every stream with it."""
         try:
             data = json.loads(raw) if raw.strip() else None
         except ValueError as e:
@@ -489,35 +483,8 @@ class Server:
                 self.loop.cancel(job)
 
 
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
-
-
-def error_loc(loc) -> str | None:
-    """A pydantic error location as a `param`: "messages[0].role", "tree.width". Union types
-    add their member types to the location (prompt -> "list[int]" -> 0); those are left out."""
-    parts = [x for x in loc if x != "body"]
-    if not parts:
-        return None
-    param = str(parts[0])
-    for x in parts[1:]:
-        if isinstance(x, int):
-            param += f"[{x}]"
-        elif isinstance(x, str) and x.isidentifier() and x.islower() and x not in _TYPE_TAGS:
-            param += f".{x}"
-    return param
-
-
 def sse(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-def bad_request(e: ValueError, field: str) -> ServeError:
-    message = str(e)
-    return ServeError(400, client_message(message), param=error_param(message, field))
-
-
-def error_response(e: ServeError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
 
 
 def create_app(
@@ -532,7 +499,6 @@ def create_app(
     if settings is None:
         settings = ServeSettings(faults=os.environ.get("TREESPEC_SERVE_FAULTS") == "1")
     srv = Server(engine, tokenizer, model_name, settings)
-    page_html = PAGE.read_text(encoding="utf-8")  # read once: every GET / serves the same page
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -546,6 +512,7 @@ def create_app(
 
     app = FastAPI(title="treespec", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = srv
+    app.state.page_html = PAGE.read_text(encoding="utf-8")  # read once: every GET / serves the same page
     app.add_middleware(
         Guard,
         api_keys=settings.api_keys,
@@ -559,133 +526,8 @@ def create_app(
             allow_methods=["GET", "POST"],
             allow_headers=["authorization", "content-type"],
         )
-
-    # ---- errors: always OpenAI's body ------------------------------------------------------
-    @app.exception_handler(ServeError)
-    async def on_serve_error(request: HTTPRequest, e: ServeError):
-        if e.status == 400 or e.status == 404:
-            srv.metrics.reject(e.status)
-        return error_response(e)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(request: HTTPRequest, e: RequestValidationError):
-        srv.metrics.reject(400)
-        errors = e.errors()  # a body's fields (`Server.parse` answers for the body itself)
-        first = errors[0] if errors else {}
-        param = error_loc(first.get("loc", ()))
-        message = (
-            f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid body")
-        )
-        if first.get("type") == "missing":
-            message = f"{param} is required"
-        return error_response(ServeError(400, message, param=param))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: HTTPRequest, e: StarletteHTTPException):
-        kind = "not_found" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
-
-    @app.exception_handler(Exception)
-    async def on_error(request: HTTPRequest, e: Exception):
-        return JSONResponse(error_body(f"{type(e).__name__}: {e}", "server_error"), status_code=500)
-
-    # ---- endpoints -------------------------------------------------------------------------
-    @app.get("/", response_class=HTMLResponse)
-    async def page():
-        """A chat with the served model, each round's draft tree drawn as it is verified
-        (page.html: the public API with "trace": true, no build step, no CDN)."""
-        return HTMLResponse(page_html)
-
-    @app.get("/health")
-    async def health():
-        if srv.loop.alive and not srv.draining:
-            return {"status": "ok"}
-        return JSONResponse(error_body("the engine is not running", "unavailable"), status_code=503)
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(srv.metrics.render(), media_type=srv.metrics.content_type)
-
-    @app.get("/v1/models")
-    async def models():
-        card = ModelCard(id=srv.model_name, created=srv.created, max_model_len=srv.max_positions)
-        return ModelList(data=[card]).model_dump()
-
-    @app.post("/v1/completions")
-    async def completions(http: HTTPRequest):
-        arrival = time.perf_counter()
-        body = srv.parse(await http.body(), CompletionRequest)
-        srv.check_common(body)
-        for name, bad in (
-            ("echo", body.echo),
-            ("best_of", (body.best_of or 1) != 1),
-            ("suffix", body.suffix),
-        ):
-            if bad:
-                raise ServeError(400, f"{name} is not supported", param=name)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ServeError(400, f"give one prompt per request, got {len(prompt)}", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, list) and not prompt:
-            raise ServeError(400, "the prompt is empty; give at least one token", param="prompt")
-        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        request = await srv.off_loop(srv.build, body, prompt, max_tokens, "prompt")
-        job = await srv.submit(request, arrival, body, "prompt")
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(srv.stream(job, False, include_usage), media_type="text/event-stream")
-        out, error = await srv.wait(job, http)
-        if (failed := srv.failure(out, error)) is not None:
-            return failed
-        return CompletionResponse(
-            id="cmpl-" + uuid.uuid4().hex,
-            created=int(time.time()),
-            model=srv.model_name,
-            choices=[
-                CompletionChoice(
-                    text=TextStream(tokenizer, request.stop_strings).finish(out.token_ids),
-                    logprobs=None
-                    if out.logprobs is None
-                    else srv.completion_logprobs(out.token_ids, out.logprobs),
-                    finish_reason=openai_finish_reason(out.finish_reason),
-                )
-            ],
-            usage=srv.usage(job, out),
-            treespec=srv.stats(out),
-        ).model_dump()
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(http: HTTPRequest):
-        arrival = time.perf_counter()
-        body = srv.parse(await http.body(), ChatCompletionRequest)
-        srv.check_common(body)
-        if body.tools:
-            raise ServeError(400, "tools are not supported", param="tools")
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        request = await srv.off_loop(lambda: srv.build(body, srv.chat_prompt(body), max_tokens, "messages"))
-        job = await srv.submit(request, arrival, body, "messages")
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(srv.stream(job, True, include_usage), media_type="text/event-stream")
-        out, error = await srv.wait(job, http)
-        if (failed := srv.failure(out, error)) is not None:
-            return failed
-        text = TextStream(tokenizer, request.stop_strings).finish(out.token_ids)
-        return ChatCompletionResponse(
-            id="chatcmpl-" + uuid.uuid4().hex,
-            created=int(time.time()),
-            model=srv.model_name,
-            choices=[
-                ChatChoice(
-                    message=ChatResponseMessage(content=text),
-                    logprobs=None if out.logprobs is None else srv.chat_logprobs(out.token_ids, out.logprobs),
-                    finish_reason=openai_finish_reason(out.finish_reason),
-                )
-            ],
-            usage=srv.usage(job, out),
-            treespec=srv.stats(out),
-        ).model_dump()
-
+    for error, handler in ERROR_HANDLERS:
+        app.add_exception_handler(error, handler)
+    app.include_router(routes.pages)
+    app.include_router(routes.api)
     return app

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..config import AUTO_MAX_NODES, STRATEGIES, TreeConfig
 from ..options import add_model_arguments, load_decoder, model_paths
-from ..verify import rule_name
+from ..rules import rule_name
 
 DEFAULT_MAX_LIVE = 8
 DEFAULT_MAX_QUEUE = 64
@@ -237,7 +237,7 @@ def build(args):
         allowed_origins=tuple(args.allowed_origins),
     )
     if settings.verification is not None and tree is not None:
-        from ..request import choose_rule
+        from ..rules import choose_rule
 
         siblings = dec.drafter.siblings(tree, settings.verification)
         choose_rule(siblings, settings.verification)  # a rule that cannot apply fails now

@@ -194,7 +194,7 @@ def draft_to_gguf(draft, tokenizer, out_dir: Path, convert_script: Path, vocab_m
     output rows outside the subset are zero: llama.cpp's Llama has no output bias to put -inf
     there, so those tokens get logit 0 instead of probability 0 -- a slightly different q,
     which no verification rule depends on (any q is lossless; llama.cpp drafts greedily)."""
-    from .backends.subset import full_vocabulary_model
+    from ..backends.subset import full_vocabulary_model
 
     model = draft
     if vocab_map is not None:
@@ -225,7 +225,7 @@ def head_to_gguf(head_dir: Path, target_dir: Path, out_dir: Path, convert_script
 
 @dataclass
 class LlamaCppBench:
-    """What `treespec.bench.run_bench` times llama.cpp with: the binaries, the target's GGUF
+    """What `treespec.bench.harness.run_bench` times llama.cpp with: the binaries, the target's GGUF
     file and, for llama.cpp's speculative decoding, the draft's."""
 
     llama: LlamaCpp
