@@ -20,14 +20,13 @@ import sys
 import time
 
 import torch
+from common import heldout_prompt_ids, machine_info, write_results
 from head_bench import summarise
-from record import write_results
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
-from treespec.bench import machine_info
 from treespec.config import QUANTIZATIONS
-from treespec.options import quantize_option
-from treespec.zoo import heldout_prompt_ids, pair, pair_draft
+from treespec.loading import quantize_setting
+from treespec.zoo import pair, pair_draft
 
 GRID = {
     **{f"chain 1x{d}": TreeConfig(1, d) for d in range(1, 7)},
@@ -64,7 +63,7 @@ def main() -> None:
         draft=draft,
         dtype=args.dtype,
         compile=args.compile,
-        quantize=quantize_option(args.quantize),
+        quantize=quantize_setting(args.quantize),
     )
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from treespec import GenerationStats, SamplingConfig, SpeculativeDecoder, TreeConfig
-from treespec.sequoia import TreeShape
 from treespec.request import encode_prompt
+from treespec.sequoia import TreeShape
 from treespec.zoo import heldout_chats, load_prompts
 
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import itertools
 
-from record import write_results
+from common import heldout_prompt_ids, write_results
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.config import QUANTIZATIONS
-from treespec.options import quantize_option
-from treespec.zoo import heldout_prompt_ids, pair
+from treespec.loading import quantize_setting
+from treespec.zoo import pair
 
 
 def main() -> None:
@@ -50,8 +50,8 @@ def main() -> None:
         name: SpeculativeDecoder.from_pretrained(
             target=target,
             draft=path,
-            quantize=quantize_option(args.quantize),
-            draft_quantize=quantize_option(args.draft_quantize),
+            quantize=quantize_setting(args.quantize),
+            draft_quantize=quantize_setting(args.draft_quantize),
         )
         for name, path in drafts.items()
     }

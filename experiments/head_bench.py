@@ -6,7 +6,7 @@ acceptance by depth (pooled over prompts), the cost ratio c (a draft forward aga
 forward, from the rounds' own timings), against treespec's plain decoding with the same target
 runner, the automatic tree (`TreeConfig()`), Hugging Face `generate()` on the same weights and,
 with `--llama-cpp DIR`, llama.cpp's plain decoding of the same GGUF file and its own EAGLE-3
-speculation with the head (converted by `treespec.llamacpp.head_to_gguf`).
+speculation with the head (converted by `treespec.bench.llamacpp.head_to_gguf`).
 
     python experiments/head_bench.py --head treespec/zoo/smollm2/head --n-prompts 6 \
         --max-new-tokens 128 --head-trees 1x1 1x2 1x3 2x2 2x3 --draft-trees 1x1 1x2 --tag amx \
@@ -22,13 +22,12 @@ import time
 from pathlib import Path
 
 import torch
-from record import RESULTS, write_results
+from common import RESULTS, machine_info, write_results
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.backends.head import load_head_runner
-from treespec.bench import machine_info
+from treespec.bench.llamacpp import LlamaCpp, LlamaCppBench, head_to_gguf
 from treespec.config import QUANTIZATIONS
-from treespec.llamacpp import LlamaCpp, LlamaCppBench, head_to_gguf
 from treespec.loading import checkpoint, load_runner, load_tokenizer, resolve_device, resolve_dtype
 from treespec.loading.gguf import smollm2_gguf
 from treespec.request import encode_prompt

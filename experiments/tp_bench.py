@@ -30,10 +30,12 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def measure(args) -> dict:
+    from common import heldout_prompt_ids
+
     from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig, parallel
-    from treespec.autotree import median_seconds
+    from treespec.timing import median_seconds
     from treespec.tree import TokenTree
-    from treespec.zoo import heldout_chats, heldout_prompt_ids, pair
+    from treespec.zoo import heldout_chats, pair
 
     dec = SpeculativeDecoder.from_pretrained(*pair(args.pair), dtype=args.dtype)
     tp = parallel.current()
@@ -109,7 +111,7 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(result))
         parallel.shutdown()
         return
-    from treespec.bench import machine_info
+    from common import machine_info
 
     runs = []
     for n in args.tp:

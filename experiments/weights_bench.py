@@ -29,14 +29,13 @@ import time
 from pathlib import Path
 
 import torch
+from common import heldout_prompt_ids, machine_info, write_results
 from head_bench import summarise
-from record import write_results
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
-from treespec.bench import machine_info
-from treespec.llamacpp import LlamaCpp
+from treespec.bench.llamacpp import LlamaCpp
 from treespec.loading import resolve_weights
-from treespec.zoo import heldout_prompt_ids, pair, pair_draft
+from treespec.zoo import pair, pair_draft
 
 CONFIGS = {
     "plain": None,
