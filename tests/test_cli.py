@@ -240,7 +240,7 @@ def test_generate_with_penalties(capsys):
 
 
 def test_run_bench_takes_token_id_prompts_without_a_tokenizer(target64, draft64):
-    """What experiments/shaped_bench.py relies on: random-weight models have no tokenizer, so
+    """What experiments/costs/shaped_bench.py relies on: random-weight models have no tokenizer, so
     the prompts are token ids (HF generate gets them left-padded, treespec as they are)."""
     from treespec import SamplingConfig, TreeConfig
     from treespec.bench.harness import run_bench

@@ -1,7 +1,7 @@
 """llama.cpp as a bench baseline (`treespec.bench.llamacpp`): parsing its logs, finding its binaries,
 and its rows in `run_bench`. CI has no llama.cpp: the binaries here are stand-ins that print
 what llama.cpp's print (the log lines below are copied from real runs of
-llama-completion and llama-speculative-simple built by experiments/build_llama_cpp.sh) and
+llama-completion and llama-speculative-simple built by experiments/build/build_llama_cpp.sh) and
 record the arguments they were given."""
 
 from __future__ import annotations

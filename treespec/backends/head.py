@@ -399,10 +399,8 @@ def load_head_runner(
     path, target, dtype: torch.dtype, device, quantize: str | None = None, compile: bool = False
 ) -> HeadRunner | None:
     """A `HeadRunner` for the EAGLE-3 checkpoint in the local directory `path`, over the
-    embedding of `target` (a runner), its products `quantize`d (None, "int8", "int4"; "auto":
-    int4 on a CPU whose int4 products in `dtype` measure faster than dense ones,
-    `cpu.int4_matmul_is_faster`, where the head's shapes suit torch's int4 layout; int4's
-    groups of 32 keep the head's acceptance where int8's one scale per row loses some), its
+    embedding of `target` (a runner), its products `quantize`d (None, "int8", "int4"; what
+    "auto" means is decided by `treespec.loading.resolve_quantize` before this is called), its
     forwards compiled with `compile` (`HeadRunner`); None when `path` is not a head."""
     if not isinstance(path, (str, Path)) or not is_head(path):
         return None
@@ -412,15 +410,4 @@ def load_head_runner(
             f"a feature head needs its target's embedding; {type(target).__name__} has none to share"
         )
     cfg, weights = load_head(path, target.n_layers)
-    if quantize == "auto":
-        from . import cpu
-
-        products = ("fc.weight", "lm_head.weight")
-        fits = all(
-            Int4Projection.fits(*w.shape)
-            for name, w in weights.items()
-            if name in products or name.endswith("proj.weight")
-        )
-        faster = fits and torch.device(device).type == "cpu" and cpu.int4_matmul_is_faster(dtype)
-        quantize = "int4" if faster else None
     return HeadRunner(cfg, weights, embed, dtype=dtype, device=device, quantize=quantize, compile=compile)

@@ -22,7 +22,7 @@ bytes / measured memory bandwidth, as a ratio to the measured t(1).
 
     harness.py   run_bench (the interleaved runs), native_runners, encode_batch
     results.py   the methods, MethodResult / BenchResult and the table (no torch)
-    measure.py   forward_seconds, memory_bandwidth, cost_ratios, chain_logits, machine_info
+    measure.py   forward_seconds, memory_bandwidth, cost_ratios, machine_info
     llamacpp.py  llama.cpp's binaries as a baseline, and GGUF conversion of drafts and heads
 
 `treespec bench` (`treespec.cli.bench`) is the command.

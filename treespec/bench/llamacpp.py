@@ -14,7 +14,7 @@ the same prompts.
 Each run is one subprocess, so the model loads every time; the rates come from llama.cpp's own
 timers, which start after loading: a run's seconds are its prompt evaluation plus its decoding
 (and, for plain decoding, its sampling), the span treespec's `generate()` is timed over.
-experiments/build_llama_cpp.sh builds the binaries from the PyPI source distribution of
+experiments/build/build_llama_cpp.sh builds the binaries from the PyPI source distribution of
 llama-cpp-python (its vendored llama.cpp).
 """
 
@@ -117,7 +117,7 @@ class LlamaCpp:
                 return cls(bin_dir / DECODE_BINARY, spec if spec.is_file() else None, _find_convert(bin_dir))
         raise ValueError(
             f"no {DECODE_BINARY} in {directory}, its bin/ or build/bin/; build it with "
-            "experiments/build_llama_cpp.sh (cmake --build build --target llama-completion)"
+            "experiments/build/build_llama_cpp.sh (cmake --build build --target llama-completion)"
         )
 
     def _common(

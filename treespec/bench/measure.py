@@ -1,7 +1,6 @@
 """Measurements of runners and the machine: forward seconds, memory bandwidth, one backend's
-cost ratios (`cost_ratios`), teacher-forced logits (`chain_logits`) and what a measurement
-ran on (`machine_info`). Every timing synchronises on CUDA (`synchronize`) and is a median
-(`treespec.timing.median_seconds`)."""
+cost ratios (`cost_ratios`) and what a measurement ran on (`machine_info`). Every timing
+synchronises on CUDA (`synchronize`) and is a median (`treespec.timing.median_seconds`)."""
 
 from __future__ import annotations
 
@@ -28,16 +27,6 @@ def synchronize(device: torch.device) -> None:
     """Wait for `device`'s queued work (a no-op on a CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def chain_logits(runner: Runner, ids: list[int], cont: list[int]) -> torch.Tensor:
-    """The `runner`'s next-token logits [len(cont), V] at the positions that predict each token of `cont`
-    when `cont` follows the prompt `ids` (teacher forcing; the cache is reset first)."""
-    runner.reset()
-    runner.prefill(ids[:-1])
-    logits = runner.extend([ids[-1]] + cont[:-1], list(range(-1, len(cont) - 1)))
-    runner.commit([])
-    return logits
 
 
 def forward_seconds(runner: Runner, n_nodes: int = 1, prefix_len: int = 128, repeats: int = 20) -> float:

@@ -183,7 +183,7 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="also time llama.cpp on the target's GGUF file: its binaries in DIR (or DIR/bin, "
         "DIR/build/bin); without it, llama-completion on PATH is used if there is one. "
-        "experiments/build_llama_cpp.sh builds them",
+        "experiments/build/build_llama_cpp.sh builds them",
     )
     add_decode_args(bench, max_new_tokens=64, width=2)
     add_model_arguments(bench)

