@@ -1,0 +1,251 @@
+"""treespec/backends/kernels: the int4-weight x int8-activation product (issue 58).
+
+Every path this machine runs (avx512vnni, avx2, scalar: compiled; aten: torch ops) against a
+float64 reference of the same quantized math; a row's result never depends on the other rows
+of the call (bitwise); the compiled paths agree bit for bit; GGUF's own quantizers and blocks;
+the custom op under torch.compile. Without a C++ compiler the compiled paths skip."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from treespec.backends import kernels
+from treespec.backends.kernels.q4q8 import QK, quantize_activations
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _compiled_paths() -> list[str]:
+    return [isa for isa in kernels.available_isas() if isa != kernels.ATEN]
+
+
+pytestmark = pytest.mark.filterwarnings("ignore:treespec's q4q8 kernels are not compiled")
+
+
+@pytest.fixture(scope="module")
+def compiled_paths():
+    if not kernels.compiled():
+        reason = kernels.unavailable_reason() or ""
+        if "no C++ compiler" in reason:
+            pytest.skip(f"compiled kernels: {reason}")
+        pytest.fail(f"the kernels did not build: {reason}")
+    return _compiled_paths()
+
+
+ALL_PATHS = ["avx512vnni", "avx2", "scalar", "aten"]
+
+
+def path_or_skip(isa: str, compiled_paths_: list[str] | None = None) -> None:
+    if isa == kernels.ATEN:
+        return
+    if not kernels.compiled():
+        reason = kernels.unavailable_reason() or ""
+        if "no C++ compiler" in reason:
+            pytest.skip(f"compiled kernels: {reason}")
+        pytest.fail(f"the kernels did not build: {reason}")
+    if isa not in kernels.available_isas():
+        pytest.skip(f"this CPU does not run the {isa} path")
+
+
+def reference(x: torch.Tensor, packed: kernels.PackedQ4, bias=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, bound) in float64: the dequantized activations x the dequantized weights, and
+    |x| @ |W|^T, the scale of float32's rounding errors per output."""
+    qa, s, S = quantize_activations(x.reshape(-1, packed.k))
+    g = packed.k // QK
+    xa = (qa.double().reshape(-1, g, QK) * s.double()[..., None]).reshape(-1, packed.k)
+    w = packed.dequantize(torch.float64)
+    y = xa @ w.t()
+    bound = xa.abs() @ w.abs().t()
+    if bias is not None:
+        y = y + bias.double()
+        bound = bound + bias.double().abs()
+    return y, bound
+
+
+def weights(n: int, k: int, seed: int, kind: str = "q4_1") -> kernels.PackedQ4:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.1 + 0.02 * torch.randn(n, 1, generator=gen)
+    return kernels.quantize_q4_1(w) if kind == "q4_1" else kernels.quantize_q4_0(w)
+
+
+def activations(m: int, k: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen)
+    x[:, :: max(1, k // 7)] *= 20  # outlier channels, as in LLM hidden states
+    if m > 1:
+        x[-1, :QK] = 0  # an all-zero group
+    return x
+
+
+CASES = [  # (n, k, m)
+    (1, 32, 1),
+    (15, 64, 3),
+    (16, 96, 8),
+    (17, 576, 9),
+    (100, 1536, 5),
+    (960, 576, 16),
+    (33, 1536, 64),
+    (576, 1536, 2),
+    (70, 576, 200),  # prefill-sized
+]
+
+
+@pytest.mark.parametrize("isa", ALL_PATHS)
+def test_each_path_equals_the_float64_reference(isa):
+    path_or_skip(isa)
+    for i, (n, k, m) in enumerate(CASES):
+        packed = weights(n, k, seed=i, kind="q4_1" if i % 2 else "q4_0")
+        x = activations(m, k, seed=100 + i)
+        bias = torch.randn(n) if i % 3 == 0 else None
+        y = kernels.q4q8_linear(x, packed, bias, isa=isa)
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        ref, bound = reference(x, packed, bias)
+        err = (y.double() - ref).abs()
+        assert (err <= 1e-5 * bound + 1e-30).all(), (isa, n, k, m, float((err / bound).max()))
+
+
+@pytest.mark.parametrize("isa", ALL_PATHS)
+def test_a_row_never_depends_on_the_other_rows(isa):
+    path_or_skip(isa)
+    rng = np.random.default_rng(0 if isa == "avx512vnni" else len(isa))
+    n, k = (100, 576) if isa in ("scalar", "aten") else (257, 1536)
+    packed = weights(n, k, seed=7)
+    for trial in range(6):
+        m = int(rng.integers(1, 65))
+        x = activations(m, k, seed=trial)
+        full = kernels.q4q8_linear(x, packed, isa=isa)
+        idx = torch.from_numpy(rng.permutation(m)[: int(rng.integers(1, m + 1))])
+        assert torch.equal(kernels.q4q8_linear(x[idx], packed, isa=isa), full[idx])
+        for r in rng.choice(m, size=min(m, 3), replace=False):
+            assert torch.equal(kernels.q4q8_linear(x[r : r + 1], packed, isa=isa), full[r : r + 1])
+        old = torch.get_num_threads()
+        torch.set_num_threads(2)  # another split of the output tiles
+        try:
+            assert torch.equal(kernels.q4q8_linear(x, packed, isa=isa), full)
+        finally:
+            torch.set_num_threads(old)
+
+
+def test_the_compiled_paths_agree_bit_for_bit(compiled_paths):
+    for i, (n, k, m) in enumerate(CASES):
+        packed = weights(n, k, seed=i)
+        x = activations(m, k, seed=i)
+        bias = torch.randn(n)
+        ys = {isa: kernels.q4q8_linear(x, packed, bias, isa=isa) for isa in compiled_paths}
+        first = ys[compiled_paths[0]]
+        for isa, y in ys.items():
+            assert torch.equal(y, first), (isa, compiled_paths[0], n, k, m)
+        # torch ops: each fma as a float64 sum rounded once more; equal but for rare double roundings
+        aten = kernels.q4q8_linear(x, packed, bias, isa=kernels.ATEN)
+        torch.testing.assert_close(aten, first, rtol=1e-6, atol=1e-6)
+
+
+def test_shapes_dtypes_and_the_default_path():
+    packed = weights(40, 64, seed=1)
+    x = activations(6, 64, seed=2)
+    y = kernels.q4q8_linear(x, packed)
+    assert torch.equal(y, kernels.q4q8_linear(x, packed, isa=kernels.default_isa()))
+    assert kernels.default_isa() in kernels.describe()
+    # [..., K] inputs, bfloat16 (converted exactly to float32 first)
+    assert torch.equal(kernels.q4q8_linear(x.reshape(2, 3, 64), packed), y.reshape(2, 3, 40))
+    xb = x.bfloat16()
+    assert torch.equal(kernels.q4q8_linear(xb, packed), kernels.q4q8_linear(xb.float(), packed))
+    assert kernels.q4q8_linear(x[:0], packed).shape == (0, 40)
+    with pytest.raises(ValueError):
+        kernels.q4q8_linear(torch.randn(2, 32), packed)
+    with pytest.raises((RuntimeError, ValueError)):
+        torch.ops.treespec.q4q8_linear(torch.randn(2, 48), packed.data, None, 40, -1)
+    with pytest.raises(ValueError):
+        kernels.pack_q4(torch.zeros(4, 40, dtype=torch.uint8), torch.ones(4, 1), torch.ones(4, 1))
+
+
+def test_packing_round_trips():
+    gen = torch.Generator().manual_seed(3)
+    for n, k in [(1, 32), (17, 64), (48, 96)]:
+        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        d = torch.rand(n, k // QK, generator=gen).half()
+        m = -torch.rand(n, k // QK, generator=gen).half()
+        packed = kernels.pack_q4(q, d, m)
+        assert packed.data.shape == (-(-n // 16), k // QK, 320)
+        q2, d2, m2 = packed.unpack()
+        assert torch.equal(q2, q) and torch.equal(d2, d) and torch.equal(m2, m)
+        w = (q.float().reshape(n, -1, QK) * d.float()[..., None] + m.float()[..., None]).reshape(n, k)
+        assert torch.equal(packed.dequantize(), w)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_gguf_blocks_and_quantizers_match_gguf(kind):
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType[kind]
+    gen = torch.Generator().manual_seed(5)
+    n, k = 37, 128
+    w = torch.randn(n, k, generator=gen) * 0.05
+    raw = quants.quantize(w.numpy(), qtype)  # [n, k / 32 * block bytes]
+    packed = kernels.from_gguf_blocks(raw, qtype, n, k)
+    assert torch.equal(packed.dequantize(), torch.from_numpy(quants.dequantize(raw, qtype)))
+    ours = kernels.quantize_q4_0(w) if kind == "Q4_0" else kernels.quantize_q4_1(w)
+    assert torch.equal(ours.data, packed.data)
+    assert torch.equal(kernels.from_gguf_blocks(raw.tobytes(), kind, n, k).data, packed.data)
+    with pytest.raises(ValueError):
+        kernels.from_gguf_blocks(raw, kind, n + 1, k)
+    # the GGUF loader's int4 form, w = (q - 8) s + z with z = m + 8 d in float32
+    q, d, m = packed.unpack()
+    zeros = m.float() + 8 * d.float()
+    assert torch.equal(kernels.pack_q4_offsets(q, d.float(), zeros).data, packed.data)
+    with pytest.raises(ValueError):
+        kernels.pack_q4_offsets(q, d.float() * (1 + 1e-6), zeros)
+
+
+def test_activations_are_quantized_per_row_and_group():
+    x = activations(3, 96, seed=9)
+    q, s, S = quantize_activations(x)
+    g = x.reshape(3, 3, QK)
+    assert torch.equal(s, g.abs().amax(-1) / 127)
+    assert int(q.abs().max()) == 127 and torch.equal(S, s * q.reshape(3, 3, QK).float().sum(-1))
+    assert (s[-1, 0] == 0) and (q[-1, :QK] == 0).all()
+
+
+@pytest.mark.cpu
+def test_the_op_runs_in_a_compiled_graph():
+    import torch._dynamo
+
+    if "no C++ compiler" in (kernels.unavailable_reason() or ""):  # inductor needs one too
+        pytest.skip(f"torch.compile: {kernels.unavailable_reason()}")
+
+    packed = weights(48, 64, seed=11)
+    bias = torch.randn(48)
+
+    def f(x):
+        return torch.relu(kernels.q4q8_linear(x * 2, packed, bias))
+
+    torch._dynamo.reset()
+    g = torch.compile(f, fullgraph=True)
+    x = activations(5, 64, seed=12)
+    assert torch.equal(g(x), f(x))
+    assert torch.equal(g(x[:2]), f(x[:2]))
+
+
+def test_the_environment_caps_the_path_and_aten_needs_no_compiler(tmp_path):
+    probe = (
+        "import torch; from treespec.backends import kernels as k; from tests.test_kernels import *;"
+        "p = weights(20, 64, 1); x = activations(3, 64, 2); y = k.q4q8_linear(x, p);"
+        "r, b = reference(x, p); assert ((y.double() - r).abs() <= 1e-5 * b).all();"
+        "print(k.default_isa(), k.compiled())"
+    )
+    env = {**os.environ, "TREESPEC_KERNEL_ISA": "aten"}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["aten", "False"]
+    if kernels.compiled() and "avx2" in kernels.available_isas():
+        env = {**os.environ, "TREESPEC_KERNEL_ISA": "avx2"}
+        out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.split() == ["avx2", "True"]

@@ -1,0 +1,38 @@
+"""Compiled CPU kernels (built on first use; see q4q8.py): int4-weight x int8-activation
+products whose cost grows slowly with the number of rows M (issue 58)."""
+
+from .q4q8 import (
+    ATEN,
+    ISAS,
+    PackedQ4,
+    available_isas,
+    compiled,
+    default_isa,
+    describe,
+    from_gguf_blocks,
+    pack_q4,
+    pack_q4_offsets,
+    q4q8_linear,
+    quantize_activations,
+    quantize_q4_0,
+    quantize_q4_1,
+    unavailable_reason,
+)
+
+__all__ = [
+    "ATEN",
+    "ISAS",
+    "PackedQ4",
+    "available_isas",
+    "compiled",
+    "default_isa",
+    "describe",
+    "from_gguf_blocks",
+    "pack_q4",
+    "pack_q4_offsets",
+    "q4q8_linear",
+    "quantize_activations",
+    "quantize_q4_0",
+    "quantize_q4_1",
+    "unavailable_reason",
+]

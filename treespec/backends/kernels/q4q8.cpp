@@ -1,0 +1,443 @@
+// treespec::q4q8_linear: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W in 4 bits (GGUF Q4_0 / Q4_1
+// blocks: per output row and group of 32 inputs, w = d q + m, q in 0..15), x quantized per row and
+// group of 32 to int8 (Q8_1-style: q_a = rne(x * (127 / amax)), s = amax / 127, S = s * sum(q_a)).
+//
+//   y[r, o] = sum over groups g, in order, of  dot_g(q_w, q_a) * (d[o,g] s[r,g])  +  m[o,g] S[r,g]
+//
+// computed as acc = fma(float(dot), d * s, acc); acc = fma(m, S, acc) for g = 0, 1, ..., then
+// y = acc + bias. The integer dot products are exact, so every path (AVX512-VNNI, AVX2, scalar)
+// gives the same bits, and a row's result never depends on the other rows of the call: rows are
+// quantized alone, and parallelism is over output tiles only (never K or M).
+//
+// Weight layout (pack_q4 in q4q8.py): tiles of 16 output columns; per tile and group 320 bytes:
+//   bytes [64p, 64p + 64), p = 0..3: column j at bytes 4j..4j+3, low nibbles = q[j, 8p + b],
+//     high nibbles = q[j, 8p + 4 + b] (b = 0..3): one zmm = two VPDPBUSD operands of 16 lanes;
+//   bytes [256, 288): d of the 16 columns (fp16); [288, 320): m (fp16). Padding columns are 0.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define TS_X86 1
+#else
+#define TS_X86 0
+#endif
+
+namespace {
+
+constexpr int64_t QK = 32;          // inputs per group
+constexpr int64_t TN = 16;          // output columns per tile
+constexpr int64_t TILE_BYTES = 320;  // per tile and group
+
+enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512VNNI = 2 };
+
+struct Args {
+  const int8_t* qa;   // [M, K] activations, int8
+  const float* sa;    // [M, G] their scales
+  const float* Sa;    // [M, G] scale * sum of the group's int8 values
+  const uint8_t* w;   // [T, G, 320] packed weights
+  const float* bias;  // [N] or nullptr
+  float* y;           // [M, N]
+  int64_t M, N, K, G, T;
+};
+
+inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// ---------------------------------------------------------------- scalar (any CPU)
+
+void quantize_scalar(const float* x, int64_t M, int64_t K, int8_t* qa, float* sa, float* Sa) {
+  const int64_t G = K / QK;
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* v = x + r * K + g * QK;
+      float amax = 0.0f;
+      for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float s = amax / 127.0f;
+      const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t sum = 0;
+      for (int i = 0; i < QK; ++i) {
+        float q = std::nearbyint(v[i] * id);
+        q = std::min(127.0f, std::max(-127.0f, q));
+        qa[r * K + g * QK + i] = static_cast<int8_t>(q);
+        sum += static_cast<int32_t>(q);
+      }
+      sa[r * G + g] = s;
+      Sa[r * G + g] = s * static_cast<float>(sum);
+    }
+  }
+}
+
+void tiles_scalar(const Args& a, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* wt = a.w + t * a.G * TILE_BYTES;
+    const int64_t cols = std::min<int64_t>(TN, a.N - t * TN);
+    for (int64_t r = 0; r < a.M; ++r) {
+      for (int64_t j = 0; j < cols; ++j) {
+        float acc = 0.0f;
+        for (int64_t g = 0; g < a.G; ++g) {
+          const uint8_t* wg = wt + g * TILE_BYTES;
+          const int8_t* xa = a.qa + r * a.K + g * QK;
+          int32_t dot = 0;
+          for (int p = 0; p < 4; ++p) {
+            for (int b = 0; b < 4; ++b) {
+              const int32_t byte = wg[64 * p + 4 * j + b];
+              dot += (byte & 15) * xa[8 * p + b] + (byte >> 4) * xa[8 * p + 4 + b];
+            }
+          }
+          const float d = half_at(wg + 256 + 2 * j), m = half_at(wg + 288 + 2 * j);
+          const float ds = d * a.sa[r * a.G + g];
+          acc = std::fma(static_cast<float>(dot), ds, acc);
+          acc = std::fma(m, a.Sa[r * a.G + g], acc);
+        }
+        const int64_t o = t * TN + j;
+        a.y[r * a.N + o] = a.bias ? acc + a.bias[o] : acc;
+      }
+    }
+  }
+}
+
+#if TS_X86
+// ---------------------------------------------------------------- AVX2 (+FMA, F16C)
+#define TS_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// rne(x * id), clamped to +-127 (|x * id| <= 127 up to one rounding anyway), as int32
+TS_AVX2 inline __m256i round8(__m256 x, __m256 id) {
+  const __m256 t = _mm256_round_ps(_mm256_mul_ps(x, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_set1_ps(127.0f), _mm256_max_ps(_mm256_set1_ps(-127.0f), t)));
+}
+
+TS_AVX2 void quantize_avx2(const float* x, int64_t M, int64_t K, int8_t* qa, float* sa, float* Sa) {
+  const int64_t G = K / QK;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* v = x + r * K + g * QK;
+      __m256 x0 = _mm256_loadu_ps(v), x1 = _mm256_loadu_ps(v + 8), x2 = _mm256_loadu_ps(v + 16),
+             x3 = _mm256_loadu_ps(v + 24);
+      __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, x0), _mm256_andnot_ps(sign, x1)),
+                               _mm256_max_ps(_mm256_andnot_ps(sign, x2), _mm256_andnot_ps(sign, x3)));
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+      const float amax = _mm_cvtss_f32(h);
+      const float s = amax / 127.0f;
+      const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+      const __m256 vid = _mm256_set1_ps(id);
+      const __m256i q0 = round8(x0, vid), q1 = round8(x1, vid), q2 = round8(x2, vid), q3 = round8(x3, vid);
+      __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+      const int32_t sum = _mm_cvtsi128_si32(s4);
+      // int32 -> int8 in order: packs (lane-wise) then permute
+      __m256i p01 = _mm256_packs_epi32(q0, q1), p23 = _mm256_packs_epi32(q2, q3);
+      __m256i p = _mm256_packs_epi16(p01, p23);
+      p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qa + r * K + g * QK), p);
+      sa[r * G + g] = s;
+      Sa[r * G + g] = s * static_cast<float>(sum);
+    }
+  }
+}
+
+// Where the product is compute-bound (a first block of >= 5 rows), the weights streamed from memory
+// come sooner with a software prefetch 8 tile-groups ahead (-12% at M = 8 and 16 over a SmolLM2
+// forward's weights on Zen 4; no gain on the AVX2 path); a single row is memory-bound and slower
+// with it.
+inline void prefetch_ahead(const uint8_t* wg) {
+  for (int c = 0; c < TILE_BYTES / 64; ++c) _mm_prefetch(reinterpret_cast<const char*>(wg + 8 * TILE_BYTES + 64 * c), _MM_HINT_T0);
+}
+
+constexpr int R_AVX2 = 4;
+
+// R rows x 8 columns (half h of tile t): u8 x s8 -> s16 pairs (vpmaddubsw; |sum| <= 8 * 2 * 15 *
+// 127 = 30480 over a group, no saturation), -> s32 (vpmaddwd by ones) once per group.
+template <int R>
+TS_AVX2 inline void block_avx2(const Args& a, int64_t t, int h, int64_t r0) {
+  const uint8_t* wt = a.w + t * a.G * TILE_BYTES;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g) {
+    const uint8_t* wg = wt + g * TILE_BYTES;
+    __m256i s16[R];
+    for (int i = 0; i < R; ++i) s16[i] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 64 * p + 32 * h));
+      const __m256i lo = _mm256_and_si256(raw, mask);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+      for (int i = 0; i < R; ++i) {
+        const int8_t* xa = a.qa + (r0 + i) * a.K + g * QK + 8 * p;
+        s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load4(xa))));
+        s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load4(xa + 4))));
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 256 + 16 * h)));
+    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 288 + 16 * h)));
+    for (int i = 0; i < R; ++i) {
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i], ones));
+      const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(a.sa[(r0 + i) * a.G + g]));
+      acc[i] = _mm256_fmadd_ps(dot, ds, acc[i]);
+      acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.Sa[(r0 + i) * a.G + g]), acc[i]);
+    }
+  }
+  const int64_t o0 = t * TN + 8 * h;
+  const int64_t cols = std::min<int64_t>(8, a.N - o0);
+  if (cols <= 0) return;
+  alignas(32) float bias[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  if (a.bias) std::memcpy(bias, a.bias + o0, cols * sizeof(float));
+  const __m256 b = _mm256_load_ps(bias);
+  for (int i = 0; i < R; ++i) {
+    const __m256 out = a.bias ? _mm256_add_ps(acc[i], b) : acc[i];
+    float* y = a.y + (r0 + i) * a.N + o0;
+    if (cols == 8) {
+      _mm256_storeu_ps(y, out);
+    } else {
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, out);
+      std::memcpy(y, tmp, cols * sizeof(float));
+    }
+  }
+}
+
+TS_AVX2 void tiles_avx2(const Args& a, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int h = 0; h < 2; ++h) {
+      if (t * TN + 8 * h >= a.N) break;
+      int64_t r = 0;
+      for (; r + R_AVX2 <= a.M; r += R_AVX2) block_avx2<R_AVX2>(a, t, h, r);
+      switch (a.M - r) {
+        case 3: block_avx2<3>(a, t, h, r); break;
+        case 2: block_avx2<2>(a, t, h, r); break;
+        case 1: block_avx2<1>(a, t, h, r); break;
+        default: break;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- AVX512 VNNI
+#define TS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
+
+TS_AVX512 inline __m512i round16(__m512 x, __m512 id) {
+  const __m512 t = _mm512_roundscale_ps(_mm512_mul_ps(x, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_set1_ps(127.0f), _mm512_max_ps(_mm512_set1_ps(-127.0f), t)));
+}
+
+TS_AVX512 void quantize_avx512(const float* x, int64_t M, int64_t K, int8_t* qa, float* sa, float* Sa) {
+  const int64_t G = K / QK;
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* v = x + r * K + g * QK;
+      const __m512 x0 = _mm512_loadu_ps(v), x1 = _mm512_loadu_ps(v + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+      const float s = amax / 127.0f;
+      const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+      const __m512 vid = _mm512_set1_ps(id);
+      const __m512i q0 = round16(x0, vid), q1 = round16(x1, vid);
+      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qa + r * K + g * QK), _mm512_cvtsepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qa + r * K + g * QK + 16), _mm512_cvtsepi32_epi8(q1));
+      sa[r * G + g] = s;
+      Sa[r * G + g] = s * static_cast<float>(sum);
+    }
+  }
+}
+
+// R rows x 16 columns (tile t): VPDPBUSD (u8 weights x s8 activations, 4 per lane), int32 per
+// group; two int32 accumulators per row when R is small (shorter dependency chains).
+template <int R>
+TS_AVX512 inline void block_avx512(const Args& a, int64_t t, int64_t r0) {
+  constexpr int A = R <= 4 ? 2 : 1;
+  const uint8_t* wt = a.w + t * a.G * TILE_BYTES;
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g) {
+    const uint8_t* wg = wt + g * TILE_BYTES;
+    if (R >= 5 && r0 == 0) prefetch_ahead(wg);
+    __m512i dot[R][A];
+    for (int i = 0; i < R; ++i)
+      for (int k = 0; k < A; ++k) dot[i][k] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const __m512i raw = _mm512_loadu_si512(wg + 64 * p);
+      const __m512i lo = _mm512_and_si512(raw, mask);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+      for (int i = 0; i < R; ++i) {
+        const int8_t* xa = a.qa + (r0 + i) * a.K + g * QK + 8 * p;
+        dot[i][0] = _mm512_dpbusd_epi32(dot[i][0], lo, _mm512_set1_epi32(load4(xa)));
+        dot[i][A - 1] = _mm512_dpbusd_epi32(dot[i][A - 1], hi, _mm512_set1_epi32(load4(xa + 4)));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 256)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 288)));
+    for (int i = 0; i < R; ++i) {
+      const __m512i di = A == 2 ? _mm512_add_epi32(dot[i][0], dot[i][A - 1]) : dot[i][0];
+      const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(a.sa[(r0 + i) * a.G + g]));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(di), ds, acc[i]);
+      acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.Sa[(r0 + i) * a.G + g]), acc[i]);
+    }
+  }
+  const int64_t o0 = t * TN;
+  const int64_t cols = std::min<int64_t>(TN, a.N - o0);
+  const __mmask16 keep = cols >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 b = a.bias ? _mm512_maskz_loadu_ps(keep, a.bias + o0) : _mm512_setzero_ps();
+  for (int i = 0; i < R; ++i) {
+    const __m512 out = a.bias ? _mm512_add_ps(acc[i], b) : acc[i];
+    _mm512_mask_storeu_ps(a.y + (r0 + i) * a.N + o0, keep, out);
+  }
+}
+
+constexpr int R_AVX512 = 8;
+
+TS_AVX512 void tiles_avx512(const Args& a, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    int64_t r = 0;
+    for (; r + R_AVX512 <= a.M; r += R_AVX512) block_avx512<R_AVX512>(a, t, r);
+    switch (a.M - r) {
+      case 7: block_avx512<7>(a, t, r); break;
+      case 6: block_avx512<6>(a, t, r); break;
+      case 5: block_avx512<5>(a, t, r); break;
+      case 4: block_avx512<4>(a, t, r); break;
+      case 3: block_avx512<3>(a, t, r); break;
+      case 2: block_avx512<2>(a, t, r); break;
+      case 1: block_avx512<1>(a, t, r); break;
+      default: break;
+    }
+  }
+}
+#endif  // TS_X86
+
+// ---------------------------------------------------------------- dispatch
+
+int64_t supported_mask() {
+  int64_t mask = 1 << SCALAR;
+#if TS_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) mask |= 1 << AVX2;  // f16c: with AVX2
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512vnni"))
+    mask |= 1 << AVX512VNNI;
+#endif
+  return mask;
+}
+
+int64_t cap_from_env() {
+  // TREESPEC_KERNEL_ISA=avx512vnni|avx2|scalar caps the path; ATEN_CPU_CAPABILITY=avx2|default
+  // (torch's own switch, tests/test_cpu_kinds.py) caps it as on such a core.
+  int64_t cap = AVX512VNNI;
+  if (const char* e = std::getenv("TREESPEC_KERNEL_ISA")) {
+    const std::string v(e);
+    if (v == "avx2") cap = AVX2;
+    else if (v == "scalar" || v == "aten") cap = SCALAR;
+  }
+  if (const char* e = std::getenv("ATEN_CPU_CAPABILITY")) {
+    const std::string v(e);
+    if (v == "avx2") cap = std::min<int64_t>(cap, AVX2);
+    else if (v == "default") cap = SCALAR;
+  }
+  return cap;
+}
+
+// -1: the best path this CPU runs, capped by the environment; >= 0: exactly that path (an error if
+// this CPU cannot run it); -2: the bit mask of the paths this CPU runs.
+int64_t q4q8_isa(int64_t isa) {
+  static const int64_t mask = supported_mask();
+  static const int64_t best = [] {
+    int64_t b = cap_from_env();
+    while (b > SCALAR && !(mask & (1 << b))) --b;
+    return b;
+  }();
+  if (isa == -2) return mask;
+  if (isa == -1) return best;
+  TORCH_CHECK(isa >= SCALAR && isa <= AVX512VNNI && (mask & (1 << isa)),
+              "q4q8_linear: path ", isa, " is not available on this CPU (mask ", mask, ")");
+  return isa;
+}
+
+at::Tensor q4q8_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                       int64_t n, int64_t isa) {
+  TORCH_CHECK(x.dim() >= 1, "q4q8_linear: x needs a last dimension K");
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(K > 0 && K % QK == 0, "q4q8_linear: K = ", K, " is not a multiple of ", QK);
+  TORCH_CHECK(n > 0, "q4q8_linear: n = ", n);
+  const int64_t G = K / QK, T = (n + TN - 1) / TN;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == T * G * TILE_BYTES,
+              "q4q8_linear: packed weights must be contiguous uint8 of ", T * G * TILE_BYTES,
+              " bytes for n = ", n, ", K = ", K, "; got ", packed.numel());
+  isa = q4q8_isa(isa);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t M = xf.numel() / K;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor y = at::empty(shape, x.options().dtype(at::kFloat));
+  if (M == 0) return y;
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "q4q8_linear: bias needs ", n, " values");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  std::vector<int8_t> qa(M * K);
+  std::vector<float> sa(M * G), Sa(M * G);
+  const float* xp = xf.data_ptr<float>();
+  // rows are quantized alone (any split of them gives the same bytes)
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t r0, int64_t r1) {
+    const float* xr = xp + r0 * K;
+    int8_t* q = qa.data() + r0 * K;
+    float *s = sa.data() + r0 * G, *S = Sa.data() + r0 * G;
+#if TS_X86
+    if (isa == AVX512VNNI) return quantize_avx512(xr, r1 - r0, K, q, s, S);
+    if (isa == AVX2) return quantize_avx2(xr, r1 - r0, K, q, s, S);
+#endif
+    quantize_scalar(xr, r1 - r0, K, q, s, S);
+  });
+
+  Args a{qa.data(), sa.data(), Sa.data(), packed.data_ptr<uint8_t>(), b.defined() ? b.data_ptr<float>() : nullptr,
+         y.data_ptr<float>(), M, n, K, G, T};
+  // Split over output tiles only; each output is computed by one thread in one fixed order.
+  // Grain: a chunk of at least ~128k multiply-adds (rows counted up to 16), or threads do not pay.
+  const int64_t per_tile = G * QK * TN * std::min<int64_t>(M, 16);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / per_tile);
+  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
+#if TS_X86
+    if (isa == AVX512VNNI) return tiles_avx512(a, t0, t1);
+    if (isa == AVX2) return tiles_avx2(a, t0, t1);
+#endif
+    tiles_scalar(a, t0, t1);
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(treespec, m) {
+  m.def("q4q8_linear(Tensor x, Tensor packed, Tensor? bias, int n, int isa=-1) -> Tensor");
+  m.def("q4q8_isa(int isa=-1) -> int", &q4q8_isa);
+}
+
+TORCH_LIBRARY_IMPL(treespec, CPU, m) { m.impl("q4q8_linear", &q4q8_linear); }
