@@ -38,14 +38,19 @@ def tree_id(tree):
     return f"{tree.strategy}-w{tree.width}-d{tree.depth}{extra}"
 
 
+@pytest.fixture(scope="module")
+def references(pair):
+    """HF's greedy continuation of each prompt, computed once per pair for every tree and backend."""
+    return [hf_greedy(pair[0], prompt, 40, stop_at_eos=False) for prompt in PROMPTS]
+
+
 @pytest.mark.parametrize("backend", ["native", "hf"])
 @pytest.mark.parametrize("tree", TREES, ids=tree_id)
-def test_greedy_equals_hf_generate(pair, tree, backend):
+def test_greedy_equals_hf_generate(pair, references, tree, backend):
     target, draft = pair
     dec = SpeculativeDecoder(target, draft, backend=backend)
     accepted = 0
-    for prompt in PROMPTS:
-        want = hf_greedy(target, prompt, 40, stop_at_eos=False)
+    for prompt, want in zip(PROMPTS, references, strict=True):
         out = dec.generate(prompt, 40, tree=tree, sampling=GREEDY, ignore_eos=True)
         assert out.token_ids == want, f"prompt {prompt}"
         accepted += out.sources.count("accepted")

@@ -47,15 +47,21 @@ CASES = {  # name: (drafter, tree, sampling)
 
 
 # The HF backend runs the same decoder, drafters and walk; it differs only in the runner, whose
-# logits and caches test_runner.py checks against sequential decoding. One case (an i.i.d.
-# tree with top-p) keeps it in the default statistical test; three more (a chain, draws
-# without replacement, the merged drafter) run with -m slow.
+# logits and caches test_runner.py checks against sequential decoding (and greedy parity,
+# batches == alone and penalties run on it in the default run): its chi-square cases (an i.i.d.
+# tree with top-p, ~10 s; a chain, draws without replacement, the merged drafter) run with
+# -m slow.
 HF_CASES = ("linear-T1", "iid-w3-topp", "wr-w3-topk", "merged-w2")
-HF_DEFAULT = "iid-w3-topp"
-BACKEND_CASES = [pytest.param(case, "native", id=f"{case}-native") for case in CASES] + [
-    pytest.param(case, "hf", id=f"{case}-hf", marks=() if case == HF_DEFAULT else pytest.mark.slow)
-    for case in HF_CASES
-]
+# The default run keeps a chain, an i.i.d. tree (the real runner's tree forwards) and the
+# model-free drafters. Draws without replacement, top-k, budgeted, adaptive, Sequoia and merged
+# trees are lossless by exact enumeration in the default run (tests/test_exact_enumeration.py,
+# tests/test_verification.py), and the Rng's draws without replacement are sequential sampling
+# by chi-square (below); their chi-square here (~5-8 s each) runs with -m slow.
+SLOW_NATIVE = ("wr-w3-topk", "topk-w2", "merged-w2", "dynamic-b4", "sequoia", "adaptive-hf")
+BACKEND_CASES = [
+    pytest.param(case, "native", id=f"{case}-native", marks=pytest.mark.slow if case in SLOW_NATIVE else ())
+    for case in CASES
+] + [pytest.param(case, "hf", id=f"{case}-hf", marks=pytest.mark.slow) for case in HF_CASES]
 
 
 @pytest.mark.parametrize("case,backend", BACKEND_CASES)

@@ -106,16 +106,24 @@ def test_two_ranks_decode_token_for_token_as_one_process(tmp_path):
     assert len(sharded["auto"][0]) == 8
 
 
+# ~30 s (four processes load SmolLM2): with -m slow. The default run keeps ranks decoding token
+# for token as one process with the tiny Llama on 2 ranks (above; one KV head group per rank, as
+# here) and the ranks' partial products summing to the whole layer.
+@pytest.mark.slow
 def test_smollm2_on_three_ranks_decodes_as_one_process(tmp_path):
     """SmolLM2-135M-Instruct, 9 query / 3 KV heads, an MLP of 1536: one head group per rank."""
     single, sharded = outputs(tmp_path, "smollm2", 1), outputs(tmp_path, "smollm2", 3)
     assert sharded == single
 
 
-def test_the_compiled_forward_traces_the_all_reduce(tmp_path):
+# int8 weights (~15 s more: two more graphs to compile on each rank) with -m slow
+@pytest.mark.parametrize("case", ["compiled", pytest.param("compiled-int8", marks=pytest.mark.slow)])
+def test_the_compiled_forward_traces_the_all_reduce(tmp_path, case):
     """float32 on 2 ranks: the inductor graph (all-reduce inside it) == the eager sharded
     forward, for float and int8 weights."""
-    for quantize, got in outputs(tmp_path, "compiled", 2).items():
+    out = outputs(tmp_path, case, 2)
+    assert list(out) == (["int8"] if case == "compiled-int8" else ["None"])
+    for quantize, got in out.items():
         assert got["graphs"] == [1], quantize  # compiled, not fallen back to eager
         assert got["max_diff"] < 1e-4, quantize
 
@@ -129,6 +137,9 @@ def test_cli_generate_under_torchrun_prints_once_what_one_process_prints():
     assert two.stdout == one.stdout and one.stdout.startswith("def add(a, b):")
 
 
+# ~15 s (three launches): with -m slow. The default run keeps `torchrun -m treespec generate`
+# printing once what one process prints (above); this adds the c10d rendezvous of two launchers.
+@pytest.mark.slow
 def test_two_launchers_rendezvous_as_two_nodes():
     """The multi-node launch of docs/parallel.md, both "nodes" on this machine: two torchrun
     launchers of one rank each meet through the c10d rendezvous; rank 0's node prints what one

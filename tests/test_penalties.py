@@ -130,7 +130,11 @@ def test_penalised_beam_under_each_rule(verification):
     assert max_abs_diff(enumerate_outcomes(run), target.joint(PROMPT, K, sampling)) < 1e-9
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "lookup", "merged", "bigram", "plain"])
+# bigram (~10 s) with -m slow: model-free drafters stay penalised here with n-gram and lookup,
+# and the bigram drafter is lossless by enumeration in tests/test_count_drafters.py.
+@pytest.mark.parametrize(
+    "drafter", ["ngram", "lookup", "merged", pytest.param("bigram", marks=pytest.mark.slow), "plain"]
+)
 def test_penalised_other_drafters_are_lossless(drafter):
     target, draft = pair()
     sampling = PENALTIES["rep1.5"]
@@ -193,7 +197,12 @@ MC_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(MC_CASES))
+# One chi-square with penalties in the default run (repetition); frequency and presence
+# penalties (~11 s) with -m slow: the default enumeration proves them exactly ("all-topk2",
+# "encourage-topp").
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow) if c == "wr-w2-freq-pres" else c for c in MC_CASES]
+)
 def test_penalised_sampling_matches_target_joint(case):
     from .mc import PROMPT as MPROMPT
     from .mc import K as MK

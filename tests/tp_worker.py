@@ -83,13 +83,14 @@ def main(case: str, path: str) -> None:
         dec = SpeculativeDecoder.from_pretrained(*pair("smollm2"), dtype="float64", drafter="model")
         chat = [{"role": "user", "content": "Name three colours."}]
         result = decode(dec, [chat, "The capital of France is"], 6)
-    elif case == "compiled":  # float32, the compiled forward (the all-reduce inside the graph), int8 too
+    elif case in ("compiled", "compiled-int8"):  # float32, the compiled forward (the all-reduce
+        # inside the graph), of float weights or of int8 ones
         from tests.conftest import tiny_llama
         from treespec.backends.native import CompiledForward
 
         model, tp = tiny_llama(0, dtype=torch.float32), parallel.init()
         result = {}
-        for quantize in (None, "int8"):
+        for quantize in ("int8",) if case == "compiled-int8" else (None,):
             eager = NativeRunner.from_hf(model, tp=tp, quantize=quantize)
             compiled = NativeRunner.from_hf(model, tp=tp, compile=True, quantize=quantize)
             compiled.compiled = CompiledForward(compiled, {"freezing": True})  # no autotuning: quick
