@@ -14,11 +14,11 @@ from collections import Counter
 import pytest
 import torch
 
-from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig, adaptive
-from treespec.adaptive import GoodputSwitch
+from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.backends.base import extend_many, prefill_many, score_many
 from treespec.backends.hf import HFRunner
 from treespec.backends.native import NativeRunner
+from treespec.planning import GoodputSwitch, policy
 from treespec.tree import TokenTree
 
 from .conftest import VOCAB, perturbed, tiny_llama
@@ -249,7 +249,7 @@ def test_hf_lanes_with_sliding_window_caches_run_one_forward_each():
     )
     model = MistralForCausalLM(config).double().eval()
     lanes, alone_ = HFRunner(model).lanes(2), [HFRunner(model) for _ in range(2)]
-    assert not any(lane._plain_cache() for lane in lanes)
+    assert not any(lane.plain_cache() for lane in lanes)
     calls = []
     hook = model.register_forward_pre_hook(
         lambda mod, args, kw: calls.append(kw["input_ids"].shape[0]), with_kwargs=True
@@ -462,7 +462,7 @@ def test_per_request_goodput_switching_stays_lossless_by_enumeration(monkeypatch
     """TreeConfig(plain_fallback=True): each request's own switch decides, round by round and
     from that request's outcomes so far, whether it drafts; every draw and coin enumerated,
     the joint is still the product of the target's joints."""
-    monkeypatch.setattr(adaptive, "GoodputSwitch", _OddTokensSwitch)
+    monkeypatch.setattr(policy, "GoodputSwitch", _OddTokensSwitch)
     a = (TOY_PROMPT, TreeConfig(2, 2, plain_fallback=True), TOY_SAMPLINGS["T1"], 2)
     b = (
         (0, 2, 1),
@@ -480,7 +480,7 @@ def test_per_request_goodput_tries_both_kinds_then_keeps_the_faster(models, monk
     trees = {1: TreeConfig(1, 3, plain_fallback=True), 2: TreeConfig(1, 2, plain_fallback=True)}
     seconds = {3: {False: 1.0, True: 1.0}, 2: {False: 1.0, True: 50.0}}  # by depth: a round's fake seconds
     kinds = {3: [], 2: []}  # by depth: each round's decision, speculative or not
-    record, next_depth = adaptive.DepthPolicy.record, adaptive.DepthPolicy.next_depth
+    record, next_depth = policy.DepthPolicy.record, policy.DepthPolicy.next_depth
 
     def fake_record(policy, speculative, tokens, _):
         record(policy, speculative, tokens, seconds[policy.config.depth][speculative])
@@ -490,8 +490,8 @@ def test_per_request_goodput_tries_both_kinds_then_keeps_the_faster(models, monk
         kinds[policy.config.depth].append(depth > 0)
         return depth
 
-    monkeypatch.setattr(adaptive.DepthPolicy, "record", fake_record)
-    monkeypatch.setattr(adaptive.DepthPolicy, "next_depth", logged)
+    monkeypatch.setattr(policy.DepthPolicy, "record", fake_record)
+    monkeypatch.setattr(policy.DepthPolicy, "next_depth", logged)
     dec = SpeculativeDecoder(*models, backend="native")
     eng = dec.engine(max_live=2)
     ids = {i: eng.add(PROMPTS[i], 60, tree=trees[i], sampling=GREEDY, ignore_eos=True) for i in trees}
