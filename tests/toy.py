@@ -279,3 +279,31 @@ class TableHead(Runner):
 
     def truncate(self, n_slots):
         self.slots = self.slots[:n_slots]
+
+
+class ToyTokenizer:
+    """A tokenizer for toy vocabularies that the grammar engine can map (`tokens`: one bytes
+    string per id; `eos_token_id`); tokenizes greedily, longest token first."""
+
+    def __init__(self, tokens: list[bytes], eos_token_id: int):
+        self.tokens, self.eos_token_id, self.bos_token_id = tokens, eos_token_id, None
+        self.special_token_ids = [eos_token_id]
+
+    def __call__(self, text) -> list[int]:
+        data = text.encode() if isinstance(text, str) else bytes(text)
+        order = sorted(
+            (i for i in range(len(self.tokens)) if i != self.eos_token_id), key=lambda i: -len(self.tokens[i])
+        )
+        out, i = [], 0
+        while i < len(data):
+            j = next((j for j in order if data[i:].startswith(self.tokens[j])), None)
+            if j is None:  # a byte no token spells: skipped (the engine probes with arbitrary text)
+                i += 1
+                continue
+            out.append(j)
+            i += len(self.tokens[j])
+        return out
+
+    def decode(self, ids, skip_special_tokens=False) -> str:
+        keep = [i for i in ids if not (skip_special_tokens and i == self.eos_token_id)]
+        return b"".join(self.tokens[i] for i in keep).decode(errors="replace")

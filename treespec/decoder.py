@@ -130,17 +130,21 @@ class SpeculativeDecoder:
         `dtype`). `device` defaults to the CPU. The native backend reads the weights straight
         from safetensors; `compile=True` runs its forwards as inductor graphs (minutes of
         compilation on first use; docs/performance.md).
-        `quantize` / `draft_quantize` ("int8", "int4"; native backend): weight-only int8 or int4
+        `quantize` / `draft_quantize` ("int8", "int4", "q4q8"; native backend): weight-only int8 or int4
         for the target / the draft (a draft model or a feature head). A quantized draft is still
         lossless; `draft_quantize="auto"` (the default) runs a feature head's products as int4
         where int4 measures faster than dense here (`loading.resolve_quantize`; a draft
         model is quantized by "auto" only as a target would be). A quantized target is
         another model, and the output is distributed exactly as that quantized model's. "int4"
         runs a GGUF target's own Q4_0 / Q4_1 blocks as they are: the file's model, as llama.cpp
-        runs it. `quantize="auto"` (the default) picks "int4" for such a GGUF target where this
-        CPU multiplies int4 faster than dense (measured once per process; with `dtype="auto"`
-        in bf16 where that is faster than the auto dtype, as on AVX2-only cores), else None:
-        the file's weights dequantized into `dtype` (`loading.resolve_weights`). Loading is
+        runs it. "q4q8" (CPU, float32 / bfloat16) multiplies by the same 4-bit weights (every
+        projection and the output layer) with the activations rounded to int8 per row and
+        group of 32 (`treespec.backends.kernels`): products whose cost grows slowly with the
+        tree's size, and another model again than int4's. `quantize="auto"` (the default)
+        picks "int4" for such a GGUF target where this CPU multiplies int4 faster than dense
+        (measured once per process; with `dtype="auto"` in bf16 where that is faster than the
+        auto dtype, as on AVX2-only cores), else None: the file's weights dequantized into
+        `dtype` (`loading.resolve_weights`); never "q4q8". Loading is
         `treespec.loading.load_models`'s.
         `tp`: tensor parallelism, the target split over this many processes launched by torchrun
         (`treespec.parallel`, docs/parallel.md; native backend). None: over every process
@@ -189,6 +193,7 @@ class SpeculativeDecoder:
         verification: str | None = None,
         trace: bool = False,
         logprobs: int | None = None,
+        constraint=None,
     ) -> GenerationOutput:
         """Generate up to `max_new_tokens` tokens after `prompt`: text, a chat (a list of
         {"role", "content"} messages, rendered with the tokenizer's chat template) or token ids.
@@ -216,6 +221,13 @@ class SpeculativeDecoder:
         `logprobs=k`: `out.logprobs` (`TokenLogprobs`) holds the target's log-probability of
         every generated token and its k most likely tokens there (0: the token's alone), from
         its raw logits: before temperature, top-k / top-p and penalties.
+
+        `constraint`: the output must match it (docs/structured.md): a
+        `treespec.constraints` kind (`JsonSchema`, `JsonObject`, `Regex`, `Choice`, `Grammar`),
+        a pydantic model class or a dict such as `{"json_schema": {...}}` or `{"regex": "..."}`.
+        The output is then distributed exactly as the target's sampling restricted to what the
+        grammar allows (at temperature 0: its greedy output under the grammar); an invalid
+        constraint raises ValueError before any work.
         """
         request = make_request(
             prompt,
@@ -231,6 +243,7 @@ class SpeculativeDecoder:
             verification=verification,
             trace=trace,
             logprobs=logprobs,
+            constraint=constraint,
         )
         with self._exclusive("generate()"):
             engine = self._engine([self.target_runner], [self.draft_runner])
@@ -254,6 +267,7 @@ class SpeculativeDecoder:
         trace: bool = False,
         speculate_max_live: int | str | None = None,
         logprobs: int | None = None,
+        constraint=None,
     ) -> list[GenerationOutput]:
         """`generate()` for many prompts at once; one output per prompt, in order.
 
@@ -267,7 +281,9 @@ class SpeculativeDecoder:
         ValueError naming its index. A request that fails while running (its streaming
         callback, its logits) ends alone: its output has finish_reason "error" and `error`;
         the others finish normally. `speculate_max_live`: see `engine()`. `logprobs`: as
-        in `generate()`, for every request.
+        in `generate()`, for every request. `constraint`: one for all (as in
+        `generate()`) or a list with one (or None) per prompt; each request has its own grammar
+        state.
         """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise ValueError(
@@ -291,6 +307,7 @@ class SpeculativeDecoder:
             "verification": _per_request("verification", verification, n, _listed(verification)),
             "stop": _per_request("stop", stop, n, listed),
             "seed": _per_request("seeds", seeds, n, seeds is not None),
+            "constraint": _per_request("constraint", constraint, n, isinstance(constraint, (list, tuple))),
         }
         with self._exclusive("generate_batch()"):
             engine = self._engine(*self._lanes(min(n, max_batch)), speculate_max_live=speculate_max_live)

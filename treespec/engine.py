@@ -24,62 +24,21 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal
 
 from .backends.base import Runner, Scores, prefill_many, score_many
 from .config import TreeConfig
-from .drafters import Drafter, DrafterFactory, check_draft, propose_many
+from .constraints import FORCED_EXTRA, FORCED_ONLY_SPEEDUP, GrammarVocabulary, TreeMatcher, drafted_walk
+from .drafters import DrafterFactory, check_draft, propose_many
+from .engine_state import EngineStatus, RequestState
 from .output import GenerationOutput, OutputBuilder, StopMatcher, TokenLogprobs
-from .planning import AutoDepth, DepthPolicy, GoodputSwitch, Plan, Planner, RoundPolicy, depth_policy
+from .planning import AutoDepth, GoodputSwitch, Plan, Planner, RoundPolicy, depth_policy
 from .proposal import DraftTree
 from .request import Request, make_request
-from .rng import Rng, TorchRng
+from .rng import TorchRng
 from .rules import Siblings, choose_rule, rule_fits
 from .sampling import PenaltyContext
-from .stats import GenerationStats
 from .trace import RoundTrace
 from .verify import verify
-
-Status = Literal["waiting", "live", "finished", "cancelled"]
-
-
-@dataclass
-class RequestState:
-    """One request while the engine holds it: its randomness, output so far and statistics."""
-
-    id: int
-    request: Request
-    tree: TreeConfig | None  # the tree it drafts (an automatic tree: the planned shape, or None)
-    rule: str  # the verification rule it runs
-    rng: Rng
-    builder: OutputBuilder  # length limit, EOS, stops, streaming
-    plan: Plan | None = None  # an automatic tree: what was chosen and why
-    status: Status = "waiting"
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    lane: int | None = None  # index of its target (and draft) lane while live
-    drafter: Drafter | None = None
-    depth_policy: DepthPolicy | None = None  # decides each round's draft depth (TreeConfig.adaptive)
-    rounds: list[RoundTrace] | None = None  # one entry per round when request.trace
-    context: list[int] = field(default_factory=list)  # prompt + emitted tokens
-    output: GenerationOutput | None = None  # once finished or cancelled
-    unstreamed: int = 0  # emitted tokens not yet handed to the request's on_tokens
-    rounds_streamed: int = 0  # rounds already handed to the request's on_round
-    draft_forwards_before: int = 0  # the draft lane's forward count when it was admitted
-    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per round, when request.logprobs
-    started: float = 0.0  # perf_counter at admission
-
-
-@dataclass(frozen=True)
-class EngineStatus:
-    """A snapshot of an engine (`Engine.status()`)."""
-
-    live: tuple[int, ...]  # ids of the requests decoding now
-    waiting: int  # requests queued for a lane
-    kv_tokens: int  # cache slots the live requests reserve
-    max_live: int  # lanes
-    max_kv_tokens: int | None  # the engine's slot budget (None: no budget)
-    max_positions: int | None  # the target's context length (None: unstated)
 
 
 class Engine:
@@ -131,6 +90,7 @@ class Engine:
         self.waiting: list[RequestState] = []  # admission order
         self.live: dict[int, RequestState] = {}  # lane -> request
         self._next_id = 0
+        self._grammar_vocab: GrammarVocabulary | None = None  # the tokenizer as the grammars see it
         self._lock = threading.RLock()  # add / cancel / take from other threads; held while stepping
         self._stepping = False
 
@@ -261,6 +221,7 @@ class Engine:
                         self._fail(r, e)
                         continue
                 drafts[r.id] = draft
+            own = self._extend_forced(live, drafts)
             live = [r for r in live if r.id in drafts]
             t1 = clock()
             # 2. score every request's tree in one target forward
@@ -270,9 +231,12 @@ class Engine:
             for r, rows in zip(live, scores):
                 committed = PenaltyContext(r.context, len(r.request.prompt))
                 try:
+                    logits = rows.logits
+                    if r.matcher is not None:  # the constrained target: p masked at every node
+                        logits = r.matcher.mask_logits(logits, r.matcher.paths(drafts[r.id].tree))
                     walks[r.id] = verify(
                         drafts[r.id],
-                        rows.logits,
+                        logits,
                         r.request.sampling,
                         r.rng,
                         r.rule,
@@ -293,7 +257,7 @@ class Engine:
         for k, r in enumerate(live):
             try:
                 emitted[r.id] = self._commit(
-                    r, drafts[r.id], walks[r.id], depths[r.id], t1 - t0, t2 - t1, rows_of[r.id]
+                    r, drafts[r.id], walks[r.id], depths[r.id], t1 - t0, t2 - t1, rows_of[r.id], own.get(r.id)
                 )
             except BaseException as e:
                 self._fail(r, e)
@@ -303,16 +267,34 @@ class Engine:
         self.rounds.record(len(live), any(depths.values()), sum(map(len, emitted.values())))
         return emitted
 
-    def _commit(self, r: RequestState, draft: DraftTree, walk, depth: int, draft_s, verify_s, rows: Scores):
-        """Apply a verified round to request `r` (`rows`: its target scores, [nodes] rows): the
-        tokens it emitted."""
+    def _extend_forced(self, live: list[RequestState], drafts: dict[int, DraftTree]) -> dict[int, DraftTree]:
+        """Extend the trees of constrained requests with the tokens their grammars force,
+        drafted for free (not for plain decoding, `tree=None`); a request whose grammar fails
+        ends alone. Returns each tree as its drafter drew it."""
+        own = dict(drafts)
+        for r in live:
+            if r.matcher is None or r.request.tree is None or r.id not in drafts:
+                continue
+            room = (r.tree.max_depth if r.tree is not None else 0) + FORCED_EXTRA
+            try:
+                drafts[r.id] = r.matcher.extend_forced(drafts[r.id], min(r.builder.remaining - 1, room))
+            except Exception as e:  # noqa: BLE001 - its own grammar's failure
+                self._fail(r, e)
+                del drafts[r.id]
+        return own
+
+    def _commit(self, r: RequestState, draft: DraftTree, walk, depth: int, draft_s, verify_s, rows, own=None):
+        """Apply a verified round to request `r` (`rows`: its target scores, [nodes] rows;
+        `own`: the tree as the drafter drew it, when forced tokens extended it): the tokens it
+        emitted."""
         self.targets[r.lane].commit(walk.path)
         step = None
         if depth or (r.drafter is not None and r.drafter.taps):
             t = time.perf_counter()
-            if depth:
-                r.drafter.observe(draft, walk)
-                step = r.depth_policy.update(r.drafter, draft, walk, depth)
+            if depth:  # the drafter hears about its own tree (forced tokens: caught up next round)
+                own, own_walk = (draft, walk) if own is None else (own, drafted_walk(walk, own, draft))
+                r.drafter.observe(own, own_walk)
+                step = r.depth_policy.update(r.drafter, own, own_walk, depth)
             if r.drafter.taps:  # the features of the path's positions, plain rounds too
                 r.drafter.read_target(rows.rows(walk.path))
             draft_s += time.perf_counter() - t
@@ -339,10 +321,17 @@ class Engine:
                     step,
                 )
             )
+        if r.matcher is not None:
+            forced, accepted = r.matcher.count_forced(draft.tree, walk.path, kept)
+            r.stats.forced_tokens += forced
+            r.stats.forced_accepted += accepted
+            r.matcher.commit(kept)
         r.context += kept
         r.unstreamed += len(kept)
         if r.builder.done:
             self._finish(r, r.builder.finish_reason)
+        elif r.matcher is not None and r.matcher.finished:  # complete, its end emitted (ignore_eos)
+            self._finish(r, "stop")
         return kept
 
     def _rollback(self, states: list[RequestState], snapshots: dict) -> None:
@@ -430,11 +419,17 @@ class Engine:
         stop = None
         if request.stop_strings or request.stop_token_ids:
             stop = StopMatcher(list(request.stop_strings), set(request.stop_token_ids), self.tokenizer)
-        eos = frozenset() if request.ignore_eos else self.eos_token_ids
+        # a constrained output ends at its grammar's end (EOS), ignore_eos or not
+        eos = frozenset() if request.ignore_eos and request.constraint is None else self.eos_token_ids
         builder = OutputBuilder(request.max_new_tokens, eos, stop)
         rng = TorchRng(request.seed, self.targets[0].device) if request.rng is None else request.rng
         rounds = [] if request.trace else None
-        return RequestState(self._next_id, request, tree, rule, rng, builder, rounds=rounds)
+        matcher = None
+        if request.constraint is not None:  # compiled now: an invalid one fails before any work
+            if self._grammar_vocab is None:
+                self._grammar_vocab = GrammarVocabulary.of(self.tokenizer, V, self.eos_token_ids)
+            matcher = TreeMatcher(self._grammar_vocab, request.constraint)
+        return RequestState(self._next_id, request, tree, rule, rng, builder, rounds=rounds, matcher=matcher)
 
     def _rule(self, tree: TreeConfig | None, request: Request) -> str:
         """The verification rule of `request` drafting `tree` (an automatic tree is resolved
@@ -453,7 +448,11 @@ class Engine:
             )
         chain = self.drafter.siblings(request.tree, request.verification) is not Siblings.DISTINCT
         iid = rule_fits(Siblings.IID, request.verification)  # i.i.d. trees run the token rule only
-        return self.planner.plan(request.sampling, chain_only=chain, iid=iid)
+        plan = self.planner.plan(request.sampling, chain_only=chain, iid=iid)
+        if request.constraint is not None and plan.tree is not None and plan.speedup < FORCED_ONLY_SPEEDUP:
+            why = f"a constraint's forced tokens alone beat the best shape's {plan.speedup:.2f}x"
+            return Plan(None, (), 1.0, 1.0, None, why)
+        return plan
 
     def _admit(self) -> None:
         admitted = []
@@ -503,6 +502,7 @@ class Engine:
                 continue
             try:
                 r.drafter = self.drafter.make(tree, self.drafts[r.lane])
+                r.drafter.constrain(r.matcher)
                 r.depth_policy = depth_policy(tree, r.plan)
                 r.drafter.start(r.request.prompt, r.request.sampling, r.rng)
                 if r.drafter.taps and prompt is not None:
@@ -570,7 +570,7 @@ class Engine:
             logprobs=None if k is None else TokenLogprobs.cat(state.logprobs, k),
             plan=None if state.plan is None else state.plan.describe(),
         )  # fmt: skip
-        if isinstance(state.depth_policy, AutoDepth) and self.planner is not None:
+        if isinstance(state.depth_policy, AutoDepth) and self.planner is not None and state.matcher is None:
             self.planner.remember(state.plan, state.depth_policy.counts)
         if state.status == "live":
             del self.live[state.lane]  # the lane's cache is reset when the next request takes it

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .config import SamplingConfig, TreeConfig, check_positive_int
+from .constraints import Constraint, constraint_from
 from .output import OnTokens, TokenLogprobs
 from .rng import Rng
 from .rules import rule_name
@@ -49,6 +50,9 @@ class Request:
     on_logprobs: Callable[[TokenLogprobs], None] | None = None  # then with those tokens' logprobs
     on_round: Callable[[RoundTrace], None] | None = None  # then with each round's trace (needs trace)
     rng: Rng | None = None  # replaces the seeded TorchRng (the enumeration tests drive every coin)
+    # the output must match it (treespec.constraints: a JSON schema, a regex, a choice, a grammar;
+    # a dict or a pydantic model class is read by `constraint_from`); None: unconstrained
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt", token_ids(self.prompt))
@@ -65,6 +69,7 @@ class Request:
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop token ids must be ints >= 0, got {self.stop_token_ids!r}")
         object.__setattr__(self, "verification", rule_name(self.verification))  # "auto" is None
+        object.__setattr__(self, "constraint", constraint_from(self.constraint))
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(
                 f"logprobs must be None or an integer >= 0 (how many of the most likely tokens to "

@@ -19,6 +19,10 @@ class GenerationStats:
     # attempted_by_depth[d-1]: rounds whose walk reached depth d-1 at a node with proposals
     accepted_by_depth: list[int] = field(default_factory=list)
     attempted_by_depth: list[int] = field(default_factory=list)
+    # constrained requests: emitted tokens the grammar allowed alone, and how many of those were
+    # accepted draft tokens (the rest were correction or bonus tokens)
+    forced_tokens: int = 0
+    forced_accepted: int = 0
     prefill_seconds: float = 0.0
     plan_seconds: float = 0.0  # choosing the automatic tree (a process's first may measure the costs)
     draft_seconds: float = 0.0  # building draft trees (draft forwards + sampling)

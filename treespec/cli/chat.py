@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from .common import CliError, configs, load
+from .generate import constraint_of
 
 
 def run(args) -> None:
@@ -12,6 +13,7 @@ def run(args) -> None:
     chat template and streams the reply; the runners keep the cached turns the new prompt
     shares (`Runner.prefix_reuse`), so a turn prefills only what is new."""
     tree, sampling = configs(args)
+    constraint = constraint_of(args)  # every reply matches it; a bad one fails before loading
     dec = load(args)
     if dec.tokenizer is None or not getattr(dec.tokenizer, "chat_template", None):
         raise CliError("this model has no chat template; use treespec generate")
@@ -43,6 +45,7 @@ def run(args) -> None:
             sampling=sampling,
             seed=args.seed,
             on_tokens=show,
+            constraint=constraint,
         )
         sys.stdout.write(stream.finish(out.token_ids) + "\n")
         messages.append({"role": "assistant", "content": out.text})

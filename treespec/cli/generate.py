@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
+from pathlib import Path
 
 from .common import CliError, configs, load, use_colour
 
@@ -22,12 +23,40 @@ def unescape(text: str) -> str:
         raise CliError(f"--stop {text!r}: bad backslash escape ({e.reason})") from None
 
 
+def constraint_of(args):
+    """The constraint the flags ask for (None: none), checked before any model loads."""
+    from ..constraints import Choice, Grammar, JsonObject, JsonSchema, Regex
+
+    def read(flag: str, path: str) -> str:
+        try:
+            return Path(path).read_text()
+        except OSError as e:
+            raise CliError(f"{flag} {path}: {e.strerror or e}") from None
+
+    try:
+        if args.json_schema is not None:
+            return JsonSchema(read("--json-schema", args.json_schema), name=Path(args.json_schema).stem)
+        if args.json_object:
+            return JsonObject()
+        if args.regex is not None:
+            return Regex(args.regex)
+        if args.grammar is not None:
+            text = read("--grammar", args.grammar)
+            return Grammar(text, "gbnf" if "::=" in text else "lark")
+        if args.choice is not None:
+            return Choice(tuple(args.choice))
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    return None
+
+
 def run(args) -> None:
     """Stream the continuation of the prompt (a user message with --chat) to stdout."""
     tree, sampling = configs(args)
     from ..rules import rule_name
 
     verification = rule_name(args.verification)  # a bad name fails before the models load
+    constraint = constraint_of(args)  # so does a bad schema, regex or grammar
     try:
         sampling = dataclasses.replace(
             sampling,
@@ -67,6 +96,7 @@ def run(args) -> None:
         stop=[unescape(x) for x in args.stop] + args.stop_id or None,
         verification=verification,
         trace=args.trace,
+        constraint=constraint,
     )
     sys.stdout.write(stream.finish(out.token_ids))  # what was held back
     sys.stdout.write("\n")

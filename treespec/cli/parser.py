@@ -119,9 +119,28 @@ def add_generate_args(gen: argparse.ArgumentParser) -> None:
         choices=("auto", "always", "never"),
         help="--show-tree / --trace colours: auto (default) = only on a terminal and without NO_COLOR set",
     )
+    add_constraint_args(gen)
     add_penalty_args(gen)
     add_decode_args(gen, max_new_tokens=128)
     add_model_arguments(gen)
+
+
+def add_constraint_args(p: argparse.ArgumentParser) -> None:
+    """Structured output: at most one constraint (docs/structured.md)."""
+    group = p.add_argument_group("structured output (one of)").add_mutually_exclusive_group()
+    group.add_argument(
+        "--json-schema", metavar="FILE", help="the output is JSON valid under the schema in FILE"
+    )
+    group.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    group.add_argument("--regex", metavar="PATTERN", help="the output matches PATTERN as a whole")
+    group.add_argument(
+        "--grammar",
+        metavar="FILE",
+        help="the output is a sentence of the grammar in FILE (Lark, or GBNF with ::=)",
+    )
+    group.add_argument(
+        "--choice", nargs="+", metavar="TEXT", help="the output is exactly one of these strings"
+    )
 
 
 def add_penalty_args(p: argparse.ArgumentParser) -> None:
@@ -150,6 +169,7 @@ def add_penalty_args(p: argparse.ArgumentParser) -> None:
 def add_chat_args(chat: argparse.ArgumentParser) -> None:
     chat.add_argument("--system", default=None, help="a system message to start the chat with")
     chat.add_argument("--plain", action="store_true", help="no speculation: plain autoregressive decoding")
+    add_constraint_args(chat)
     add_decode_args(chat, max_new_tokens=256)
     add_model_arguments(chat)
 

@@ -47,6 +47,15 @@ class Drafter(ABC):
     # target layers whose input hidden states this drafter reads (`Runner.taps`); () = none,
     # and the target computes none
     taps: tuple[int, ...] = ()
+    # a constrained request's grammar state (`treespec.constraints.TreeMatcher`), set by the
+    # engine through `constrain()`: a drafter that draws from a distribution masks its logits
+    # with it (`TreeMatcher.mask_logits`) before the sampling transforms, so q is the
+    # distribution the proposal was drawn from and never proposes a forbidden token
+    constraint = None
+
+    def constrain(self, matcher) -> None:
+        """Draft under `matcher` (None: unconstrained) from the next round on."""
+        self.constraint = matcher
 
     @abstractmethod
     def start(self, prompt: Sequence[int], sampling: SamplingConfig, rng: Rng) -> None:

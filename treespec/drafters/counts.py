@@ -108,13 +108,16 @@ class CountDrafter(Drafter):
     ) -> list[torch.Tensor]:
         """q after each frontier node; with penalties, each penalised for the committed
         tokens plus that node's own path."""
-        if not self.sampling.penalized:
+        if not self.sampling.penalized and self.constraint is None:
             return [self.q(tokens[u]) for u in frontier]
-        committed = PenaltyContext(context, self.prompt_len)
-        counts = tree_token_counts(
-            committed, TokenTree(tokens, parents), self.vocab_size, "cpu", rows=frontier
-        )  # [n, V]
+        tree, counts = TokenTree(tokens, parents), None
+        if self.sampling.penalized:
+            committed = PenaltyContext(context, self.prompt_len)
+            counts = tree_token_counts(committed, tree, self.vocab_size, "cpu", rows=frontier)  # [n, V]
         logits = torch.stack([self.logits(tokens[u]) for u in frontier])  # [n, V]
+        if self.constraint is not None:  # each row masked to what the grammar allows after its path
+            paths = self.constraint.paths(tree)
+            logits = self.constraint.mask_logits(logits, [paths[u] for u in frontier], draft=True)
         return list(probs(logits, self.sampling, counts))
 
     def propose(self, context: Sequence[int], depth: int) -> DraftTree:

@@ -48,6 +48,12 @@ class MergedDrafter(Drafter):
             self._parts.append((part, to_merged))
         return DraftTree(builder.build(), tuple(groups))
 
+    def constrain(self, matcher) -> None:
+        """Every part drafts under `matcher`."""
+        self.constraint = matcher
+        for d in self.drafters:
+            d.constrain(matcher)
+
     def runners(self):
         """Every part's draft models, each once (two parts may share one runner)."""
         out = []

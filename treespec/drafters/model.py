@@ -128,7 +128,7 @@ class ModelDrafter(Drafter):
     def observe(self, draft: DraftTree, walk: Walk) -> None:
         keep = list(self._chain)
         for n in walk.path[1:]:
-            if self._nodes[n].pending is None:
+            if n >= len(self._nodes) or self._nodes[n].pending is None:
                 break  # an accepted leaf the draft never fed: caught up next round
             keep.append(self._nodes[n].pending)
         self.runner.commit(keep)
@@ -152,6 +152,8 @@ class ModelDrafter(Drafter):
             logits, states = logits[-1:], None if states is None else states[-1:]
         check_finite(logits, "draft")
         logits = fit_logits(logits, self.vocab_size, self.support)  # q: no mass on padding ids
+        if self.constraint is not None:  # q masked as the constrained target's p is
+            logits = self.constraint.mask_logits(logits, [_path(nodes, n) for n in fed], draft=True)
         counts = None
         if self.sampling.penalized:
             drafted = TokenTree([n.token for n in nodes], [n.parent for n in nodes])
@@ -303,6 +305,15 @@ class ModelDrafter(Drafter):
                 groups.append(ProposalGroup(u, Draw.DETERMINISTIC, tuple(tokens), tuple(children)))
                 new.extend(children)
         return new
+
+
+def _path(nodes: list[DraftNode], n: int) -> tuple[int, ...]:
+    """The tokens of node n's path below the root."""
+    out = []
+    while nodes[n].parent >= 0:
+        out.append(nodes[n].token)
+        n = nodes[n].parent
+    return tuple(reversed(out))
 
 
 def _normalised_entropy(p: torch.Tensor) -> float:

@@ -64,6 +64,7 @@ from .protocol import (
     error_body,
     openai_finish_reason,
 )
+from .structured import check_compiles, constraint_of
 
 PAGE = Path(__file__).with_name("page.html")
 DEFAULT_CONTEXT = 4096  # the context assumed for a model that does not state its positions
@@ -153,10 +154,13 @@ class Server:
             raise ServeError(400, f"{name} must be in 0..{MAX_TOP_LOGPROBS}, got {k}", param=name)
         return k
 
-    def build(self, body: CommonFields, prompt, max_tokens: int | None, field: str) -> Request:
-        """A treespec `Request` from a body; bad values raise ServeError 400 naming the field."""
+    def build(self, body: CommonFields, prompt, max_tokens: int | None, field: str, tool=None) -> Request:
+        """A treespec `Request` from a body; bad values raise ServeError 400 naming the field.
+        `tool`: the function the answer calls (`structured.called_tool`)."""
         self.check_text_size(prompt, field)
         logprobs = self.top_k_of(body)
+        constraint = constraint_of(body, tool)
+        check_compiles(constraint, self.tokenizer, self.engine)
         try:
             ids = encode_prompt(prompt, self.tokenizer)
             sampling = SamplingConfig(
@@ -200,6 +204,7 @@ class Server:
                 ignore_eos=body.ignore_eos,
                 logprobs=logprobs,
                 trace=body.trace and body.stream,
+                constraint=constraint,
             )
         except ValueError as e:
             raise bad_request(e, field) from None

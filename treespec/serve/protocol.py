@@ -4,7 +4,7 @@ Requests are checked in two layers. Pydantic checks the JSON types here (a strin
 number goes, an unknown `tree` key); treespec's own classes check the values (`Request`,
 `SamplingConfig`, `TreeConfig`, `Engine.add`), and their ValueError messages, which name the
 field, become 400 answers with `param` set (`error_param`). Fields OpenAI defines that treespec
-cannot honour (n > 1, logprobs, echo, best_of, suffix, tools) are refused with a 400, never
+cannot honour (n > 1, echo, best_of, suffix, tool_choice "auto") are refused with a 400, never
 silently ignored; fields OpenAI clients send that change nothing here (user, stream_options'
 other keys, ...) are accepted and ignored.
 
@@ -83,6 +83,9 @@ class CommonFields(BaseModel):
     trace: bool = False  # streaming: a chunk with each round's draft tree (`treespec_round`)
     top_k: int | None = None
     repetition_penalty: float | None = None
+    # structured outputs (treespec.serve.structured): OpenAI's response_format, vLLM's structured_outputs
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     # tests only, honoured with TREESPEC_SERVE_FAULTS=1: "callback" makes the request fail in the engine
     treespec_fault: str | None = None
 
@@ -108,6 +111,7 @@ class ChatCompletionRequest(CommonFields):
     logprobs: bool | None = None  # the sampled token's log p ...
     top_logprobs: int | None = None  # ... and this many of the likeliest (needs logprobs)
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 # ---- responses ---------------------------------------------------------------------------------
@@ -176,7 +180,8 @@ class CompletionResponse(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -31,6 +31,7 @@ from .protocol import (
     error_body,
     openai_finish_reason,
 )
+from .structured import called_tool, tool_calls
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -125,10 +126,11 @@ async def chat_completions(http: HTTPRequest):
     srv = http.app.state.server
     body = srv.parse(await http.body(), ChatCompletionRequest)
     srv.check_common(body)
-    if body.tools:
-        raise ServeError(400, "tools are not supported", param="tools")
+    tool = called_tool(body.tools, body.tool_choice)
+    if tool is not None and body.stream:
+        raise ServeError(400, "tool calls are answered whole: set stream to false", param="stream")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    request = await srv.off_loop(lambda: srv.build(body, srv.chat_prompt(body), max_tokens, "messages"))
+    request = await srv.off_loop(lambda: srv.build(body, srv.chat_prompt(body), max_tokens, "messages", tool))
     job = await srv.submit(request, arrival, body, "messages")
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -137,15 +139,18 @@ async def chat_completions(http: HTTPRequest):
     if (failed := srv.failure(out, error)) is not None:
         return failed
     text = TextStream(srv.tokenizer, request.stop_strings).finish(out.token_ids)
+    finish = openai_finish_reason(out.finish_reason)
     return ChatCompletionResponse(
         id="chatcmpl-" + uuid.uuid4().hex,
         created=int(time.time()),
         model=srv.model_name,
         choices=[
             ChatChoice(
-                message=ChatResponseMessage(content=text),
+                message=ChatResponseMessage(content=text)
+                if tool is None
+                else ChatResponseMessage(content=None, tool_calls=tool_calls(tool, text)),
                 logprobs=None if out.logprobs is None else srv.chat_logprobs(out.token_ids, out.logprobs),
-                finish_reason=openai_finish_reason(out.finish_reason),
+                finish_reason=finish if tool is None or finish != "stop" else "tool_calls",
             )
         ],
         usage=srv.usage(job, out),
