@@ -519,11 +519,11 @@ def test_from_pretrained_loads_a_head_directory_over_its_target(tmp_path):
     assert out.stats.draft_forwards > 0
 
 
-@pytest.mark.parametrize("quantize", ["int8", "int4"])
+@pytest.mark.parametrize("quantize", ["int8", "int4", "q4q8"])
 def test_a_quantized_head_proposes_close_to_the_dense_one_and_stays_exact(tmp_path, quantize):
     """`draft_quantize` reaches a head (it was ignored there): its products are weight-only
     quantized, its logits stay near the dense head's, and the output is still the target's."""
-    from treespec.backends.linear import Int4Projection, QuantizedProjection
+    from treespec.backends.linear import Int4Projection, Q4Q8Projection, QuantizedProjection
 
     target = tiny_llama(0).float()
     target.save_pretrained(tmp_path / "target")
@@ -536,7 +536,7 @@ def test_a_quantized_head_proposes_close_to_the_dense_one_and_stays_exact(tmp_pa
         for q in (None, quantize)
     }
     head = decs[quantize].draft_runner
-    kind = QuantizedProjection if quantize == "int8" else Int4Projection
+    kind = {"int8": QuantizedProjection, "int4": Int4Projection, "q4q8": Q4Q8Projection}[quantize]
     assert all(isinstance(p, kind) for p in (head.fc, head.lm_head, head.layers[0].qkv, head.layers[0].down))
     g = torch.Generator().manual_seed(0)
     tokens, hidden = (

@@ -40,8 +40,9 @@ DRAFTER_KINDS: tuple[str, ...] = ("model", "head", "ngram", "lookup", "merged")
 # the drafter kinds that draft along any tree shape; the others propose chains of their own making
 SHAPED_DRAFTERS: tuple[str, ...] = ("model", "head")
 # weight-only formats of the native backend's products (`treespec.backends.linear`): int8 with a
-# scale per row; int4 in groups of 32 (a GGUF file's Q4_0 / Q4_1 blocks as they are)
-QUANTIZATIONS: tuple[str, ...] = ("int8", "int4")
+# scale per row; int4 in groups of 32 (a GGUF file's Q4_0 / Q4_1 blocks as they are); q4q8: the
+# same 4-bit weights times activations rounded to int8 per row and group (`kernels.q4q8`)
+QUANTIZATIONS: tuple[str, ...] = ("int8", "int4", "q4q8")
 
 # The most draft nodes one round may hold. The target scores every node in one forward
 # ([nodes, vocab] logits: 1024 x 128256 fp32 is 0.5 GB), so a larger tree is rejected up

@@ -61,7 +61,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="the target's weight format (native backend): auto (default) runs a GGUF file's own "
         "4-bit blocks where this CPU multiplies int4 faster, else the weights in --dtype; int8 / "
-        "int4 quantize any target (the quantized model's own output; docs/performance.md)",
+        "int4 quantize any target (the quantized model's own output; docs/performance.md); q4q8 "
+        "(CPU): the same 4-bit weights times int8-rounded activations, another model again",
     )
     g.add_argument(
         "--tp",
@@ -76,7 +77,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--draft-quantize",
         choices=("auto", "none", *QUANTIZATIONS),
         default="auto",
-        help="the draft's weights as int8 or int4 (native backend; lossless: any draft is); auto "
+        help="the draft's weights as int8, int4 or q4q8 (native backend; lossless: any draft is); auto "
         "(default): a feature head's as int4 where int4 products measure faster here",
     )
 

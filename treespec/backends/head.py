@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from .attention import graph_lane_attention
 from .base import Feed, Scores
 from .checkpoint import LlamaShape
-from .linear import Int4Projection, Projection, QuantizedProjection, check_quantize
+from .linear import Int4Projection, Projection, Q4Q8Projection, QuantizedProjection, check_quantize
 from .native.aot import GraphStore
 from .native.compile import CompiledForward, ForwardGraph
 from .native.kv import KVPool
@@ -254,14 +254,16 @@ class HeadRunner(NativeRunner):
         compile: bool = False,
     ):
         """`embed`: the target's embedding matrix [V, hidden] (EAGLE-3 heads share it), unless
-        `weights` holds an `embed_tokens.weight` of the head's own. `quantize` ("int8", "int4"):
-        the head's products weight-only quantized (`linear.QuantizedProjection`,
-        `linear.Int4Projection`); a head's q only proposes, so the output stays lossless.
+        `weights` holds an `embed_tokens.weight` of the head's own. `quantize` ("int8", "int4",
+        "q4q8"): the head's products weight-only quantized (`linear.QuantizedProjection`,
+        `linear.Int4Projection`, `linear.Q4Q8Projection`: fc, the layer and lm_head, each
+        needing inputs in whole groups of 32, else a ValueError naming the weight's shape); a
+        head's q only proposes, so the output stays lossless.
         `compile`: its forwards with logits as an inductor graph (`native.compile.CompiledForward`,
         kept across processes as the target's are)."""
         check_head_weights(cfg, weights)
         if quantize is not None:
-            check_quantize(quantize, dtype)
+            check_quantize(quantize, dtype, device)
         self.quantize = quantize
         self.cfg = cfg
         self.shape = s = cfg.shape
@@ -275,6 +277,8 @@ class HeadRunner(NativeRunner):
         def product(weight: torch.Tensor):
             if quantize == "int8":
                 return QuantizedProjection(weight)
+            if quantize == "q4q8":  # a ValueError where a product's inputs are not whole groups of 32
+                return Q4Q8Projection.quantize(weight)
             return Int4Projection.quantize(weight) if quantize == "int4" else Projection(weight)
 
         own = weights.get("embed_tokens.weight")

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import QUANTIZATIONS
+from .kernels.q4q8 import PackedQ4, compiled, pack_q4_offsets, q4q8_linear, quantize_q4_1
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 MIN_PACKED_FP32 = 1 << 18  # fp32 weights with fewer elements multiply faster unpacked (MKL)
@@ -100,11 +101,23 @@ INT4_GROUP = 32  # input columns per int4 scale and offset: one GGUF Q4_0 / Q4_1
 INT4_ROWS = 16  # torch's int4 layout packs output rows in multiples of this
 
 
-def check_quantize(quantize: str, dtype: torch.dtype) -> None:
-    """A ValueError unless `quantize` is a known format and `dtype` one its products compute in."""
+Q4Q8_DTYPES = (torch.float32, torch.bfloat16)  # what q4q8 products take as input
+
+
+def check_quantize(quantize: str, dtype: torch.dtype, device: torch.device | str | None = None) -> None:
+    """A ValueError unless `quantize` is a known format, `dtype` one its products compute in
+    and `device` (None: not checked) one they run on (q4q8: CPU only)."""
     if quantize not in QUANTIZATIONS:
         raise ValueError(f"unknown quantize {quantize!r}; choose None or one of {', '.join(QUANTIZATIONS)}")
-    if dtype not in QUANTIZABLE_DTYPES:
+    if quantize == "q4q8":
+        if dtype not in Q4Q8_DTYPES:
+            raise ValueError(f"quantize='q4q8' computes in float32 or bfloat16, not {dtype}")
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(
+                f"quantize='q4q8' runs on a CPU only (its kernel is C++ for x86 cores), not on "
+                f"{torch.device(device).type}; use int8 or int4 there"
+            )
+    elif dtype not in QUANTIZABLE_DTYPES:
         raise ValueError(f"quantize={quantize!r} computes in float32, bfloat16 or float16, not {dtype}")
 
 
@@ -232,4 +245,62 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
 
 
-Product = Projection | QuantizedProjection | Int4Projection  # what a layer's projection may be
+class Q4Q8Projection:
+    """y = x @ W^T + b with W in GGUF's 4-bit form (per output row and group of 32 inputs
+    w = d q + m) and x rounded to int8 per row and group of 32 on every call
+    (`kernels.q4q8_linear`, documented in kernels/q4q8.py): the int4 weights' bytes, with a
+    cost that grows slowly with the number of rows, and a row's result independent of the
+    other rows of the call. Rounding the activations makes it another model than `Int4Projection`
+    over the same weights (DESIGN.md, "A precision is a model"). CPU only; x float32 or
+    bfloat16, y in x's dtype (the kernel's float32 result, rounded once for bfloat16)."""
+
+    def __init__(self, packed: PackedQ4, bias: torch.Tensor | None, dtype: torch.dtype):
+        """`packed`: W in the kernel's layout (`from_blocks`, `quantize`); `dtype`: x's."""
+        check_quantize("q4q8", dtype)
+        self.packed, self.dtype = packed, dtype
+        self.out_features, self.in_features = packed.n, packed.k
+        if bias is not None and bias.device.type != "cpu":
+            raise ValueError(f"quantize='q4q8' runs on a CPU only, not on {bias.device.type}")
+        self.bias = None if bias is None else bias.to(torch.float32)
+        compiled()  # the op registered (built on first use) before any graph traces or loads it
+
+    @staticmethod
+    def fits(out_features: int, in_features: int) -> bool:
+        """Whether a weight [out_features, in_features] suits the kernel: whole groups of 32 inputs."""
+        return in_features > 0 and in_features % INT4_GROUP == 0 and out_features > 0
+
+    @staticmethod
+    def check(weight: torch.Tensor) -> None:
+        """A ValueError unless `weight` [out, in] is on a CPU and fits (`fits`)."""
+        if weight.device.type != "cpu":
+            raise ValueError(f"quantize='q4q8' runs on a CPU only, not on {weight.device.type}")
+        if not Q4Q8Projection.fits(*weight.shape):
+            raise ValueError(
+                f"quantize='q4q8' needs rows of whole groups of {INT4_GROUP} inputs, not a weight "
+                f"{tuple(weight.shape)}"
+            )
+
+    @classmethod
+    def from_blocks(cls, q_packed, scales, zeros, bias=None, dtype=torch.float32) -> Q4Q8Projection:
+        """From `pack_nibbles`' [out, in / 2] bytes and a GGUF file's scales and offsets per
+        group (w = (q - 8) s + z, the int4 form): its own numbers, not rounded again."""
+        return cls(pack_q4_offsets(unpack_nibbles(q_packed), scales, zeros), bias, dtype)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Q4Q8Projection:
+        """W [out, in] by GGUF's Q4_1 rule (`kernels.quantize_q4_1`), computing in W's dtype."""
+        cls.check(weight)
+        return cls(quantize_q4_1(weight), bias, weight.dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized W [out, in] (d q + m, exact in float32), in the compute dtype."""
+        return self.packed.dequantize(torch.float32).to(self.dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        y = q4q8_linear(x, self.packed, self.bias)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+# what a layer's projection may be
+Product = Projection | QuantizedProjection | Int4Projection | Q4Q8Projection

@@ -69,7 +69,7 @@ def resolve_dtype(dtype, device: torch.device, role: str = "target") -> torch.dt
 
 def quantize_setting(value: str | None) -> str | None:
     """A --quantize / --draft-quantize flag as `from_pretrained` takes it: "none" is None (dense
-    weights); "auto", "int8", "int4" as given."""
+    weights); "auto", "int8", "int4", "q4q8" as given."""
     return None if value == "none" else value
 
 
@@ -77,7 +77,8 @@ def resolve_weights(
     dtype, quantize, path, device: torch.device, backend: str = "auto", tp=None
 ) -> tuple[torch.dtype, str | None]:
     """The target's dtype and weights format, from what was asked ("auto" for either, or a
-    dtype and None / "int8" / "int4").
+    dtype and None / "int8" / "int4" / "q4q8"). "auto" never picks "q4q8": its int8
+    activations make another model than the file's, so it is asked for by name.
 
     `quantize="auto"` is "int4" where the checkpoint at `path` (`checkpoint`, asked only
     then: a bad dtype fails first) carries a GGUF file's own 4-bit blocks (the file's model

@@ -39,11 +39,11 @@ log = logging.getLogger(__name__)
 
 @functools.cache
 def source_digest() -> str:
-    """A digest of the backends' source files (treespec/backends/, native/ included): the
-    forward a package compiled."""
+    """A digest of the backends' source files (treespec/backends/, native/ and the kernels'
+    C++ included): the forward a package compiled."""
     h = hashlib.sha256()
     backends = Path(__file__).parents[1]
-    for path in sorted(backends.rglob("*.py")):
+    for path in sorted(p for p in backends.rglob("*") if p.suffix in (".py", ".cpp")):
         h.update(path.relative_to(backends).as_posix().encode())
         h.update(path.read_bytes())
     return h.hexdigest()

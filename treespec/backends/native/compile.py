@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ..attention import graph_lane_attention
 from ..base import Feed, Scores, causal_visible
-from ..linear import Int4Projection, Product, QuantizedProjection, int4_product, int8_product
+from ..linear import Int4Projection, Product, Q4Q8Projection, QuantizedProjection, int4_product, int8_product
 from .aot import GraphStore, model_digest
 from .kv import KVPool
 from .model import Layer, decoder_stack, rms_norm, rope_rows
@@ -54,8 +54,9 @@ def add_tensor(module: torch.nn.Module, name: str, tensor: torch.Tensor | None) 
 
 class GraphProduct(torch.nn.Module):
     """A projection (`linear.Product`) as graph buffers: its weight as its product reads it
-    (float; int8 with a scale per row; int4 packed, with scales and offsets per group) and its
-    bias. Called as the projection is: [T, in] -> [T, out]."""
+    (float; int8 with a scale per row; int4 packed, with scales and offsets per group; q4q8 in
+    the kernel's tiles, `torch.ops.treespec.q4q8_linear`) and its bias. Called as the
+    projection is: [T, in] -> [T, out]."""
 
     def __init__(self, projection: Product):
         super().__init__()
@@ -63,6 +64,9 @@ class GraphProduct(torch.nn.Module):
             self.kind, weight, scales = "int8", projection.weight_int8, projection.scales
         elif isinstance(projection, Int4Projection):
             self.kind, weight, scales = "int4", projection.packed, projection.scales_and_zeros
+        elif isinstance(projection, Q4Q8Projection):
+            self.kind, weight, scales = "q4q8", projection.packed.data, None
+            self.out_features = projection.out_features
         else:
             self.kind, weight, scales = "float", projection.weight, None
         self.register_buffer("weight", weight)
@@ -72,6 +76,9 @@ class GraphProduct(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "float":
             return F.linear(x, self.weight, self.bias)
+        if self.kind == "q4q8":  # the custom op (its fake gives inductor the shapes); bias inside
+            y = torch.ops.treespec.q4q8_linear(x, self.weight, self.bias, self.out_features, -1)
+            return y if y.dtype == x.dtype else y.to(x.dtype)
         if self.kind == "int8":
             y = int8_product(x, self.weight, self.scales)
         else:
@@ -265,6 +272,8 @@ class CompiledForward:
         one row count loses at others)."""
         if quantize == "int4":
             return cls.TEMPLATES, cls.TEMPLATES, 0
+        if quantize == "q4q8":  # the products are the kernel's at every row count: nothing to tune
+            return cls.PACKED, cls.PACKED, 1
         if quantize is None and dtype == torch.bfloat16:
             return cls.PACKED, cls.PACKED, 1
         return cls.AUTOTUNED, cls.PACKED, COMPILE_STATIC_MAX
@@ -338,7 +347,10 @@ class CompiledForward:
     def digest(self) -> str:
         """What these graphs compute (`aot.model_digest`: weights, shape, taps), computed once."""
         if self.model is None:
-            self.model = model_digest(self.module, shape=self.module.shape, taps=self.module.taps)
+            kinds = sorted({m.kind for m in self.module.modules() if isinstance(m, GraphProduct)})
+            self.model = model_digest(
+                self.module, shape=self.module.shape, taps=self.module.taps, products=kinds
+            )
         return self.model
 
     def _package(self, graph: int | str, inputs: tuple, candidates: list[dict], what: str) -> Callable | None:

@@ -32,13 +32,18 @@ from .sharding import adds_bias, rank_shape
 from .weights import WeightLoader, check_shapes
 
 
-def check_options(quantize: str | None, dtype: torch.dtype, tp: TensorParallel | None) -> None:
-    """Refuse a weight format this dtype or tensor parallel cannot run (before any weight is read)."""
+def check_options(
+    quantize: str | None, dtype: torch.dtype, tp: TensorParallel | None, device: torch.device | str = "cpu"
+) -> None:
+    """Refuse a weight format this dtype, device or tensor parallel cannot run (before any
+    weight is read)."""
     if quantize is None:
         return
-    check_quantize(quantize, dtype)
-    if quantize == "int4" and tp is not None:
-        raise ValueError("quantize='int4' does not split over tensor-parallel ranks yet; use int8 or None")
+    check_quantize(quantize, dtype, device)
+    if quantize in ("int4", "q4q8") and tp is not None:
+        raise ValueError(
+            f"quantize={quantize!r} does not split over tensor-parallel ranks yet; use int8 or None"
+        )
 
 
 class NativeRunner(Runner):
@@ -77,8 +82,11 @@ class NativeRunner(Runner):
         a GGUF file's own Q4_0 / Q4_1 blocks where the checkpoint carries them (its conversion's
         blocks.safetensors: the file's model), else quantized by Q4_1's rule; the output layer
         int8 as above (GGUF files keep it at 8 bits or more).
+        `quantize="q4q8"`: every projection and the output layer multiply by 4-bit weights as
+        int4's, times activations rounded to int8 per row and group of 32 (`linear.Q4Q8Projection`,
+        `kernels.q4q8`): another model again, whose rows never depend on each other. CPU only.
         `tp`: this rank of a tensor-parallel model (sharding.py)."""
-        check_options(quantize, dtype, tp)
+        check_options(quantize, dtype, tp, device)
         self.tp, self.quantize = tp, quantize
         shape, blocks = rank_shape(shape, tp)
         self._set_shape(shape, eos_token_ids, torch.device(device), dtype)
@@ -174,9 +182,9 @@ class NativeRunner(Runner):
         """A local directory with config.json and model.safetensors (or a sharded
         model.safetensors.index.json); no transformers import (`checkpoint.read_checkpoint`).
         With `tp`, each rank reads only its blocks of the weights from the files."""
-        # read lazily where only part of the file is used: a rank's blocks, or (int4) the float
+        # read lazily where only part of the file is used: a rank's blocks, or (4 bits) the float
         # weights of the layers whose 4-bit blocks replace them
-        shape, weights, eos_ids = read_checkpoint(path, lazy=tp is not None or quantize == "int4")
+        shape, weights, eos_ids = read_checkpoint(path, lazy=tp is not None or quantize in ("int4", "q4q8"))
         return cls(shape, weights, eos_ids, dtype, device, pack_weights, compile, quantize, tp)
 
     def input_embeddings(self) -> torch.Tensor:

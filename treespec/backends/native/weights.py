@@ -3,9 +3,10 @@
 The loader reads HF state-dict names (model.layers.{i}.self_attn.q_proj.weight, ...) from
 tensors or lazy safetensors slices (only what this rank holds is read), fuses q/k/v and
 gate/up, and makes each projection as asked: packed for oneDNN (`linear.Projection`), int8
-with a scale per row (`linear.QuantizedProjection`) or int4 in groups of 32
-(`linear.Int4Projection`; a GGUF file's own Q4_0 / Q4_1 blocks where the checkpoint carries
-them).
+with a scale per row (`linear.QuantizedProjection`), int4 in groups of 32
+(`linear.Int4Projection`) or q4q8 (`linear.Q4Q8Projection`), the last two from a GGUF file's
+own Q4_0 / Q4_1 blocks where the checkpoint carries them (after the loader's q/k row order),
+else quantized by Q4_1's rule once, at load.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..checkpoint import LlamaShape
-from ..linear import Int4Projection, Product, Projection, QuantizedProjection
+from ..linear import Int4Projection, Product, Projection, Q4Q8Projection, QuantizedProjection
 from .model import Layer
 from .sharding import Blocks
 
@@ -33,7 +34,7 @@ class WeightLoader:
         pack: bool,
     ):
         """`blocks`: this rank's blocks of rows / columns (`sharding.rank_shape`; {} for all).
-        `quantize`: None, "int8" or "int4". `pack`: float projections in oneDNN's packed layout
+        `quantize`: None, "int8", "int4" or "q4q8". `pack`: float projections in oneDNN's packed layout
         where it serves them."""
         self.weights, self.blocks, self.device, self.dtype = weights, blocks, device, dtype
         self.quantize, self.pack = quantize, pack
@@ -58,26 +59,34 @@ class WeightLoader:
     def projection(self, *parts: Part, bias: torch.Tensor | None = None, cols: str | None = None) -> Product:
         """The projection whose weight is `parts`' weights stacked (one part: its block `cols`
         of columns), as `quantize` and `pack` ask."""
-        if self.quantize == "int4" and all(f"{n}.q4" in self.weights for n, _ in parts):  # the file's blocks
+        four_bit = self.quantize in ("int4", "q4q8")
+        if four_bit and all(f"{n}.q4" in self.weights for n, _ in parts):  # the file's blocks
             q, scales, zeros = (
                 torch.cat([self.weights[f"{n}.{k}"][:] for n, _ in parts])
                 for k in ("q4", "q4_scales", "q4_zeros")
             )
-            return Int4Projection.from_blocks(q, scales, zeros, bias, self.dtype)
+            kind = Int4Projection if self.quantize == "int4" else Q4Q8Projection
+            return kind.from_blocks(q, scales, zeros, bias, self.dtype)
         weight = self.stacked(*parts) if cols is None else self.tensor(parts[0][0], cols=cols)
         if self.quantize == "int4":
             return Int4Projection.quantize(weight, bias)
+        if self.quantize == "q4q8":
+            return Q4Q8Projection.quantize(weight, bias)
         if self.quantize == "int8":
             return QuantizedProjection(weight, bias)
         return Projection(weight, bias, pack=self.pack)
 
     def output(self, shape: LlamaShape) -> tuple[torch.Tensor, Product, torch.Tensor]:
-        """The embedding [V, hidden], the output projection (hidden -> V; int8 under either
-        quantization, as GGUF files keep it at 8 bits or more) and the final norm [hidden].
-        Tied embeddings: the output layer multiplies by the embedding matrix; where it is packed
-        (CPU) the packed copy sits next to the plain one the lookup reads."""
+        """The embedding [V, hidden], the output projection (hidden -> V; int8 under int8 and
+        int4, as GGUF files keep it at 8 bits or more; q4q8 under q4q8: the file's 4-bit blocks
+        where it has them, else the weight quantized by Q4_1's rule) and the final norm
+        [hidden]. Tied embeddings: the output layer multiplies by the embedding matrix; where it
+        is packed (CPU) the packed copy sits next to the plain one the lookup reads."""
         embed = self.tensor("model.embed_tokens.weight")  # [V, hidden]
-        head = embed if shape.tied else self.tensor("lm_head.weight")
+        name = "model.embed_tokens.weight" if shape.tied else "lm_head.weight"
+        if self.quantize == "q4q8":
+            return embed, self.projection((name, None)), self.tensor("model.norm.weight")
+        head = embed if shape.tied else self.tensor(name)
         lm_head = QuantizedProjection(head) if self.quantize is not None else Projection(head, pack=self.pack)
         return embed, lm_head, self.tensor("model.norm.weight")
 

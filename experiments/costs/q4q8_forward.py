@@ -1,0 +1,176 @@
+#!/usr/bin/env python
+"""The default SmolLM2 target's whole native forward with int4 and q4q8 weights (issue 58).
+
+    nice -n 5 python experiments/costs/q4q8_forward.py [--reps 5] [--chats 8]
+
+1. Costs: after a held-out chat as prefix, the eager forward of a random tree of n nodes for
+   n = 1..32, each weights choice in turn per repeat (interleaved), medians; printed as t(n) in
+   ms and t(n)/t(1) per choice. int4 computes in float32 and bfloat16 (torch's int4 kernel is
+   fast in bf16 only); q4q8 in float32 (its products take float32 and return float32).
+2. What int8 activations change: on `--chats` held-out chats, the continuation the float
+   reference decodes greedily (`--new` tokens), teacher-forced through each model: how often
+   q4q8's argmax agrees with the reference's and the mean KL(reference || q4q8) per position.
+   References: the same 4-bit weights dequantized, computing in float32 (q4q8's own weights,
+   the file's Q4 blocks and the tied output layer by Q4_1's rule: only the activations' rounding
+   differs), and the int4 runner in float32 (today's 4-bit target; its output layer is int8).
+Writes results/q4q8_forward.json. On a shared machine the times are indicative only; --threads 1
+(the default) there, as OpenMP's spinning threads on a busy core make every multithreaded
+product many times slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/common.py
+from common import heldout_prompt_ids, machine_info, write_results  # noqa: E402
+
+from treespec.backends import kernels
+from treespec.backends.linear import Projection
+from treespec.backends.native import NativeRunner
+from treespec.tree import TokenTree
+
+CHOICES = {"int4/float32": ("int4", torch.float32), "int4/bfloat16": ("int4", torch.bfloat16)}
+CHOICES["q4q8/float32"] = ("q4q8", torch.float32)
+
+
+def dequantized(runner: NativeRunner) -> NativeRunner:
+    """`runner` with each product replaced by a float32 one of its dequantized weight."""
+    runner.lm_head = Projection(runner.lm_head.weight.float(), runner.lm_head.bias)
+    for layer in runner.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            p = getattr(layer, name)
+            setattr(layer, name, Projection(p.weight.float(), p.bias))
+    return runner
+
+
+def tree_costs(runners: dict, prompt: list[int], sizes: list[int], reps: int) -> dict:
+    """{choice: {n: median seconds of one forward of a random n-node tree after `prompt`}}."""
+    rng = random.Random(0)
+    trees = {
+        n: TokenTree([rng.randrange(1000) for _ in range(n)], [-1] + [rng.randrange(i) for i in range(1, n)])
+        for n in sizes
+    }
+    times = {c: {n: [] for n in sizes} for c in runners}
+    for r in runners.values():
+        r.reset()
+        r.prefill(prompt)
+        r.score(trees[sizes[-1]])  # warm-up
+        r.commit([])
+    for _ in range(reps):
+        for n in sizes:
+            for c, r in runners.items():
+                start = time.perf_counter()
+                r.score(trees[n])
+                times[c][n].append(time.perf_counter() - start)
+                r.commit([])
+        print(".", end="", file=sys.stderr, flush=True)
+    return {c: {n: statistics.median(v) for n, v in t.items()} for c, t in times.items()}
+
+
+def teacher_forced(runner: NativeRunner, prompt: list[int], cont: list[int]) -> torch.Tensor:
+    """Log-probabilities [len(cont), V] predicting each token of `cont` after `prompt`."""
+    runner.reset()
+    runner.prefill(prompt[:-1])
+    logits = runner.extend([prompt[-1]] + cont[:-1], list(range(-1, len(cont) - 1)))
+    runner.commit([])
+    return logits.float().log_softmax(-1)
+
+
+def greedy(runner: NativeRunner, prompt: list[int], n: int) -> list[int]:
+    runner.reset()
+    runner.prefill(prompt[:-1])
+    out, token = [], prompt[-1]
+    for _ in range(n):
+        token = int(runner.extend([token], [-1])[0].argmax())
+        runner.commit([0])
+        out.append(token)
+    return out
+
+
+def agreement(path, tokenizer, chats: int, new: int) -> dict:
+    q4q8 = NativeRunner.from_pretrained(path, quantize="q4q8")
+    references = {
+        "dequantized q4q8 weights (float32)": dequantized(
+            NativeRunner.from_pretrained(path, quantize="q4q8")
+        ),
+        "int4 runner (float32)": NativeRunner.from_pretrained(path, quantize="int4"),
+    }
+    out = {}
+    for name, ref in references.items():
+        agree = total = 0
+        kl = []
+        for prompt in heldout_prompt_ids("smollm2", tokenizer, chats):
+            cont = greedy(ref, prompt, new)
+            p, q = teacher_forced(ref, prompt, cont), teacher_forced(q4q8, prompt, cont)
+            agree += int((p.argmax(-1) == q.argmax(-1)).sum())
+            total += len(cont)
+            kl.append((p.exp() * (p - q)).sum(-1))
+        kl = torch.cat(kl)
+        out[name] = {
+            "greedy_agreement": agree / total,
+            "kl_mean": kl.mean().item(),
+            "kl_max": kl.max().item(),
+            "positions": total,
+        }
+        print(
+            f"q4q8 vs {name}: argmax agreement {agree / total:.4f}, "
+            f"KL mean {kl.mean():.2e}, max {kl.max():.2e}"
+        )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a converted checkpoint (default: SmolLM2-135M's GGUF)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--max-n", type=int, default=32)
+    ap.add_argument("--chats", type=int, default=8)
+    ap.add_argument("--new", type=int, default=48, help="greedy tokens per chat for the agreement")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: a shared machine's fair share)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from treespec.loading import load_tokenizer
+
+    if args.model is None:
+        from treespec.loading.gguf import convert, smollm2_gguf
+
+        args.model = str(convert(smollm2_gguf()))
+    tokenizer = load_tokenizer(args.model)
+    print(kernels.describe())
+    runners = {
+        c: NativeRunner.from_pretrained(args.model, dtype=d, quantize=q) for c, (q, d) in CHOICES.items()
+    }
+    sizes = list(range(1, args.max_n + 1))
+    prompt = heldout_prompt_ids("smollm2", tokenizer, 1)[0]
+    costs = tree_costs(runners, prompt, sizes, args.reps)
+    print("n  " + "  ".join(f"{c:>24}" for c in costs))
+    for n in sizes:
+        print(
+            f"{n:<3}"
+            + "  ".join(f"{costs[c][n] * 1e3:10.1f} ms {costs[c][n] / costs[c][1]:8.2f}x   " for c in costs)
+        )
+    result = {
+        "what": "SmolLM2-135M's whole eager native forward, t(n) and t(n)/t(1) per weights choice, and "
+        "q4q8's greedy agreement and KL against float references",
+        "command": " ".join(sys.argv),
+        "machine": machine_info("cpu"),
+        "kernel": kernels.describe(),
+        "prefix_tokens": len(prompt),
+        "seconds": {c: {str(n): t for n, t in v.items()} for c, v in costs.items()},
+        "ratio": {c: {str(n): t / v[1] for n, t in v.items()} for c, v in costs.items()},
+        "agreement": agreement(args.model, tokenizer, args.chats, args.new),
+        "note": "indicative: a shared 2-core machine, run under nice",
+    }
+    write_results("q4q8_forward.json", result)
+
+
+if __name__ == "__main__":
+    main()
