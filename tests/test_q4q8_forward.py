@@ -186,6 +186,7 @@ def test_compiled_q4q8_runner_equals_the_eager_one():
     assert {m.kind for m in nat.compiled.module.modules() if hasattr(m, "kind")} == {"q4q8"}
 
 
+@pytest.mark.slow  # ~18 s; storing graphs ahead of time: tests/test_aot.py; q4q8 compiled: above
 @pytest.mark.cpu
 def test_q4q8_graphs_are_stored_ahead_of_time_under_a_key_of_their_own(tmp_path):
     """The store compiles the q4q8 graphs with the custom op in them (AOTInductor), keyed apart
