@@ -26,7 +26,7 @@ from treespec.tree import TokenTree
 
 from .conftest import perturbed, tiny_llama
 from .llamas import GREEDY, PROMPTS
-from .test_native import CHEAP, build, compiled_runner, max_diff, random_tree
+from .test_native import CHEAP, build, max_diff, random_tree
 
 pytestmark = pytest.mark.filterwarnings("ignore:treespec's q4q8 kernels are not compiled")
 
@@ -168,25 +168,7 @@ def test_greedy_speculative_output_equals_greedy_plain_output():
     assert accepted > 0
 
 
-@pytest.mark.cpu  # inductor's fused norms and RoPE differ by CPU
-def test_compiled_q4q8_runner_equals_the_eager_one():
-    model = build("gqa_tied")
-    eager, nat = NativeRunner.from_hf(model, quantize="q4q8"), compiled_runner(model, CHEAP, quantize="q4q8")
-    rng = random.Random(3)
-    prompt = [rng.randrange(model.config.vocab_size) for _ in range(7)]
-    for r in (eager, nat):
-        r.prefill(prompt)
-    for size in (1, 5, 1, 12):
-        tree = random_tree(rng, size)
-        assert max_diff(eager.score(tree), nat.score(tree)) < 1e-4
-        for r in (eager, nat):
-            r.commit([0])
-    assert not nat.compiled.failed
-    assert nat.compiled.compiled == {1, "dynamic"}
-    assert {m.kind for m in nat.compiled.module.modules() if hasattr(m, "kind")} == {"q4q8"}
-
-
-@pytest.mark.slow  # ~18 s; storing graphs ahead of time: tests/test_aot.py; q4q8 compiled: above
+@pytest.mark.slow  # ~18 s; graphs stored ahead: test_aot.py; q4q8 compiled == eager: test_quantize.py
 @pytest.mark.cpu
 def test_q4q8_graphs_are_stored_ahead_of_time_under_a_key_of_their_own(tmp_path):
     """The store compiles the q4q8 graphs with the custom op in them (AOTInductor), keyed apart

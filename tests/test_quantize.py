@@ -122,8 +122,10 @@ def test_quantized_runner_equals_the_dequantized_model(variant, quantize):
 
 # int8 compiles three graphs (~35 s): with -m slow. int4 keeps a compiled quantized runner in
 # the default run (and tests/test_aot.py its stored graph); the eager int8 runner == the
-# dequantized model and compiled float == HF (tests/test_native.py) stay there too.
-@pytest.mark.parametrize("quantize", [pytest.param("int8", marks=pytest.mark.slow), "int4"])
+# dequantized model and compiled float == HF (tests/test_native.py) stay there too; q4q8's
+# graphs call the kernel's op (tests/test_q4q8_forward.py: its eager math).
+@pytest.mark.filterwarnings("ignore:treespec's q4q8 kernels are not compiled")
+@pytest.mark.parametrize("quantize", [pytest.param("int8", marks=pytest.mark.slow), "int4", "q4q8"])
 def test_compiled_quantized_runner_equals_the_eager_one(quantize):
     model = build("gqa_tied")
     eager, nat = (
@@ -143,7 +145,9 @@ def test_compiled_quantized_runner_equals_the_eager_one(quantize):
     # int4 in process: the decode step's graph and the dynamic one (dynamo keeps no dimension of
     # size 1 dynamic; from a store one graph serves both, tests/test_aot.py); int8 as float
     # weights, a graph per size
-    assert nat.compiled.compiled == ({1, "dynamic"} if quantize == "int4" else {1, 5, "dynamic"})
+    assert nat.compiled.compiled == ({1, 5, "dynamic"} if quantize == "int8" else {1, "dynamic"})
+    if quantize == "q4q8":  # every product of the graph through the kernel's op
+        assert {m.kind for m in nat.compiled.module.modules() if hasattr(m, "kind")} == {"q4q8"}
 
 
 def test_each_weight_format_compiles_the_products_measured_faster():
