@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -32,6 +35,7 @@ from treespec.planning.acceptance import IID_DEPTH
 from treespec.planning.policy import PLAN_WEIGHT, PROBE_EVERY
 from treespec.proposal import DraftTree, Draw, ProposalGroup, Walk
 from treespec.sequoia import tree_expected_tokens
+from treespec.timing import CpuWatch
 from treespec.tree import TokenTree
 
 from .conftest import tiny_llama
@@ -570,3 +574,60 @@ def test_planning_time_is_not_counted_as_prefill():
     assert s.tokens_per_second == pytest.approx(
         s.tokens / (s.total_seconds - s.prefill_seconds - s.plan_seconds)
     )
+
+
+def test_costs_measured_while_the_machine_is_busy_are_not_kept(tmp_path, monkeypatch, caplog):
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return costs(draft=0.1 * len(calls))
+
+    settings = {"target": ["t", 1]}
+    monkeypatch.setattr(cost_cache, "CpuWatch", lambda: Watch(busy=True, others=0.6))
+    cache = CostCache(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="treespec.planning.cache"):
+        first = cache.get(settings, measure)
+    assert "60% of the CPUs" in caplog.text
+    assert cache.get(settings, measure) == first and len(calls) == 1  # this process keeps them
+    assert not list(tmp_path.glob("*.json"))  # no later process plans with them
+    assert CostCache(tmp_path).get(settings, measure).draft == pytest.approx(0.2) and len(calls) == 2
+    monkeypatch.setattr(cost_cache, "CpuWatch", lambda: Watch(busy=False, others=0.01))  # quiet: kept
+    assert (
+        CostCache(tmp_path).get(settings, measure).draft == pytest.approx(0.3)
+        and len(list(tmp_path.glob("*.json"))) == 1
+    )
+
+
+@dataclasses.dataclass
+class Watch:
+    busy: bool = False
+    others: float | None = 0.0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def describe(self):
+        return f"{self.others:.0%}"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="reads Linux's /proc/stat")
+def test_cpu_watch_counts_another_process_and_not_this_one():
+    mine = sorted(os.sched_getaffinity(0))
+    spin = "import time\nt = time.time()\nwhile time.time() - t < 1.4: pass\n"
+    with CpuWatch() as watch:  # another process spins on one of this process's CPUs
+        child = subprocess.Popen(
+            [sys.executable, "-c", spin], preexec_fn=lambda: os.sched_setaffinity(0, mine[:1])
+        )
+        child.wait()
+    assert (
+        watch.others is not None
+        and watch.others >= 0.7 / len(mine)
+        and watch.busy == (watch.others > watch.threshold)
+    )
+    with CpuWatch() as short:  # too short to judge
+        pass
+    assert short.others is None and not short.busy

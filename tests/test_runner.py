@@ -261,6 +261,28 @@ def test_a_cpu_choice_is_measured_once_per_machine(monkeypatch, tmp_path):
     assert cpu.remembered("choice", measure) is True and calls == [True, False, False, True]
 
 
+def test_a_cpu_choice_measured_on_a_busy_machine_is_not_kept(monkeypatch, tmp_path):
+    from treespec.backends import cpu
+
+    class Busy:
+        busy, others = True, 0.5
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def describe(self):
+            return "50%"
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu, "CpuWatch", Busy)
+    assert cpu.remembered("choice", lambda: True) is True
+    assert cpu.remembered("choice", lambda: False) is False  # measured again: nothing was kept
+    assert not (tmp_path / cpu.CHOICES_FILE).exists()
+
+
 def test_a_runner_with_the_old_hook_names_still_works():
     """A Runner subclass written against the hooks' former names (`_forward`, `_keep`, ...) gets
     them under the new ones, with a DeprecationWarning."""

@@ -9,13 +9,16 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import logging
 import os
 from collections.abc import Callable
 
 import torch
 
 from ..config import default_cache_dir, write_cache_json
-from ..timing import median_seconds
+from ..timing import CpuWatch, median_seconds
+
+log = logging.getLogger(__name__)
 
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")  # bf16 matrix instructions (AMX tiles, AVX-512 dot products)
 
@@ -78,7 +81,8 @@ CHOICES_FILE = "cpu-choices.json"  # under $TREESPEC_CACHE: the measured choices
 def remembered(name: str, measure: Callable[[], bool]) -> bool:
     """`measure()`, taken once per machine: kept under `name` in $TREESPEC_CACHE/cpu-choices.json
     beside `machine_key()`. A missing, unreadable or other machine's file is measured again
-    (and replaced), never an error; a read-only cache only measures each time."""
+    (and replaced), never an error; a read-only cache only measures each time, and so does a
+    machine other processes keep busy (`timing.CpuWatch`)."""
     path = default_cache_dir() / CHOICES_FILE
     machine = machine_key()
     try:
@@ -88,8 +92,16 @@ def remembered(name: str, measure: Callable[[], bool]) -> bool:
         choices = {}
     if isinstance(choices.get(name), bool):
         return choices[name]
-    value = bool(measure())
-    write_cache_json(path, {"machine": machine, "choices": {**choices, name: value}})
+    with CpuWatch() as watch:
+        value = bool(measure())
+    if watch.busy:  # decided under the others' load: this process's only
+        log.warning(
+            "other processes used %s of the CPUs while %r was measured: not kept, measured again next time",
+            watch.describe(),
+            name,
+        )
+    else:
+        write_cache_json(path, {"machine": machine, "choices": {**choices, name: value}})
     return value
 
 

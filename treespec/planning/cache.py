@@ -12,6 +12,7 @@ from pathlib import Path
 from .. import parallel
 from ..backends.cpu import machine_key
 from ..config import default_cache_dir, write_cache_json
+from ..timing import CpuWatch
 from .costs import Costs
 
 COST_VERSION = 17  # bump when what is measured changes: older cache entries are ignored
@@ -46,7 +47,8 @@ class CostCache:
     `$TREESPEC_CACHE/costs` (default ~/.cache/treespec/costs). The first measurement of a key
     wins: processes that measure at once all keep the one written first, so that every process
     on a machine plans alike. A missing, unreadable or stale entry is measured again, never an
-    error."""
+    error. A measurement taken while other processes kept the CPUs busy (`timing.CpuWatch`) is
+    not kept: it would price every later process's trees by that moment's load."""
 
     def __init__(self, root: Path | None = None):
         self.root = Path(root) if root is not None else default_cache_dir() / "costs"
@@ -76,9 +78,16 @@ class CostCache:
                 log.info(
                     "measuring this machine's costs for the automatic tree (once; kept in %s)", self.root
                 )
-                costs = measure()
+                with CpuWatch() as watch:
+                    costs = measure()
                 record = {**costs.to_json(), "settings": settings, "machine": machine_key()}
-                if parallel.leader() and write_cache_json(path, record, replace=stale):
+                if watch.busy:  # the others' work is in the numbers: this process's only
+                    log.warning(
+                        "other processes used %s of the CPUs while the costs were measured: they plan "
+                        "this process's trees only, and the next process measures again",
+                        watch.describe(),
+                    )
+                elif parallel.leader() and write_cache_json(path, record, replace=stale):
                     costs = self._read(path) or costs  # another process's, if it wrote first
                 costs = parallel.agree(costs)
             self.memory[key] = costs
