@@ -53,10 +53,12 @@ def main() -> None:
         ids.append(np.asarray(enc.ids, dtype=np.int64))
     stream = np.concatenate(ids)
     meta = {
-        "corpus": f"stdlib {root}: {len(train)} training files (held-out split of train_pycode_pair.py excluded)",
+        "corpus": f"stdlib {root}: {len(train)} training files "
+        "(held-out split of train_pycode_pair.py excluded)",
         "python": sys.version.split()[0],
         "corpus_sha1": hashlib.sha1(stream.astype(np.int32).tobytes()).hexdigest(),
-        "command": "python experiments/build/build_count_drafters.py" + (f" --min-bigram-count {args.min_bigram_count}" if args.min_bigram_count != 2 else ""),
+        "command": "python experiments/build/build_count_drafters.py"
+        + (f" --min-bigram-count {args.min_bigram_count}" if args.min_bigram_count != 2 else ""),
     }
     meta.update(write_counts([stream], V, args.out, args.min_bigram_count, meta))
     print(json.dumps(meta, indent=1))

@@ -56,6 +56,7 @@ the rate at which the draft's argmax equals the target's argmax along the target
 greedy continuations of held-out prompts (see ``greedy_agreement``; it can also be
 run alone with ``--eval-only``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,14 +84,18 @@ HELDOUT_PER_MILLE = 20
 PROMPT_MAX_TOKENS = 200
 N_PROMPTS = 64
 
-TARGET_CFG = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
-                  num_key_value_heads=2, intermediate_size=1376)
-DRAFT_CFG = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, intermediate_size=384)
-TINY_TARGET_CFG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, intermediate_size=128)
-TINY_DRAFT_CFG = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, intermediate_size=64)
+TARGET_CFG = dict(
+    hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, intermediate_size=1376
+)
+DRAFT_CFG = dict(
+    hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=384
+)
+TINY_TARGET_CFG = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128
+)
+TINY_DRAFT_CFG = dict(
+    hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64
+)
 
 
 def log(*a):
@@ -122,23 +127,33 @@ def collect_files():
 
 def train_tokenizer(texts, vocab_size):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2,
-                                  special_tokens=[EOS, PAD],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
     return tok
 
 
 def hf_tokenizer(tok_json: Path):
     from transformers import PreTrainedTokenizerFast
-    return PreTrainedTokenizerFast(tokenizer_file=str(tok_json), eos_token=EOS, bos_token=EOS,
-                                   pad_token=PAD, model_max_length=512,
-                                   clean_up_tokenization_spaces=False)
+
+    return PreTrainedTokenizerFast(
+        tokenizer_file=str(tok_json),
+        eos_token=EOS,
+        bos_token=EOS,
+        pad_token=PAD,
+        model_max_length=512,
+        clean_up_tokenization_spaces=False,
+    )
 
 
 def encode_stream(tok, texts, eos_id):
@@ -167,8 +182,16 @@ def make_prompts(tok, heldout, n=N_PROMPTS):
                 acc += lines[j]
                 ntok += t
                 # stop after the docstring of a def/class (or after 12 lines without one)
-                if s and j > s and (lines[j].rstrip().endswith(('"""', "'''")) and j > s + 1
-                                    or j - s >= 12 and '"""' not in acc):
+                if (
+                    s
+                    and j > s
+                    and (
+                        lines[j].rstrip().endswith(('"""', "'''"))
+                        and j > s + 1
+                        or j - s >= 12
+                        and '"""' not in acc
+                    )
+                ):
                     break
             if ntok >= 8 and acc.strip():
                 cands.append({"file": rel, "line": s + 1, "n_tokens": ntok, "text": acc})
@@ -198,12 +221,14 @@ def prepare_data(args):
     tok_json = tok_dir / "tokenizer.json"
     if not tok_json.exists():
         from tokenizers import Tokenizer  # noqa: F401
+
         t0 = time.time()
         tok = train_tokenizer([t for _, t in train], args.vocab)
         tok_dir.mkdir(parents=True, exist_ok=True)
         tok.save(str(tok_json))
         log(f"trained tokenizer (vocab {tok.get_vocab_size()}) in {time.time() - t0:.0f}s")
     from tokenizers import Tokenizer
+
     tok = Tokenizer.from_file(str(tok_json))
     eos_id, pad_id = tok.token_to_id(EOS), tok.token_to_id(PAD)
     # lossless round trip on every held-out file and a sample of training files
@@ -225,35 +250,56 @@ def prepare_data(args):
         np.savez(stream_path, train=tr, heldout=ho)
     z = np.load(stream_path)
     tr, ho = z["train"], z["heldout"]
-    log(f"tokens: train {len(tr):,}  held-out {len(ho):,}  ({sum(len(t) for _, t in train) / len(tr):.2f} chars/token)")
+    chars = sum(len(t) for _, t in train) / len(tr)
+    log(f"tokens: train {len(tr):,}  held-out {len(ho):,}  ({chars:.2f} chars/token)")
     prompts = make_prompts(tok, heldout)
-    pj = {"description": "Held-out prompts for the bundled pycode pair: line-aligned snippets of "
-                         "Python stdlib files that were never used to train the tokenizer or models.",
-          "split": f"file held out iff int(sha1(relpath)[:8],16) % 1000 < {HELDOUT_PER_MILLE}; "
-                   f"relpaths relative to the stdlib dir; test dirs and site-packages excluded",
-          "python": sys.version.split()[0],
-          "heldout_files": [r for r, _ in heldout],
-          "prompts": prompts}
+    pj = {
+        "description": "Held-out prompts for the bundled pycode pair: line-aligned snippets of "
+        "Python stdlib files that were never used to train the tokenizer or models.",
+        "split": f"file held out iff int(sha1(relpath)[:8],16) % 1000 < {HELDOUT_PER_MILLE}; "
+        f"relpaths relative to the stdlib dir; test dirs and site-packages excluded",
+        "python": sys.version.split()[0],
+        "heldout_files": [r for r, _ in heldout],
+        "prompts": prompts,
+    }
     Path(args.prompts_out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.prompts_out).write_text(json.dumps(pj, indent=1) + "\n")
     log(f"wrote {len(prompts)} prompts from {len(heldout)} held-out files to {args.prompts_out}")
-    info = dict(stdlib=str(root), python=sys.version.split()[0], train_files=len(train),
-                heldout_files=len(heldout), skipped_files=skipped, train_tokens=int(len(tr)),
-                heldout_tokens=int(len(ho)),
-                train_chars=sum(len(t) for _, t in train), heldout_chars=sum(len(t) for _, t in heldout),
-                vocab_size=tok.get_vocab_size(), eos_token_id=eos_id, pad_token_id=pad_id,
-                n_prompts=len(prompts))
+    info = dict(
+        stdlib=str(root),
+        python=sys.version.split()[0],
+        train_files=len(train),
+        heldout_files=len(heldout),
+        skipped_files=skipped,
+        train_tokens=int(len(tr)),
+        heldout_tokens=int(len(ho)),
+        train_chars=sum(len(t) for _, t in train),
+        heldout_chars=sum(len(t) for _, t in heldout),
+        vocab_size=tok.get_vocab_size(),
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        n_prompts=len(prompts),
+    )
     return tok_dir, tr, ho, prompts, info
 
 
 # ----------------------------------------------------------------------------- models
 def make_model(cfg, info, seq_len, seed):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(seed)
-    c = LlamaConfig(vocab_size=info["vocab_size"], max_position_embeddings=seq_len,
-                    tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=1e-5,
-                    bos_token_id=info["eos_token_id"], eos_token_id=info["eos_token_id"],
-                    pad_token_id=info["pad_token_id"], initializer_range=0.02, **cfg)
+    c = LlamaConfig(
+        vocab_size=info["vocab_size"],
+        max_position_embeddings=seq_len,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        bos_token_id=info["eos_token_id"],
+        eos_token_id=info["eos_token_id"],
+        pad_token_id=info["pad_token_id"],
+        initializer_range=0.02,
+        **cfg,
+    )
     return LlamaForCausalLM(c)
 
 
@@ -273,13 +319,16 @@ def heldout_loss(model, ho, seq_len, n_windows, args):
     n = min(n_windows, (len(ho) - 1) // seq_len)
     tot, cnt = 0.0, 0
     for i in range(0, n, 8):
-        xs = [torch.from_numpy(ho[j * seq_len: j * seq_len + seq_len + 1].astype(np.int64))
-              for j in range(i, min(n, i + 8))]
+        xs = [
+            torch.from_numpy(ho[j * seq_len : j * seq_len + seq_len + 1].astype(np.int64))
+            for j in range(i, min(n, i + 8))
+        ]
         b = torch.stack(xs)
         with amp_ctx(args):
             logits = model(input_ids=b[:, :-1]).logits
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), b[:, 1:].reshape(-1),
-                               reduction="sum")
+        loss = F.cross_entropy(
+            logits.float().reshape(-1, logits.size(-1)), b[:, 1:].reshape(-1), reduction="sum"
+        )
         tot += loss.item()
         cnt += b[:, 1:].numel()
     model.train()
@@ -326,16 +375,15 @@ def lr_at(frac, peak, warm=0.04, floor=0.1):
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * f)))
 
 
-def train_stage(name, model, tr, ho, args, minutes, peak_lr, batch, seed, teacher=None,
-                kl_weight=0.0):
+def train_stage(name, model, tr, ho, args, minutes, peak_lr, batch, seed, teacher=None, kl_weight=0.0):
     """Time-budgeted training loop with checkpoint/resume.  Returns a stats dict."""
     from tqdm import tqdm
+
     run = Path(args.cache) / f"run_{args.run_name}"
     run.mkdir(parents=True, exist_ok=True)
     ckpt = run / f"{name}_ckpt.pt"
     seq = args.seq_len
-    opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1,
-                            eps=1e-8)
+    opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
     gen = torch.Generator().manual_seed(seed)
     step, tokens, elapsed, history = 0, 0, 0.0, []
     if args.resume and ckpt.exists():
@@ -348,8 +396,18 @@ def train_stage(name, model, tr, ho, args, minutes, peak_lr, batch, seed, teache
     budget = minutes * 60.0
 
     def save():
-        torch.save(dict(model=model.state_dict(), opt=opt.state_dict(), gen=gen.get_state(),
-                        step=step, tokens=tokens, elapsed=elapsed, history=history), ckpt)
+        torch.save(
+            dict(
+                model=model.state_dict(),
+                opt=opt.state_dict(),
+                gen=gen.get_state(),
+                step=step,
+                tokens=tokens,
+                elapsed=elapsed,
+                history=history,
+            ),
+            ckpt,
+        )
 
     model.train()
     if teacher is not None:
@@ -357,8 +415,16 @@ def train_stage(name, model, tr, ho, args, minutes, peak_lr, batch, seed, teache
     n_start = len(tr) - seq - 1
     t_last = time.time()
     last_save, last_eval = elapsed, elapsed
-    bar = tqdm(total=int(budget), initial=int(min(elapsed, budget)), unit="s", desc=name,
-               mininterval=10, file=sys.stdout, dynamic_ncols=False, ncols=110)
+    bar = tqdm(
+        total=int(budget),
+        initial=int(min(elapsed, budget)),
+        unit="s",
+        desc=name,
+        mininterval=10,
+        file=sys.stdout,
+        dynamic_ncols=False,
+        ncols=110,
+    )
     ema = None
     share = CpuShare()
     while elapsed < budget:
@@ -372,7 +438,7 @@ def train_stage(name, model, tr, ho, args, minutes, peak_lr, batch, seed, teache
         for g in opt.param_groups:
             g["lr"] = lr
         starts = torch.randint(0, n_start, (batch,), generator=gen).tolist()
-        b = torch.from_numpy(np.stack([tr[s:s + seq + 1] for s in starts]).astype(np.int64))
+        b = torch.from_numpy(np.stack([tr[s : s + seq + 1] for s in starts]).astype(np.int64))
         x, y = b[:, :-1], b[:, 1:]
         with amp_ctx(args):
             logits = model(input_ids=x).logits
@@ -398,18 +464,33 @@ def train_stage(name, model, tr, ho, args, minutes, peak_lr, batch, seed, teache
         dt, t_last = now - t_last, now
         elapsed += dt
         ema = ce.item() if ema is None else 0.95 * ema + 0.05 * ce.item()
-        post = dict(ce=f"{ema:.3f}", lr=f"{lr:.1e}", step=step, tok=f"{tokens / 1e6:.2f}M",
-                    thr=torch.get_num_threads())
+        post = dict(
+            ce=f"{ema:.3f}",
+            lr=f"{lr:.1e}",
+            step=step,
+            tok=f"{tokens / 1e6:.2f}M",
+            thr=torch.get_num_threads(),
+        )
         if kl is not None:
             post["kl"] = f"{kl.item():.3f}"
         bar.set_postfix(post, refresh=False)
         bar.update(int(min(elapsed, budget)) - bar.n)
         if elapsed - last_eval >= args.eval_every * 60 or elapsed >= budget:
             hl = heldout_loss(model, ho, seq, args.eval_windows, args)
-            history.append(dict(step=step, tokens=tokens, minutes=round(elapsed / 60, 2),
-                                train_ce_ema=round(ema, 4), heldout_loss=round(hl, 4), lr=lr))
-            log(f"[{name}] step {step} tok {tokens:,} {elapsed / 60:.1f}min train_ce {ema:.3f} "
-                f"heldout {hl:.4f} (ppl {math.exp(hl):.2f})")
+            history.append(
+                dict(
+                    step=step,
+                    tokens=tokens,
+                    minutes=round(elapsed / 60, 2),
+                    train_ce_ema=round(ema, 4),
+                    heldout_loss=round(hl, 4),
+                    lr=lr,
+                )
+            )
+            log(
+                f"[{name}] step {step} tok {tokens:,} {elapsed / 60:.1f}min train_ce {ema:.3f} "
+                f"heldout {hl:.4f} (ppl {math.exp(hl):.2f})"
+            )
             t_last = time.time()  # eval time is not charged to the budget
             last_eval = elapsed
         if elapsed - last_save >= args.save_every * 60:
@@ -420,11 +501,19 @@ def train_stage(name, model, tr, ho, args, minutes, peak_lr, batch, seed, teache
     torch.set_num_threads(args.threads)
     save()
     final = history[-1]["heldout_loss"] if history else heldout_loss(model, ho, seq, args.eval_windows, args)
-    return dict(steps=step, tokens_seen=tokens, train_minutes=round(elapsed / 60, 2),
-                batch_size=batch, seq_len=seq, peak_lr=peak_lr, seed=seed,
-                kl_weight=kl_weight if teacher is not None else None,
-                final_heldout_loss=round(final, 4), final_heldout_ppl=round(math.exp(final), 3),
-                history=history)
+    return dict(
+        steps=step,
+        tokens_seen=tokens,
+        train_minutes=round(elapsed / 60, 2),
+        batch_size=batch,
+        seq_len=seq,
+        peak_lr=peak_lr,
+        seed=seed,
+        kl_weight=kl_weight if teacher is not None else None,
+        final_heldout_loss=round(final, 4),
+        final_heldout_ppl=round(math.exp(final), 3),
+        history=history,
+    )
 
 
 # ----------------------------------------------------------------------------- eval
@@ -460,30 +549,43 @@ def greedy_agreement(target, draft, hf_tok, prompts, max_new_tokens=64, n_prompt
     alpha_sum = 0.0
     for pr in prompts[:n_prompts]:
         ids = torch.tensor([hf_tok(pr["text"])["input_ids"]])
-        seq = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                              pad_token_id=hf_tok.pad_token_id, eos_token_id=hf_tok.eos_token_id)
+        seq = target.generate(
+            ids,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=hf_tok.pad_token_id,
+            eos_token_id=hf_tok.eos_token_id,
+        )
         L = ids.size(1)
         if seq.size(1) <= L:
             continue
-        tl = target(input_ids=seq).logits[0, L - 1:-1].float()
-        dl = draft(input_ids=seq).logits[0, L - 1:-1].float()
+        tl = target(input_ids=seq).logits[0, L - 1 : -1].float()
+        dl = draft(input_ids=seq).logits[0, L - 1 : -1].float()
         agree += (tl.argmax(-1) == dl.argmax(-1)).sum().item()
         cnt += tl.size(0)
         alpha_sum += torch.minimum(tl.softmax(-1), dl.softmax(-1)).sum(-1).sum().item()
-    return dict(greedy_agreement=round(agree / max(cnt, 1), 4),
-                alpha_t1=round(alpha_sum / max(cnt, 1), 4), positions=cnt,
-                n_prompts=min(n_prompts, len(prompts)), max_new_tokens=max_new_tokens)
+    return dict(
+        greedy_agreement=round(agree / max(cnt, 1), 4),
+        alpha_t1=round(alpha_sum / max(cnt, 1), 4),
+        positions=cnt,
+        n_prompts=min(n_prompts, len(prompts)),
+        max_new_tokens=max_new_tokens,
+    )
 
 
 def save_hf(model, out_dir: Path, tok_dir: Path, info):
     from transformers import GenerationConfig
+
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
     m = model.to(torch.bfloat16)
-    m.generation_config = GenerationConfig(bos_token_id=info["eos_token_id"],
-                                           eos_token_id=info["eos_token_id"],
-                                           pad_token_id=info["pad_token_id"], do_sample=False)
+    m.generation_config = GenerationConfig(
+        bos_token_id=info["eos_token_id"],
+        eos_token_id=info["eos_token_id"],
+        pad_token_id=info["pad_token_id"],
+        do_sample=False,
+    )
     m.save_pretrained(str(out_dir))
     model.to(torch.float32)
     for f in tok_dir.iterdir():
@@ -512,12 +614,17 @@ def main():
     ap.add_argument("--eval-every", type=float, default=5.0, help="minutes")
     ap.add_argument("--eval-windows", type=int, default=64)
     ap.add_argument("--save-every", type=float, default=5.0, help="minutes")
-    ap.add_argument("--no-adaptive-threads", dest="adaptive_threads", action="store_false",
-                    help="keep --threads even while other processes keep cores busy")
+    ap.add_argument(
+        "--no-adaptive-threads",
+        dest="adaptive_threads",
+        action="store_false",
+        help="keep --threads even while other processes keep cores busy",
+    )
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="smoke test: tiny models, ~0.3 min stages")
-    ap.add_argument("--eval-only", action="store_true",
-                    help="only measure agreement/latency of the saved pair in --out")
+    ap.add_argument(
+        "--eval-only", action="store_true", help="only measure agreement/latency of the saved pair in --out"
+    )
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -540,6 +647,7 @@ def main():
     log(f"cpu capability {cap}, amp {args.amp_dtype}, threads {args.threads}")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     if args.eval_only:
         hf_tok = AutoTokenizer.from_pretrained(str(out / "target"))
         pj = json.loads(Path(args.prompts_out).read_text())
@@ -556,7 +664,9 @@ def main():
     run.mkdir(parents=True, exist_ok=True)
     stats = {}
 
-    def stage(name: str, model, minutes: float, lr: float, batch: int, seed: int, note: str = "", **train_kw) -> None:
+    def stage(
+        name: str, model, minutes: float, lr: float, batch: int, seed: int, note: str = "", **train_kw
+    ) -> None:
         """Train `model` for one stage, or with --resume load it if that stage finished."""
         done = run / f"{name}_done.json"
         if args.resume and done.exists():
@@ -580,8 +690,17 @@ def main():
 
     # ---- draft (distilled from the target)
     draft = make_model(dcfg, info, args.seq_len, args.seed + 10)
-    stage("draft", draft, args.draft_minutes, args.draft_lr, args.draft_batch, args.seed + 11,
-          note=f", kl_weight {args.kl_weight}", teacher=target, kl_weight=args.kl_weight)
+    stage(
+        "draft",
+        draft,
+        args.draft_minutes,
+        args.draft_lr,
+        args.draft_batch,
+        args.seed + 11,
+        note=f", kl_weight {args.kl_weight}",
+        teacher=target,
+        kl_weight=args.kl_weight,
+    )
 
     # ---- save HF dirs
     out.mkdir(parents=True, exist_ok=True)
@@ -598,10 +717,19 @@ def main():
         stats[nm]["reloaded_bf16_heldout_loss"] = round(hl, 4)
         stats[nm]["reloaded_bf16_heldout_ppl"] = round(math.exp(hl), 3)
         stats[nm]["params"] = n_params(m)
-        stats[nm]["config"] = {k: getattr(m.config, k) for k in
-                               ["hidden_size", "num_hidden_layers", "num_attention_heads",
-                                "num_key_value_heads", "intermediate_size", "vocab_size",
-                                "max_position_embeddings", "tie_word_embeddings"]}
+        stats[nm]["config"] = {
+            k: getattr(m.config, k)
+            for k in [
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "intermediate_size",
+                "vocab_size",
+                "max_position_embeddings",
+                "tie_word_embeddings",
+            ]
+        }
         stats[nm]["size_bytes_safetensors"] = (out / nm / "model.safetensors").stat().st_size
     lat = {}
     for thr in sorted({1, args.threads}):
@@ -609,29 +737,43 @@ def main():
         for dt_name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             lt = decode_latency_ms(t_re, info["vocab_size"], dtype=dt)
             ld = decode_latency_ms(d_re, info["vocab_size"], dtype=dt)
-            lat[f"threads{thr}_{dt_name}"] = dict(target_ms=lt, draft_ms=ld,
-                                                  draft_over_target=round(ld / lt, 4))
+            lat[f"threads{thr}_{dt_name}"] = dict(
+                target_ms=lt, draft_ms=ld, draft_over_target=round(ld / lt, 4)
+            )
     torch.set_num_threads(args.threads)
     log("decode latency (batch 1, 128-token KV prefix, median ms):", json.dumps(lat))
-    agr = greedy_agreement(t_re, d_re, hf_tok, prompts, max_new_tokens=64,
-                           n_prompts=8 if args.tiny else 32)
+    agr = greedy_agreement(t_re, d_re, hf_tok, prompts, max_new_tokens=64, n_prompts=8 if args.tiny else 32)
     log("agreement:", json.dumps(agr))
-    gen = t_re.generate(torch.tensor([hf_tok(prompts[0]["text"])["input_ids"]]),
-                        max_new_tokens=40, do_sample=False)
+    gen = t_re.generate(
+        torch.tensor([hf_tok(prompts[0]["text"])["input_ids"]]), max_new_tokens=40, do_sample=False
+    )
     log("sample target continuation:\n" + hf_tok.decode(gen[0]))
 
     logd = dict(
         description="Bundled pycode pair (Llama target + distilled draft) trained on CPython "
-                    "stdlib sources by experiments/build/train_pycode_pair.py",
+        "stdlib sources by experiments/build/train_pycode_pair.py",
         command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-        seeds=dict(global_seed=args.seed, target_init=args.seed, target_data=args.seed + 1,
-                   draft_init=args.seed + 10, draft_data=args.seed + 11),
-        torch=torch.__version__, cpu_capability=cap, threads=args.threads,
-        amp=str(args.amp_dtype), data=info, data_prep_minutes=round(t_data / 60, 2),
-        target=stats["target"], draft=stats["draft"], decode_latency_ms=lat, agreement=agr,
+        seeds=dict(
+            global_seed=args.seed,
+            target_init=args.seed,
+            target_data=args.seed + 1,
+            draft_init=args.seed + 10,
+            draft_data=args.seed + 11,
+        ),
+        torch=torch.__version__,
+        cpu_capability=cap,
+        threads=args.threads,
+        amp=str(args.amp_dtype),
+        data=info,
+        data_prep_minutes=round(t_data / 60, 2),
+        target=stats["target"],
+        draft=stats["draft"],
+        decode_latency_ms=lat,
+        agreement=agr,
         total_wall_minutes_this_invocation=round((time.time() - t_start) / 60, 2),
         note="Weights stored in bf16; load with dtype=torch.float32 on CPUs without AMX "
-             "(bf16 matmuls are slower than fp32 there).")
+        "(bf16 matmuls are slower than fp32 there).",
+    )
     (out / "training_log.json").write_text(json.dumps(logd, indent=1) + "\n")
     log(f"done in {(time.time() - t_start) / 60:.1f} min; wrote {out}")
 
