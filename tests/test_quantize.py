@@ -25,8 +25,7 @@ from treespec.backends.linear import (
 from treespec.backends.native import COMPILE_STATIC_MAX, CompiledForward, NativeRunner
 
 from .conftest import perturbed, tiny_llama
-from .llamas import GREEDY, PROMPTS
-from .test_native import CHEAP, build, compiled_runner, max_diff, random_tree
+from .llamas import CHEAP, GREEDY, PROMPTS, build, compiled_runner, max_diff, random_tree
 
 pytestmark = pytest.mark.cpu  # int8 product kernels differ by CPU (AVX2, AVX512-VNNI, AMX)
 

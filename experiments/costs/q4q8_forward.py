@@ -1,12 +1,15 @@
 #!/usr/bin/env python
 """The default SmolLM2 target's whole native forward with int4 and q4q8 weights (issue 58).
 
-    nice -n 5 python experiments/costs/q4q8_forward.py [--reps 5] [--chats 8]
+    nice -n 5 python experiments/costs/q4q8_forward.py [--reps 5] [--chats 8] [--threads 2]
+        [--choices int4/bfloat16,q4q8/float32,q4q8/float32/compiled] [--no-agreement]
 
-1. Costs: after a held-out chat as prefix, the eager forward of a random tree of n nodes for
-   n = 1..32, each weights choice in turn per repeat (interleaved), medians; printed as t(n) in
-   ms and t(n)/t(1) per choice. int4 computes in float32 and bfloat16 (torch's int4 kernel is
-   fast in bf16 only); q4q8 in float32 (its products take float32 and return float32).
+1. Costs: after a held-out chat as prefix, the forward of a random tree of n nodes for
+   n = 1..32, each path in turn per repeat (interleaved), medians; printed as t(n) in ms and
+   t(n)/t(1) per path. Paths (`--choices`): int4/bfloat16 (torch's int4 kernel, aten's
+   int4pack, fast in bf16 only), int4/float32, q4q8/float32 (the q4q8 kernel; its products take
+   float32 and return float32), and q4q8/float32/compiled (the inductor forward, compile=True,
+   its graphs from the store where cached, else compiled first: minutes).
 2. What int8 activations change: on `--chats` held-out chats, the continuation the float
    reference decodes greedily (`--new` tokens), teacher-forced through each model: how often
    q4q8's argmax agrees with the reference's and the mean KL(reference || q4q8) per position.
@@ -37,8 +40,14 @@ from treespec.backends.linear import Projection
 from treespec.backends.native import NativeRunner
 from treespec.tree import TokenTree
 
-CHOICES = {"int4/float32": ("int4", torch.float32), "int4/bfloat16": ("int4", torch.bfloat16)}
-CHOICES["q4q8/float32"] = ("q4q8", torch.float32)
+CHOICES = {  # path -> (quantize, dtype, compile)
+    "int4/bfloat16": ("int4", torch.bfloat16, False),
+    "int4/float32": ("int4", torch.float32, False),
+    "q4q8/float32": ("q4q8", torch.float32, False),
+    "q4q8/float32/compiled": ("q4q8", torch.float32, True),
+}
+DEFAULT_CHOICES = "int4/bfloat16,q4q8/float32,q4q8/float32/compiled"
+SUMMARY = (1, 2, 4, 8, 16, 32)  # the sizes of the summary table
 
 
 def dequantized(runner: NativeRunner) -> NativeRunner:
@@ -62,8 +71,9 @@ def tree_costs(runners: dict, prompt: list[int], sizes: list[int], reps: int) ->
     for r in runners.values():
         r.reset()
         r.prefill(prompt)
-        r.score(trees[sizes[-1]])  # warm-up
-        r.commit([])
+        for n in sizes:  # warm-up (a compiled runner's graphs: loaded or compiled here)
+            r.score(trees[n])
+            r.commit([])
     for _ in range(reps):
         for n in sizes:
             for c, r in runners.items():
@@ -127,13 +137,31 @@ def agreement(path, tokenizer, chats: int, new: int) -> dict:
     return out
 
 
+def print_costs(costs: dict, sizes: list[int]) -> None:
+    """t(n) in ms and t(n)/t(1) per path, every n, then the summary sizes in one table."""
+    print("n  " + "  ".join(f"{c:>26}" for c in costs))
+    for n in sizes:
+        print(
+            f"{n:<3}"
+            + "  ".join(f"{costs[c][n] * 1e3:12.2f} ms {costs[c][n] / costs[c][1]:8.2f}x   " for c in costs)
+        )
+    shown = [n for n in SUMMARY if n in sizes]
+    print("\n| path | " + " | ".join(f"t({n})" for n in shown) + " |")
+    print("|---|" + "---|" * len(shown))
+    for c, t in costs.items():
+        cells = [f"{t[n] * 1e3:.1f}" + ("" if n == 1 else f" ({t[n] / t[1]:.2f})") for n in shown]
+        print(f"| {c} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a converted checkpoint (default: SmolLM2-135M's GGUF)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--max-n", type=int, default=32)
+    ap.add_argument("--choices", default=DEFAULT_CHOICES, help=f"comma-separated, of {', '.join(CHOICES)}")
     ap.add_argument("--chats", type=int, default=8)
     ap.add_argument("--new", type=int, default=48, help="greedy tokens per chat for the agreement")
+    ap.add_argument("--no-agreement", action="store_true", help="costs only")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: a shared machine's fair share)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -145,31 +173,28 @@ def main() -> None:
         args.model = str(convert(smollm2_gguf()))
     tokenizer = load_tokenizer(args.model)
     print(kernels.describe())
-    runners = {
-        c: NativeRunner.from_pretrained(args.model, dtype=d, quantize=q) for c, (q, d) in CHOICES.items()
-    }
+    runners = {}
+    for c in args.choices.split(","):
+        q, d, compiled = CHOICES[c]
+        runners[c] = NativeRunner.from_pretrained(args.model, dtype=d, quantize=q, compile=compiled)
     sizes = list(range(1, args.max_n + 1))
     prompt = heldout_prompt_ids("smollm2", tokenizer, 1)[0]
     costs = tree_costs(runners, prompt, sizes, args.reps)
-    print("n  " + "  ".join(f"{c:>24}" for c in costs))
-    for n in sizes:
-        print(
-            f"{n:<3}"
-            + "  ".join(f"{costs[c][n] * 1e3:10.1f} ms {costs[c][n] / costs[c][1]:8.2f}x   " for c in costs)
-        )
+    print_costs(costs, sizes)
     result = {
-        "what": "SmolLM2-135M's whole eager native forward, t(n) and t(n)/t(1) per weights choice, and "
-        "q4q8's greedy agreement and KL against float references",
+        "what": "SmolLM2-135M's whole native forward, t(n) and t(n)/t(1) per path, and q4q8's greedy "
+        "agreement and KL against float references",
         "command": " ".join(sys.argv),
         "machine": machine_info("cpu"),
+        "threads": args.threads,
         "kernel": kernels.describe(),
         "prefix_tokens": len(prompt),
         "seconds": {c: {str(n): t for n, t in v.items()} for c, v in costs.items()},
         "ratio": {c: {str(n): t / v[1] for n, t in v.items()} for c, v in costs.items()},
-        "agreement": agreement(args.model, tokenizer, args.chats, args.new),
-        "note": "indicative: a shared 2-core machine, run under nice",
+        "agreement": None if args.no_agreement else agreement(args.model, tokenizer, args.chats, args.new),
+        "note": "indicative on a shared machine (run under nice)",
     }
-    write_results("q4q8_forward.json", result)
+    write_results("q4q8_forward_costs.json" if args.no_agreement else "q4q8_forward.json", result)
 
 
 if __name__ == "__main__":

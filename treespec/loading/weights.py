@@ -112,22 +112,27 @@ def resolve_quantize(
 ) -> str | None:
     """The weights format of a draft at `path` computing in `dtype`: `quantize` as given, or for
     "auto": a draft model's as a target's would be (`resolve_weights`, None on the HF backend);
-    a feature head's (`head_of`: its target runner) int4 on a CPU whose int4 products in `dtype`
-    measure faster than dense ones (`cpu.int4_matmul_is_faster`), where the head's shapes suit
-    torch's int4 layout, else None."""
+    a feature head's (`head_of`: its target runner) on a CPU: q4q8 where the target runs q4q8
+    and the head's shapes suit the kernel, else int4 where its int4 products in `dtype` measure
+    faster than dense ones (`cpu.int4_matmul_is_faster`) and its shapes suit torch's int4
+    layout, else None."""
     if quantize != "auto":
         return quantize
     if head_of is None:  # "auto" quantizes only where the native backend runs the checkpoint
         return None if backend == "hf" else resolve_weights(dtype, quantize, path, device, backend, tp)[1]
     from ..backends.cpu import int4_matmul_is_faster
     from ..backends.head import HeadConfig, head_weight_shapes
-    from ..backends.linear import Int4Projection
+    from ..backends.linear import Q4Q8_DTYPES, Int4Projection, Q4Q8Projection
 
     cfg = HeadConfig.from_json(json.loads((Path(path) / "config.json").read_text()), head_of.n_layers)
     products = ("fc.weight", "lm_head.weight")
-    fits = all(
-        Int4Projection.fits(*shape)
-        for name, shape in head_weight_shapes(cfg).items()
-        if name in products or name.endswith("proj.weight")
-    )
-    return "int4" if fits and device.type == "cpu" and int4_matmul_is_faster(dtype) else None
+    shapes = [s for n, s in head_weight_shapes(cfg).items() if n in products or n.endswith("proj.weight")]
+    if device.type != "cpu":
+        return None
+    if (
+        getattr(head_of, "quantize", None) == "q4q8"
+        and dtype in Q4Q8_DTYPES
+        and all(Q4Q8Projection.fits(*s) for s in shapes)
+    ):
+        return "q4q8"  # the target's kernel, already built and chosen
+    return "int4" if all(Int4Projection.fits(*s) for s in shapes) and int4_matmul_is_faster(dtype) else None
