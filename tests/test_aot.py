@@ -18,7 +18,8 @@ from treespec.backends.native import CompiledForward, NativeRunner, aot, kv
 from treespec.backends.native.aot import GraphStore
 from treespec.tree import TokenTree
 
-from .test_native import CHEAP, VOCAB, build, max_diff
+from .conftest import VOCAB
+from .llamas import CHEAP, build, max_diff
 
 
 def runner(model, store: GraphStore | None) -> NativeRunner:

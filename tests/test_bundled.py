@@ -221,13 +221,13 @@ def test_the_shipped_head_is_hf_generates_greedy_output_on_the_real_target(monke
     measurement most of this test's time, and on such costs the plan drafts."""
     from treespec import decoder
     from treespec.backends.hf import load_model
+    from treespec.config import AUTO_MAX_NODES
     from treespec.loading import checkpoint
+    from treespec.planning import Costs
     from treespec.planning import cache as cost_cache
     from treespec.zoo import head, heldout_prompt_ids
 
-    from .test_planning import costs
-
-    cheap = costs(verify_slope=0.02)
+    cheap = Costs(tuple(1 + 0.02 * n for n in range(AUTO_MAX_NODES + 1)), 0.05, 0.01)  # n tokens: 1 + 0.02 n
     monkeypatch.setattr(cost_cache, "COSTS", cost_cache.CostCache(tmp_path))
     monkeypatch.setattr(decoder, "measure_costs", lambda target, draft=None, engine=None, repeats=5: cheap)
     target = pair("smollm2")[0]

@@ -174,7 +174,7 @@ def test_a_compiled_head_equals_the_eager_one(tmp_path):
     from treespec.backends.native import CompiledForward
     from treespec.backends.native.aot import GraphStore
 
-    from .test_native import CHEAP
+    from .llamas import CHEAP
 
     target = tiny_llama(0).float()
     cfg, w = random_head(target, draft_vocab=40, seed=1)

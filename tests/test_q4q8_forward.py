@@ -229,7 +229,7 @@ def test_q4q8_runs_a_gguf_files_own_blocks(qtype, tmp_path):
 
     from treespec.loading.gguf import convert
 
-    from .test_gguf import tiny, write_gguf
+    from .ggufs import tiny, write_gguf
 
     model = tiny()  # write_gguf gives it the file's dequantised weights
     write_gguf(model, tmp_path / "m.gguf", getattr(gguf.GGMLQuantizationType, qtype), tokenizer=False)
