@@ -27,6 +27,7 @@ from .drafters import Drafter, DrafterFactory
 from .engine import Engine
 from .output import GenerationOutput, OnTokens
 from .planning import Costs, GoodputSwitch, Planner, measure_costs, planner_for
+from .prefill import DEFAULT_ROUND_TOKENS
 from .request import make_request
 from .rng import Rng
 from .rules import rules_for
@@ -246,7 +247,7 @@ class SpeculativeDecoder:
             constraint=constraint,
         )
         with self._exclusive("generate()"):
-            engine = self._engine([self.target_runner], [self.draft_runner])
+            engine = self._engine([self.target_runner], [self.draft_runner], release_lanes=False)
             request_id = engine.add(request)
             out = engine.run()[request_id]
         if out.exception is not None:  # one request: its failure is the call's
@@ -310,7 +311,9 @@ class SpeculativeDecoder:
             "constraint": _per_request("constraint", constraint, n, isinstance(constraint, (list, tuple))),
         }
         with self._exclusive("generate_batch()"):
-            engine = self._engine(*self._lanes(min(n, max_batch)), speculate_max_live=speculate_max_live)
+            engine = self._engine(
+                *self._lanes(min(n, max_batch)), speculate_max_live=speculate_max_live, release_lanes=False
+            )
             ids = []
             for i, prompt in enumerate(prompts):  # every request checked before any runs
                 try:
@@ -330,6 +333,7 @@ class SpeculativeDecoder:
         speculate_max_live: int | str | None = None,
         deterministic: bool = False,
         shared_tree_nodes: int | None = None,
+        round_tokens: int | None = DEFAULT_ROUND_TOKENS,
     ) -> Engine:
         """A continuous-batching `Engine` over `max_live` new lanes of this decoder's models (its
         own: no other engine and no `generate()` touches them): add requests, `step()` rounds,
@@ -353,7 +357,12 @@ class SpeculativeDecoder:
         nodes than this decodes plainly (a server's fairness: a large tree slows every other
         request's round, docs/serving.md). Exact, like
         `speculate_max_live`, and like it excluded by `deterministic`; requests within the cap
-        are untouched. None (default): no cap."""
+        are untouched. None (default): no cap.
+
+        `round_tokens`: the prompt tokens one step prefills (with the round's tree nodes): long
+        prompts load in pieces while live requests keep decoding (`treespec.prefill`; None:
+        whole prompts in the step that admits them). A finished request's lanes give back their
+        cache memory."""
         check_positive_int("max_live", max_live)
         check_int_at_least("shared_tree_nodes", shared_tree_nodes, 0, none_ok=True)
         if deterministic and shared_tree_nodes is not None:
@@ -377,7 +386,9 @@ class SpeculativeDecoder:
         for lane in targets + drafts:
             if lane is not None:
                 lane.batch_invariant = bool(deterministic)
-        return self._engine(targets, drafts, max_kv_tokens, speculate_max_live, shared_tree_nodes)
+        return self._engine(
+            targets, drafts, max_kv_tokens, speculate_max_live, shared_tree_nodes, round_tokens
+        )
 
     @property
     def planner(self) -> Planner:
@@ -408,7 +419,14 @@ class SpeculativeDecoder:
 
     # ---- helpers ---------------------------------------------------------------------------
     def _engine(
-        self, targets, drafts, max_kv_tokens=None, speculate_max_live=None, shared_tree_nodes=None
+        self,
+        targets,
+        drafts,
+        max_kv_tokens=None,
+        speculate_max_live=None,
+        shared_tree_nodes=None,
+        round_tokens=DEFAULT_ROUND_TOKENS,
+        release_lanes=True,
     ) -> Engine:
         check_positive_int("max_kv_tokens", max_kv_tokens, none_ok=True)
         if speculate_max_live != "auto" and speculate_max_live is not None:
@@ -440,6 +458,8 @@ class SpeculativeDecoder:
             switch,
             self.planner,
             shared_tree_nodes,
+            round_tokens,
+            release_lanes,
         )
 
     @contextmanager

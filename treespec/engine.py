@@ -1,7 +1,8 @@
 """The decode loop, for one request or many: propose, score, verify, commit.
 
-    admit waiting requests                    a lane each (a cache row); prompts prefilled
+    admit waiting requests                    a lane each (a cache row) and their KV slots
     while requests are live:
+        load prompts in pieces                under a per-step token budget (treespec.prefill)
         drafts = propose_many(live)           one draft forward per depth for all requests
         logits = score_many(live, drafts)     ONE target forward over every request's tree
         for each live request:
@@ -25,13 +26,14 @@ import threading
 import time
 from collections.abc import Sequence
 
-from .backends.base import Runner, Scores, prefill_many, score_many
-from .config import TreeConfig
+from .backends.base import Runner, score_many
+from .config import TreeConfig, check_positive_int
 from .constraints import FORCED_EXTRA, FORCED_ONLY_SPEEDUP, GrammarVocabulary, TreeMatcher, drafted_walk
 from .drafters import DrafterFactory, check_draft, propose_many
-from .engine_state import EngineStatus, RequestState
+from .engine_state import EngineStatus, RequestState, check_request
 from .output import GenerationOutput, OutputBuilder, StopMatcher, TokenLogprobs
 from .planning import AutoDepth, GoodputSwitch, Plan, Planner, RoundPolicy, depth_policy
+from .prefill import DEFAULT_ROUND_TOKENS, PromptLoader
 from .proposal import DraftTree
 from .request import Request, make_request
 from .rng import TorchRng
@@ -55,6 +57,13 @@ class Engine:
     `treespec.planning`). `shared_tree_nodes`: in a round with other requests, a request whose
     tree holds more nodes than this decodes plainly, so that one client's large tree cannot
     slow every other request's rounds.
+
+    `round_tokens`: the prompt tokens one step may prefill (in one forward beside the round's,
+    which scores the live requests' trees): a long prompt loads in pieces over several steps
+    while the live requests keep decoding (`treespec.prefill`); None prefills every admitted
+    prompt whole in the step that admits it. `release_lanes`: a finished request's lanes
+    forget its sequence and give back their cache memory (`Runner.release`); False keeps it
+    cached (a decoder's own runners, which a chat's next turn or a caller may read).
     """
 
     def __init__(
@@ -69,7 +78,10 @@ class Engine:
         switch: GoodputSwitch | None = None,
         planner: Planner | None = None,
         shared_tree_nodes: int | None = None,
+        round_tokens: int | None = DEFAULT_ROUND_TOKENS,
+        release_lanes: bool = True,
     ):
+        check_positive_int("round_tokens", round_tokens, none_ok=True)
         if len(targets) != len(drafts) or not targets:
             raise ValueError(
                 f"need one draft lane (or None) per target lane, got {len(targets)} and {len(drafts)}"
@@ -93,6 +105,9 @@ class Engine:
         self._grammar_vocab: GrammarVocabulary | None = None  # the tokenizer as the grammars see it
         self._lock = threading.RLock()  # add / cancel / take from other threads; held while stepping
         self._stepping = False
+        self.round_tokens, self.release_lanes = round_tokens, release_lanes
+        self.loader = PromptLoader(self.targets, self.drafts, round_tokens)
+        self._freed: list[int] = []  # lanes given up since their memory was last released
 
     @property
     def switch(self) -> GoodputSwitch | None:
@@ -134,10 +149,14 @@ class Engine:
                 self.waiting.remove(state)
             if state.status in ("waiting", "live"):
                 self._finish(state, "cancelled")
+            if not self._stepping:
+                self._release()
             return state.output
 
     def step(self) -> dict[int, list[int]]:
-        """Admit what fits, then one round for every live request; the tokens each emitted.
+        """Admit what fits, load prompt pieces under `round_tokens` (a request whose prompt is
+        whole in its cache starts decoding), then one round for every decoding request; the
+        tokens each emitted.
 
         A round is all-or-nothing per request. A request whose own work fails (its drafter,
         its logits, its streaming callback) ends alone with finish_reason "error". An
@@ -145,17 +164,21 @@ class Engine:
         round back for every request not yet committed: their caches, drafters and random
         streams are as before the round, and the next step() redoes it identically; a request
         interrupted in the middle of its own commit ends with "error". Streaming callbacks run
-        after every commit, so they cannot tear a round. One thread steps at a time."""
+        after every commit, so they cannot tear a round. One thread steps at a time. Loading
+        fails alone too: a request whose prefill or drafter fails ends with "error"; an
+        interrupt leaves the loading prompts as before the step's pieces."""
         with self._lock:
             if self._stepping:
                 raise RuntimeError("Engine.step() is already running; one thread steps an engine")
             self._stepping = True
             try:
                 self._admit()
-                emitted = self._round() if self.live else {}
+                self._load()
+                emitted = self._round() if any(not r.loading for r in self.live.values()) else {}
             finally:
                 self._stepping = False
             self._stream()
+            self._release()
             return emitted
 
     def run(self) -> dict[int, GenerationOutput]:
@@ -195,11 +218,13 @@ class Engine:
                 max_live=self.max_live,
                 max_kv_tokens=self.max_kv_tokens,
                 max_positions=getattr(self.targets[0], "max_positions", None),
+                prefilling=sum(r.loading for r in self.live.values()),
+                round_tokens=self.round_tokens,
             )
 
     # ---- a round ---------------------------------------------------------------------------
     def _round(self) -> dict[int, list[int]]:
-        live = list(self.live.values())
+        live = [r for r in self.live.values() if not r.loading]
         snapshots = {r.id: r.rng.snapshot() for r in live}  # to redraw identically after a rollback
         clock = time.perf_counter
         t0 = clock()
@@ -374,47 +399,10 @@ class Engine:
     # ---- checks, admission and release ----------------------------------------------------
     def _state(self, request: Request) -> RequestState:
         """What only the models can tell about `request`, checked; its state, waiting."""
-        V = self.vocab_size
-        for what, ids in (("prompt token ids", request.prompt), ("stop token ids", request.stop_token_ids)):
-            bad = [t for t in ids if t >= V]
-            if bad:
-                raise ValueError(f"{what} {bad[:5]} are outside the vocabulary [0, {V})")
-        if request.stop_strings and self.tokenizer is None:
-            raise ValueError(
-                "stop strings need a tokenizer to decode the output; pass tokenizer=... or stop token ids"
-            )
-        tree = request.tree
-        auto = tree is not None and tree.auto  # planned at admission, where forwards may run
-        uses_draft = tree is not None and self.drafter.needs_draft_model
-        if auto:  # with nothing to draft with, an automatic tree decodes plainly
-            uses_draft = uses_draft and self.drafts[0] is not None
-        elif uses_draft and self.drafts[0] is None:
-            raise ValueError(
-                f"drafter={self.drafter.name} needs a draft model; pass draft=..., use drafter='ngram' or "
-                f"'lookup', or tree=None for plain decoding"
-            )
-        for name, runner in (("target", self.targets[0]), ("draft", self.drafts[0] if uses_draft else None)):
-            limit = getattr(runner, "max_positions", None)
-            # no room for one token is the prompt's fault, not max_new_tokens'
-            if limit is not None and len(request.prompt) >= limit:
-                raise ValueError(
-                    f"the prompt ({len(request.prompt)} tokens) fills the {name} model's {limit} "
-                    f"positions; shorten it"
-                )
-            if limit is not None and len(request.prompt) + request.max_new_tokens > limit:
-                raise ValueError(
-                    f"prompt ({len(request.prompt)} tokens) + max_new_tokens "
-                    f"({request.max_new_tokens}) exceeds "
-                    f"the {name} model's {limit} positions; shorten the prompt or lower max_new_tokens"
-                )
-        if self.max_kv_tokens is not None and request.slots > self.max_kv_tokens:
-            raise ValueError(
-                f"the request needs up to {request.slots} KV cache slots (prompt {len(request.prompt)} + "
-                f"max_new_tokens {request.max_new_tokens} + tree depth), more than max_kv_tokens="
-                f"{self.max_kv_tokens}; raise max_kv_tokens or shorten the request"
-            )
-        if request.logprobs is not None and request.logprobs > V:
-            raise ValueError(f"logprobs={request.logprobs} asks for more tokens than the vocabulary's {V}")
+        check_request(
+            request, self.targets[0], self.drafts[0], self.drafter, self.tokenizer, self.max_kv_tokens
+        )
+        tree, V = request.tree, self.vocab_size
         rule = self._rule(tree, request)
         stop = None
         if request.stop_strings or request.stop_token_ids:
@@ -455,95 +443,94 @@ class Engine:
         return plan
 
     def _admit(self) -> None:
-        admitted = []
+        """Give waiting requests lanes, in order, while lanes and `max_kv_tokens` allow; each
+        starts loading its prompt (an automatic tree is planned first: plain decoding drafts,
+        and loads, nothing)."""
         while self.waiting and len(self.live) < self.max_live:
-            state = self.waiting[0]
-            if self.max_kv_tokens is not None and self.kv_tokens + state.request.slots > self.max_kv_tokens:
+            r = self.waiting[0]
+            if self.max_kv_tokens is not None and self.kv_tokens + r.request.slots > self.max_kv_tokens:
                 break  # in order: it waits for a finishing request to free slots
             self.waiting.pop(0)
-            state.lane = next(i for i in range(self.max_live) if i not in self.live)
-            self.live[state.lane] = state
-            admitted.append(state)
-        if not admitted:
-            return
-        t0 = time.perf_counter()
-        try:
-            kept = []
-            for r in admitted:
-                r.started = t0
-                r.status, r.context = "live", list(r.request.prompt)
-                # 0 unless prefix_reuse; with a head drafter, no more than the positions whose
-                # features it still holds (the target recomputes the rest, features included)
-                limit = self.drafter.reusable(self.drafts[r.lane], r.context) if self.taps else None
-                kept.append(self.targets[r.lane].keep_prefix(r.context[:-1][:limit]))
-            # the target holds all but the last prompt token (the root of the first tree)
-            prompt_scores = prefill_many(
-                [(self.targets[r.lane], r.context[k:-1]) for r, k in zip(admitted, kept)]
-            )
-        except Exception:  # noqa: BLE001 - one request's prefill failed (e.g. its cache cannot grow)
-            admitted, prompt_scores = self._prefill_alone(admitted)
-        except BaseException:
-            self._unadmit(admitted)
-            raise
-        planning = {}  # seconds each request's plan took (the first may measure the costs)
-        for r, prompt in zip(admitted, prompt_scores):
+            r.lane = next(i for i in range(self.max_live) if i not in self.live)
+            self.live[r.lane] = r
+            r.status, r.context, r.loading = "live", list(r.request.prompt), True
+            r.started = time.perf_counter()
             try:
                 if r.tree is not None and r.tree.auto:
                     t_plan = time.perf_counter()
                     r.plan = self._plan(r.request)
                     r.tree = r.plan.tree
                     r.rule = self._rule(r.tree, r.request)  # a planned chain: block; plain: token
-                    planning[r.id] = time.perf_counter() - t_plan
+                    r.stats.plan_seconds = time.perf_counter() - t_plan
+                # 0 unless prefix_reuse; with a head drafter, no more than the positions whose
+                # features it still holds (the target recomputes the rest, features included)
+                limit = self.drafter.reusable(self.drafts[r.lane], r.context) if self.taps else None
+                draft = self.drafter.needs_draft_model and not self.taps and r.tree is not None
+                self.loader.begin(r, limit, draft and self.drafts[r.lane] is not None)
             except Exception as e:  # noqa: BLE001 - its plan failed (the costs' measurement): it ends alone
                 self._fail(r, e)
-                continue
-            tree = r.tree
-            if tree is None:
-                continue
-            try:
-                r.drafter = self.drafter.make(tree, self.drafts[r.lane])
-                r.drafter.constrain(r.matcher)
-                r.depth_policy = depth_policy(tree, r.plan)
-                r.drafter.start(r.request.prompt, r.request.sampling, r.rng)
-                if r.drafter.taps and prompt is not None:
-                    r.drafter.read_target(prompt)
-                r.draft_forwards_before = sum(x.forwards for x in r.drafter.runners())
-            except Exception as e:  # noqa: BLE001 - its drafter failed to start: it ends alone
-                self._fail(r, e)
             except BaseException:
-                self._unadmit([s for s in admitted if s.status == "live"])
+                self._unadmit([r])
                 raise
-        t1 = time.perf_counter()
-        for r in admitted:  # planning is not prefill
-            r.stats.plan_seconds = planning.get(r.id, 0.0)
-            r.stats.prefill_seconds = t1 - t0 - r.stats.plan_seconds
 
-    def _prefill_alone(self, admitted: list[RequestState]) -> tuple[list[RequestState], list[Scores | None]]:
-        """After a packed prefill failed: each request prefilled on its own, so that the one
-        at fault ends alone (finish_reason "error") and the others are admitted. Returns them
-        and their prompts' scores."""
-        ok, scores = [], []
-        for i, r in enumerate(admitted):
-            target = self.targets[r.lane]
-            target.reset()
-            try:
-                (prompt,) = prefill_many([(target, r.context[:-1])])
-            except Exception as e:  # noqa: BLE001 - this request's own failure
-                target.reset()
-                self._fail(r, e)
+    def _load(self) -> None:
+        """One step's prompt pieces (`PromptLoader.feed`, at most `round_tokens` tokens in all);
+        a request whose prompt is whole starts decoding."""
+        loading = [r for r in self.live.values() if r.loading]  # admission order
+        if not loading:
+            return
+        done, failed = self.loader.feed(loading, self.round_tokens)
+        for r, e in failed:
+            self._fail(r, e)
+        for r in done:
+            self._start(r)
+
+    def _start(self, r: RequestState) -> None:
+        """`r`'s prompt is in its cache: its drafter starts (reading the prompt's features, for
+        a feature drafter) and it decodes from the next round on. A drafter that fails to start
+        ends its request alone; an interrupt leaves it loaded, to start again next step."""
+        t = time.perf_counter()
+        try:
+            if r.tree is not None:
+                r.drafter = self.drafter.make(r.tree, self.drafts[r.lane])
+                r.drafter.constrain(r.matcher)
+                r.depth_policy = depth_policy(r.tree, r.plan)
+                with self.loader.loaded(r):
+                    r.drafter.start(r.request.prompt, r.request.sampling, r.rng)
+                if r.drafter.taps:
+                    for scores in r.prompt_scores:
+                        r.drafter.read_target(scores)
+                r.draft_forwards_before = sum(x.forwards for x in r.drafter.runners())
+        except Exception as e:  # noqa: BLE001 - its drafter failed to start: it ends alone
+            self._fail(r, e)
+            return
+        except BaseException:
+            r.drafter, r.depth_policy = None, None
+            raise
+        r.loading, r.prompt_scores = False, []
+        r.stats.prefill_seconds += time.perf_counter() - t
+
+    def _release(self) -> None:
+        """The lanes given up since the last call (finished, cancelled and failed requests)
+        forget their sequences and give back their cache memory, unless the engine keeps them
+        (`release_lanes`) or a lane reuses prefixes (a chat's next turn starts from it)."""
+        freed, self._freed = self._freed, []
+        if not self.release_lanes:
+            return
+        for lane in freed:
+            if lane in self.live:  # taken again already
                 continue
-            except BaseException:
-                self._unadmit(ok + [r] + admitted[i + 1 :])
-                raise
-            ok.append(r)
-            scores.append(prompt)
-        return ok, scores
+            for runner in (self.targets[lane], self.drafts[lane]):
+                if runner is not None and not runner.prefix_reuse:
+                    runner.release()
 
     def _unadmit(self, states: list[RequestState]) -> None:
         """Put requests whose admission was interrupted back at the head of the queue."""
         for r in states:
             del self.live[r.lane]
             r.status, r.lane, r.drafter, r.depth_policy, r.context = "waiting", None, None, None, []
+            r.loading, r.plan, r.tree = False, None, r.request.tree  # planned again when admitted
+            r.rule = self._rule(r.tree, r.request)
         self.waiting[:0] = states
 
     def _fail(self, state: RequestState, error: BaseException) -> None:
@@ -573,7 +560,8 @@ class Engine:
         if isinstance(state.depth_policy, AutoDepth) and self.planner is not None and state.matcher is None:
             self.planner.remember(state.plan, state.depth_policy.counts)
         if state.status == "live":
-            del self.live[state.lane]  # the lane's cache is reset when the next request takes it
+            del self.live[state.lane]
+            self._freed.append(state.lane)  # its memory is given back after the round (`_release`)
         state.status = "finished" if reason != "cancelled" else "cancelled"
 
     def _get(self, request_id: int) -> RequestState:

@@ -20,7 +20,7 @@ decoder and the drafters therefore never do slot arithmetic, and the exactness t
 this very bookkeeping with table-defined toy models.
 
 The seam has two sides. The decoder and the drafters call `prefill`, `score`, `extend`,
-`commit`, `discard_pending`, `keep_prefix`, `lanes` (and `prefill_many`, `score_many`,
+`commit`, `discard_pending`, `keep_prefix`, `release`, `lanes` (and `prefill_many`, `score_many`,
 `extend_many` for several runners at once). A model backend implements the cache hooks
 `reset_cache`, `forward`, `keep_slots`, `truncate` (and `forward_many` where its lanes share
 one forward, `new_lane` where it makes lanes by copying); the bookkeeping calls them. A wrapper
@@ -190,8 +190,16 @@ class Runner(ABC):
         self.truncate(kept)
         return kept
 
+    def release(self) -> None:
+        """End this lane's sequence and give back the memory its cache held (an engine calls it
+        when a request leaves the lane). A reset; a backend whose cache memory outlives a reset
+        (the native pool) also shrinks it."""
+        self.reset()
+
     def prefill(self, tokens: Sequence[int]) -> None:
-        """Feed and commit `tokens` after the committed prefix (no pending nodes allowed)."""
+        """Feed and commit `tokens` after the committed prefix (no pending nodes allowed). A
+        prompt may be prefilled in pieces, one call each: a piece is causal after the cached
+        slots, positions continuing, so the cache ends as one call would leave it."""
         prefill_many([(self, tokens)])
 
     def score(self, tree: TokenTree) -> torch.Tensor:

@@ -6,8 +6,11 @@
 moving slots (commit) is one gather over every layer at once. A runner is one lane (row) of a
 pool. The capacity doubles (capped near max_positions) when a forward would overflow it, so a
 128k-token model does not allocate 128k slots up front, and the rows allocated double when a
-lane beyond them first runs, so an engine's idle lanes cost nothing. The pool also holds the
-RoPE tables of its positions (positions never exceed the slot count).
+lane beyond them first runs, so an engine's idle lanes cost nothing. Both shrink back when the
+lanes' sequences end (`trim`, after a burst of long prompts), with hysteresis: only a pool four
+times larger than what its lanes hold is reallocated, to twice what they hold, so steady serving
+does not reallocate every request. The pool also holds the RoPE tables of its positions
+(positions never exceed the slot count).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from ..checkpoint import LlamaShape
 from .model import rope_rows
 
 INITIAL_CAPACITY = 256  # cache slots allocated before the first growth
+SHRINK_AT = 4  # `trim` reallocates a pool this many times larger than its lanes hold
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -48,6 +52,7 @@ class KVPool:
         self.shape, self.rows, self.inv_freq, self.dtype, self.device = shape, rows, inv_freq, dtype, device
         self.kv = torch.zeros(0, device=device, dtype=dtype)
         self.capacity = self.allocated = 0
+        self.filled = [0] * rows  # slots each lane's cache holds (its runner's `filled`)
         capacity = min(INITIAL_CAPACITY, shape.max_positions or INITIAL_CAPACITY)
         self._check_memory(rows, capacity)  # a pool that could never hold its lanes: refused now
         self.grow(capacity, 1)
@@ -65,18 +70,22 @@ class KVPool:
 
     @torch.inference_mode(False)
     def grow(self, capacity: int, rows: int) -> None:
-        """Reallocate for `rows` lanes of `capacity` slots (keeping what the cache holds) and the
-        RoPE tables for positions [0, capacity): positions never exceed the slot count. A cache
-        that would not fit in the memory available now is refused before anything is allocated.
-        The tensors are ordinary ones wherever it grows (inside a forward's inference mode too):
-        a compiled graph guards on its inputs' dispatch keys, and would recompile."""
+        """Reallocate for `rows` lanes of `capacity` slots (keeping what the cache holds in
+        them: a smaller pool keeps the slots and lanes that fit) and the RoPE tables for
+        positions [0, capacity): positions never exceed the slot count. A cache that would not
+        fit in the memory available now is refused before anything is allocated. The tensors
+        are ordinary ones wherever it grows (inside a forward's inference mode too): a compiled
+        graph guards on its inputs' dispatch keys, and would recompile."""
         s, old = self.shape, self.kv
-        self._check_memory(rows, capacity)
+        if capacity > self.capacity or rows > self.allocated:
+            self._check_memory(rows, capacity)
         self.kv = torch.zeros(
             s.layers, 2, rows, s.kv_heads, capacity, s.head_dim, device=self.device, dtype=self.dtype
         )  # [L, 2, R, Hkv, cap, D]
         if old.numel():
-            self.kv[:, :, : old.shape[2], :, : old.shape[-2]] = old
+            r, c = min(rows, old.shape[2]), min(capacity, old.shape[-2])
+            self.kv[:, :, :r, :, :c] = old[:, :, :r, :, :c]
+        del old
         self.allocated = rows
         if capacity != self.capacity:
             # as HF's rotary embedding: float32 angles, cos/sin, then the compute dtype
@@ -102,3 +111,15 @@ class KVPool:
             allocated = min(self.rows, max(rows, 2 * allocated))
         if (capacity, allocated) != (self.capacity, self.allocated):
             self.grow(capacity, allocated)
+
+    def trim(self) -> None:
+        """Give back memory the lanes no longer hold (after their sequences ended: `filled`):
+        a capacity or a row count over `SHRINK_AT` times what the lanes hold (at least the
+        initial capacity, one row) is reallocated to twice that, keeping every slot a lane
+        holds."""
+        need = max(max(self.filled), min(INITIAL_CAPACITY, self.shape.max_positions or INITIAL_CAPACITY))
+        used = max((row + 1 for row, n in enumerate(self.filled) if n), default=1)
+        capacity = min(self.capacity, 2 * need) if self.capacity > SHRINK_AT * need else self.capacity
+        rows = min(self.allocated, 2 * used) if self.allocated > SHRINK_AT * used else self.allocated
+        if (capacity, rows) != (self.capacity, self.allocated):
+            self.grow(capacity, rows)

@@ -229,8 +229,23 @@ class NativeRunner(Runner):
             out.append(lane)
         return out
 
+    @property
+    def filled(self) -> int:
+        """Slots [0, filled) of this lane hold keys and values (kept by the pool, which trims
+        itself to what its lanes hold)."""
+        return self.pool.filled[self.row]
+
+    @filled.setter
+    def filled(self, n: int) -> None:
+        self.pool.filled[self.row] = n
+
     def reset_cache(self) -> None:
-        self.filled = 0  # slots [0, filled) hold keys and values
+        self.filled = 0
+
+    def release(self) -> None:
+        """A reset, and the pool gives back the memory its lanes no longer hold (`KVPool.trim`)."""
+        super().release()
+        self.pool.trim()
 
     @torch.inference_mode()
     def keep_slots(self, nodes: list[int]) -> None:
