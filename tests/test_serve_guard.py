@@ -66,6 +66,14 @@ def test_v1_routes_want_a_key_and_health_and_metrics_do_not():
     assert call(Guard(echo), "GET", "/v1/models").status_code == 200  # no keys: open
 
 
+def test_the_schema_and_docs_pages_want_a_key_too():
+    guard = Guard(echo, api_keys=("k1",))
+    for path in ("/openapi.json", "/docs", "/redoc"):
+        assert call(guard, "GET", path).status_code == 401, path
+        assert call(guard, "GET", path, headers={"authorization": "Bearer k1"}).status_code == 200, path
+    assert call(Guard(echo), "GET", "/openapi.json").status_code == 200  # no keys: open
+
+
 def test_the_openai_client_sees_an_authentication_error():
     guard = Guard(echo, api_keys=("secret",))
 

@@ -134,3 +134,59 @@ def test_text_stream_never_shows_half_a_character():
     pieces = [stream.feed([t]) for t in ids]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) + stream.finish(ids) == tok.decode(ids) == text
+
+
+def _first_stop_brute(text, stops):
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def _prefix_len_brute(text, stops):
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+def test_one_automaton_finds_what_every_string_alone_finds():
+    """`StopSet` (a trie regex and a sorted list) against each stop string checked alone, on
+    random texts over a small alphabet with regex metacharacters, shared prefixes and stops
+    that are prefixes of others."""
+    import random
+
+    from treespec.output import first_stop, stop_prefix_len
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        alphabet = "ab.*\\(\n"[: rng.randint(2, 7)]
+        stops = ["".join(rng.choices(alphabet, k=rng.randint(1, 5))) for _ in range(rng.randint(1, 6))]
+        text = "".join(rng.choices(alphabet, k=rng.randint(0, 12)))
+        assert first_stop(text, stops) == _first_stop_brute(text, stops), (text, stops)
+        assert stop_prefix_len(text, stops) == _prefix_len_brute(text, stops), (text, stops)
+
+
+def test_many_stop_strings_match_in_the_callers_order():
+    stops = [f"w{i}" for i in range(70, 80)] + ["cd", "b"]
+    got, out = _emit([["a", "b", "c", "d"]], StopMatcher(stops, set(), TOK))
+    assert got == "ab" and out.stop_match == "b"
+    got, out = _emit([["w7", "w71"]], StopMatcher(stops, set(), TOK))  # "w7w71" completes "w71"
+    assert out.stop_match == "w71"
+    # a token completing two stops at once reports the first of the caller's list
+    got, out = _emit([["a"], ["cde"]], StopMatcher(["e", "cde"], set(), TOK))
+    assert got == "acde" and out.stop_match == "e"
+
+
+def test_stop_strings_are_capped_in_every_front_end(dec):
+    from treespec.request import MAX_STOP_LENGTH, MAX_STOP_STRINGS, Request, make_request
+
+    ok = [f"s{i}" for i in range(MAX_STOP_STRINGS)]
+    assert make_request([3, 4], TOK, stop=ok).stop_strings == tuple(ok)
+    assert make_request([3, 4], TOK, stop=["x" * MAX_STOP_LENGTH]).stop_strings
+    for bad, match in (
+        (ok + ["one more"], f"more than the {MAX_STOP_STRINGS} a request may give"),
+        ([f"s{i}" for i in range(100_000)], "100000 stop strings"),
+        (["x" * (MAX_STOP_LENGTH + 1)], f"more than the {MAX_STOP_LENGTH} a stop string may have"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            make_request([3, 4], TOK, stop=bad)
+        with pytest.raises(ValueError, match=match):
+            Request((3, 4), stop_strings=tuple(bad))
+        with pytest.raises(ValueError, match=match):
+            dec.generate([3, 4], 4, stop=bad)

@@ -192,7 +192,7 @@ def test_cli_constraint_flags(capsys, tmp_path):
 # ---- the server -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from .test_serve import start_server
+    from .servers import start_server
 
     yield from start_server(tmp_path_factory, "float32")
 

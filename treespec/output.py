@@ -2,11 +2,15 @@
 
 OutputBuilder      a sequence's new tokens: length limit, EOS, stops, streaming callback
 StopMatcher        stop strings (matched on decoded text across rounds) and stop token ids
+StopSet            many stop strings as one automaton: where one begins, what may still become one
 GenerationOutput   the result: tokens, their sources, stats, text, finish reason, trace
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -30,6 +34,79 @@ OnTokens = Callable[[list[int], list[TokenSource]], None]
 FinishReason = Literal["eos", "length", "stop", "cancelled", "error"]
 
 
+class StopSet:
+    """Stop strings as one automaton, so that a check costs what the text costs, not what the
+    number of strings does: a regex over their trie (common prefixes shared, every branch
+    starting with its own character, so a position is ruled out after one character whatever
+    the count) finds the first; a sorted list answers which tail of a text may still grow into
+    one (a binary search per candidate start, the candidates being the last `longest` - 1
+    characters that begin some stop string)."""
+
+    def __init__(self, strings: Sequence[str]):
+        self.strings = tuple(strings)
+        self.longest = max(map(len, self.strings), default=0)
+        self._sorted = sorted(set(self.strings))
+        self._firsts = frozenset(x[0] for x in self._sorted if x)
+        self._any = _trie_regex(self._sorted) if self._sorted else None
+
+    def search(self, text: str, start: int = 0) -> int | None:
+        """Where the first stop string in `text[start:]` begins (an index into `text`)."""
+        m = None if self._any is None else self._any.search(text, start)
+        return None if m is None else m.start()
+
+    def prefix_len(self, text: str) -> int:
+        """The longest tail of `text` that is a proper prefix of a stop string, 0 if none."""
+        keys = self._sorted
+        for i in range(max(0, len(text) - self.longest + 1), len(text)):
+            if text[i] not in self._firsts:
+                continue
+            tail = text[i:]
+            j = bisect.bisect_left(keys, tail)
+            while j < len(keys) and keys[j] == tail:  # a whole stop string is not a proper prefix
+                j += 1
+            if j < len(keys) and keys[j].startswith(tail):
+                return len(tail)
+        return 0
+
+
+def _trie_regex(strings: list[str]) -> re.Pattern:
+    """One regex matching any of `strings` (sorted, distinct, non-empty), shaped as their trie;
+    single-child runs are literals, so groups nest only where strings branch."""
+    trie: dict = {}
+    for s in strings:
+        node = trie
+        for ch in s:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def walk(node: dict) -> str:
+        alts = []
+        for ch, child in node.items():
+            if ch == "":
+                continue
+            run = ch
+            while len(child) == 1 and "" not in child:  # a chain: one literal
+                ((c, child),) = child.items()
+                run += c
+            alts.append(re.escape(run) + walk(child))
+        if not alts:
+            return ""
+        body = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+        # the empty alternative: a string may end here (the search only needs where a match starts)
+        return ("(?:" + body + ")?") if "" in node else body
+
+    try:
+        return re.compile(walk(trie))
+    except (RecursionError, re.error, OverflowError):  # a trie too deep for re: a flat alternation
+        return re.compile("|".join(re.escape(s) for s in sorted(strings, key=len, reverse=True)))
+
+
+@functools.lru_cache(maxsize=64)
+def stop_set(strings: tuple[str, ...]) -> StopSet:
+    """The (cached) automaton of `strings`."""
+    return StopSet(strings)
+
+
 class StopMatcher:
     """Stop strings and stop token ids, checked after every emitted token.
 
@@ -39,17 +116,22 @@ class StopMatcher:
     "\n\n\n"). Strings are matched on the decoded generated text (prompt excluded), so a stop
     string may span tokens accepted in different rounds. A stop token id ends generation at
     that token, kept, like EOS.
+
+    A check decodes only the tail that can hold a stop string overlapping the last token and
+    searches it with one automaton (`StopSet`): its cost grows with the longest stop string,
+    not with their number (a request's count and length are capped: `treespec.request`).
     """
 
     def __init__(self, strings: list[str], token_ids: set[int], tokenizer=None):
         self.strings, self.token_ids, self.tokenizer = strings, token_ids, tokenizer
         self.longest = max((len(x) for x in strings), default=0)
+        self._set = stop_set(tuple(strings)) if strings else None
 
     def match(self, ids: list[int]) -> str | int | None:
         """The stop string or id that the last of `ids` (the generated tokens) completes."""
         if ids[-1] in self.token_ids:
             return ids[-1]
-        if not self.strings:
+        if self._set is None:
             return None
         # decode a tail long enough to hold any stop string overlapping the last token, plus a
         # margin for a character cut at the window's start (byte-level tokens)
@@ -60,7 +142,9 @@ class StopMatcher:
             if len(text) >= need or w == len(ids):
                 break
             w = min(len(ids), 2 * w)
-        return next((x for x in self.strings if x in text), None)
+        if self._set.search(text) is None:
+            return None
+        return next(x for x in self.strings if x in text)  # the first in the caller's order
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -171,6 +255,7 @@ class TextStream:
 
     def __init__(self, tokenizer, stops: Sequence[str] = ()):
         self.tokenizer, self.stops = tokenizer, tuple(stops)
+        self._stops = stop_set(self.stops) if self.stops else None
         self.ids: list[int] = []
         self.shown = ""  # text released so far
 
@@ -178,8 +263,11 @@ class TextStream:
         """Add a round's tokens; the new text that is safe to show (may be empty)."""
         self.ids.extend(ids)
         text = self._decode(self.ids).rstrip("\ufffd")  # a character still being spelled out
-        cut = first_stop(text, self.stops)
-        text = text[: len(text) - stop_prefix_len(text, self.stops)] if cut is None else text[:cut]
+        cut = None if self._stops is None else self._stops.search(text)
+        if cut is None:
+            text = text if self._stops is None else text[: len(text) - self._stops.prefix_len(text)]
+        else:
+            text = text[:cut]
         return self._release(text)
 
     def finish(self, token_ids: Sequence[int]) -> str:
@@ -191,7 +279,7 @@ class TextStream:
     def text(self) -> str:
         """The final text of the tokens so far: decoded, cut before the first stop string."""
         text = self._decode(self.ids)
-        cut = first_stop(text, self.stops)
+        cut = None if self._stops is None else self._stops.search(text)
         return text if cut is None else text[:cut]
 
     def _release(self, text: str) -> str:
@@ -206,17 +294,10 @@ class TextStream:
 
 def first_stop(text: str, stops: Sequence[str]) -> int | None:
     """Where the first stop string in `text` begins (None if there is none)."""
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(found) if found else None
+    return stop_set(tuple(stops)).search(text) if stops else None
 
 
 def stop_prefix_len(text: str, stops: Sequence[str]) -> int:
     """The longest tail of `text` that is a proper prefix of a stop string (it may still
     become one), 0 if none."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
+    return stop_set(tuple(stops)).prefix_len(text) if stops else 0

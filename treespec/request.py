@@ -29,6 +29,13 @@ if TYPE_CHECKING:
     from .trace import RoundTrace
 
 ROLES = ("system", "user", "assistant", "tool")
+# Stop strings a request may carry, and their length in characters. Every emitted token is
+# checked against them (`treespec.output.StopMatcher`: one automaton over the tail that can
+# hold one, so the cost grows with the longest, not the count) and a stream holds back a tail
+# as long as the longest; OpenAI allows 4, and no real use needs a list in the hundreds
+# (a 1.2 MB list of 100,000 slowed every other request's rounds 5x).
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,7 @@ class Request:
         check_seed(self.seed)
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise ValueError(f"stop strings must be non-empty str, got {self.stop_strings!r}")
+        check_stop_strings(self.stop_strings)
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop token ids must be ints >= 0, got {self.stop_token_ids!r}")
         object.__setattr__(self, "verification", rule_name(self.verification))  # "auto" is None
@@ -216,6 +224,7 @@ def parse_stop(stop) -> tuple[tuple[str, ...], tuple[int, ...]]:
         raise ValueError(
             f"stop must be a string, a token id or a list of them, got {type(stop).__name__}"
         ) from None
+    check_stop_strings([x for x in items if isinstance(x, str)])
     strings, ids = [], []
     for x in items:
         if isinstance(x, str):
@@ -229,6 +238,21 @@ def parse_stop(stop) -> tuple[tuple[str, ...], tuple[int, ...]]:
         else:
             raise ValueError(f"stop entries must be strings or int token ids, got {x!r} ({type(x).__name__})")
     return tuple(strings), tuple(dict.fromkeys(ids))
+
+
+def check_stop_strings(strings: Sequence[str]) -> None:
+    """At most MAX_STOP_STRINGS stop strings of at most MAX_STOP_LENGTH characters each."""
+    if len(strings) > MAX_STOP_STRINGS:
+        raise ValueError(
+            f"stop: {len(strings)} stop strings, more than the {MAX_STOP_STRINGS} a request may "
+            f"give; keep the {MAX_STOP_STRINGS} that matter, or cut the text after it arrives"
+        )
+    for i, x in enumerate(strings):
+        if isinstance(x, str) and len(x) > MAX_STOP_LENGTH:
+            raise ValueError(
+                f"stop string {i} is {len(x)} characters long, more than the {MAX_STOP_LENGTH} a "
+                f"stop string may have; use its first {MAX_STOP_LENGTH} characters"
+            )
 
 
 def check_seed(seed) -> None:

@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import logging
 import os
 import threading
 import time
@@ -30,18 +31,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI
-from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.requests import Request as HTTPRequest
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 
 from ..config import SamplingConfig, TreeConfig
 from ..engine import Engine
-from ..output import GenerationOutput, TextStream, TokenLogprobs
+from ..output import GenerationOutput, TextStream, TokenLogprobs, stop_set
 from ..request import Request, check_chat, encode_prompt, make_request
 from ..trace import round_to_json
 from . import routes
+from .body import content_text, parse_body
 from .errors import ERROR_HANDLERS, bad_request
 from .guard import Guard
 from .loop import EngineLoop, Job
@@ -67,6 +67,7 @@ from .protocol import (
 from .structured import check_compiles, constraint_of
 
 PAGE = Path(__file__).with_name("page.html")
+log = logging.getLogger("treespec.serve")
 DEFAULT_CONTEXT = 4096  # the context assumed for a model that does not state its positions
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 # a request's tree costs every live request its round (t(n)/t(1) grows with the nodes): the
@@ -76,6 +77,10 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 TEXT_SLACK = 2  # a normalizer may shorten a text before it is split: refuse only twice past the bound
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # a 128k-token prompt is ~0.5 MB of text, ~1 MB of token ids
 DEFAULT_READ_TIMEOUT_S = 30.0  # headers (from the connection or the last response) and then a body
+# shutdown: once the grace period is over, the engine cancels what runs at its next step
+# boundary; whatever it has not answered CUT_S later is answered by the server itself
+CUT_S = 1.0
+STOP_WAIT_S = 2.0  # then the engine thread has this long to leave its step (treespec.serve.cli)
 
 
 @dataclass(frozen=True)
@@ -105,7 +110,9 @@ class Server:
         self.loop = EngineLoop(engine, self.metrics)
         self.created = int(time.time())
         self.draining = False
-        positions = settings.max_positions or engine.status().max_positions
+        self.jobs: set[Job] = set()  # submitted and not yet answered (event loop only)
+        self.aloop: asyncio.AbstractEventLoop | None = None  # the event loop (set at startup)
+        positions = settings.max_positions or self.loop.status.max_positions
         self.max_positions: int | None = positions
         # requests are tokenized and checked here, one at a time, never on the event loop: a
         # long prompt takes seconds to tokenize, and /health and every stream would wait
@@ -121,9 +128,23 @@ class Server:
         if self.draining:
             return
         self.draining = True
-        timer = threading.Timer(grace_period, self.loop.cancel_all)
-        timer.daemon = True
-        timer.start()
+        _after(grace_period, self.grace_over)
+
+    def grace_over(self) -> None:
+        """(a timer's thread) The grace period is over: the engine cancels every request at its
+        next step boundary and answers them; `cut` answers CUT_S later what it has not."""
+        self.loop.cancel_all()
+        if self.aloop is not None:
+            _after(CUT_S, _call_soon, self.aloop, self.cut)
+
+    def cut(self) -> None:
+        """(event loop) End every request still open without waiting for the engine (busy in a
+        long step): streams with finish_reason "cancelled" and [DONE], the others 503."""
+        for job in list(self.jobs):
+            job.cut = True
+            if job.waiter is not None and not job.waiter.done():
+                job.waiter.cancel()  # not yet added: the engine thread will skip it
+            job.queue.put_nowait(("done", None, None))
 
     async def off_loop(self, fn, *args):
         """`fn(*args)` on the preparing thread; its exceptions (ServeError) raise here."""
@@ -192,7 +213,7 @@ class Server:
             given = "verification" in body.model_fields_set
             verification = body.verification if given else self.settings.verification
             stop = [body.stop] if isinstance(body.stop, str) else body.stop
-            return make_request(
+            request = make_request(
                 ids,
                 self.tokenizer,
                 stop=stop or None,
@@ -208,6 +229,9 @@ class Server:
             )
         except ValueError as e:
             raise bad_request(e, field) from None
+        if request.stop_strings:  # their automaton, built here rather than on the event loop
+            stop_set(request.stop_strings)
+        return request
 
     def check_text_size(self, prompt, field: str) -> None:
         """Refuse a text (or chat) far beyond the context before tokenizing it: its bytes over
@@ -228,37 +252,14 @@ class Server:
             )
 
     def parse(self, raw: bytes, model):
-        """A request body as `model` (a pydantic class). Lists the context cannot hold (token
-        ids, chat messages) are refused by their length before pydantic walks them: validating
-        a huge list holds the event loop, and every stream with it."""
-        try:
-            data = json.loads(raw) if raw.strip() else None
-        except ValueError as e:
-            raise ServeError(400, f"the request body is not valid JSON: {e}") from None
-        if not isinstance(data, dict):  # empty, or JSON that is not an object
-            raise ServeError(400, "the request body must be a JSON object (Content-Type: application/json)")
-        if self.max_positions is not None:
-            prompt, messages = data.get("prompt"), data.get("messages")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
-                prompt = prompt[0]
-            for field, items, what in (("prompt", prompt, "tokens"), ("messages", messages, "messages")):
-                if isinstance(items, list) and len(items) > self.max_positions:
-                    raise ServeError(
-                        400,
-                        f"{field}: {len(items)} {what}, more than the model's {self.max_positions} "
-                        "positions can hold; shorten it",
-                        param=field,
-                    )
-        try:
-            return model.model_validate(data)
-        except ValidationError as e:
-            raise RequestValidationError(e.errors()) from None
+        """A request body as `model` (a pydantic class); 400s as `treespec.serve.body` says."""
+        return parse_body(raw, model, self.max_positions)
 
     def room(self, prompt_len: int, tree: TreeConfig | None) -> int:
         """The default max_tokens: what the context and `max_kv_tokens` leave after the prompt."""
         context = self.max_positions or DEFAULT_CONTEXT
         room = context - prompt_len
-        budget = self.engine.status().max_kv_tokens
+        budget = self.loop.status.max_kv_tokens
         if budget is not None:  # a request reserves prompt + max_tokens + its deepest tree
             room = min(room, budget - prompt_len - (0 if tree is None else tree.max_depth))
         if room < 1:
@@ -277,11 +278,7 @@ class Server:
         for i, m in enumerate(body.messages):
             content = m.content
             if isinstance(content, list):
-                if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-                    raise ServeError(
-                        400, "only text content parts are supported", param=f"messages[{i}].content"
-                    )
-                content = "".join(str(p.get("text", "")) for p in content)
+                content = content_text(content, i)
             if not isinstance(content, str):
                 raise ServeError(400, f"messages[{i}].content must be text", param=f"messages[{i}].content")
             messages.append({"role": m.role, "content": content})
@@ -298,7 +295,7 @@ class Server:
         if self.draining or not self.loop.alive:
             self.metrics.reject(503)
             raise ServeError(503, "the server is shutting down", type="unavailable", code="shutting_down")
-        limit, lanes = self.settings.max_queue, self.engine.status().max_live
+        limit, lanes = self.settings.max_queue, self.loop.status.max_live
         if limit is not None and self.loop.outstanding >= lanes + limit:
             self.metrics.reject(429)
             raise ServeError(
@@ -310,12 +307,22 @@ class Server:
         fault = self.settings.faults and body.treespec_fault == "callback"
         job = Job(request, asyncio.get_running_loop(), arrival=arrival, fault=fault)
         try:
-            await asyncio.wrap_future(self.loop.submit(job))
+            job.waiter = asyncio.wrap_future(self.loop.submit(job))
+            self.jobs.add(job)
+            await job.waiter
         except ValueError as e:
+            self.jobs.discard(job)
             raise bad_request(e, field) from None
         except RuntimeError as e:
+            self.jobs.discard(job)
             self.metrics.reject(503)
             raise ServeError(503, str(e), type="unavailable") from None
+        except asyncio.CancelledError:
+            self.jobs.discard(job)
+            if not job.cut:
+                raise
+            message = "the server shut down before the request started; retry"
+            raise ServeError(503, message, type="unavailable", code="shutting_down") from None
         return job
 
     async def wait(self, job: Job, http: HTTPRequest) -> tuple[GenerationOutput | None, str | None]:
@@ -326,21 +333,23 @@ class Server:
             try:
                 item = await asyncio.wait_for(job.queue.get(), DISCONNECT_POLL_S)
                 if item[0] == "done":
+                    self.jobs.discard(job)
                     return item[1], item[2]
             except asyncio.TimeoutError:
                 pass
             if time.monotonic() >= next_check:
                 if await http.is_disconnected():
+                    self.jobs.discard(job)
                     self.loop.cancel(job)
                     return None, "the client disconnected"
                 next_check = time.monotonic() + DISCONNECT_POLL_S
 
     def failure(self, out: GenerationOutput | None, error: str | None) -> JSONResponse | None:
         """The answer to a non-streaming request that failed (`error`: 500) or that a shutdown
-        cut (503); None when it finished."""
+        cut (503; `out` None: cut by the server, `Server.cut`); None when it finished."""
         if error is not None:
             return JSONResponse(error_body(error, "server_error", None, "engine_error"), status_code=500)
-        if self.draining and out.finish_reason == "cancelled":
+        if out is None or (self.draining and out.finish_reason == "cancelled"):
             message = "the server shut down before the request finished; retry"
             return JSONResponse(error_body(message, "unavailable", None, "shutting_down"), status_code=503)
         return None
@@ -393,8 +402,8 @@ class Server:
             finish_reason=out.finish_reason,
         )
 
-    def usage(self, job: Job, out: GenerationOutput) -> Usage:
-        prompt, completion = len(job.request.prompt), len(out.token_ids)
+    def usage(self, job: Job, token_ids: list[int]) -> Usage:
+        prompt, completion = len(job.request.prompt), len(token_ids)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
     async def stream(self, job: Job, chat: bool, include_usage: bool):
@@ -466,12 +475,16 @@ class Server:
                 if error is not None:
                     yield sse(error_body(error, "server_error", None, "engine_error"))
                     break
-                rest = text.finish(out.token_ids)
+                ids = text.ids if out is None else out.token_ids  # None: cut at a shutdown
+                rest = text.finish(ids)
                 if rest:
                     yield chunk(rest)
-                yield chunk(finish=openai_finish_reason(out.finish_reason), treespec=self.stats(out))
+                if out is None:
+                    yield chunk(finish="cancelled")
+                else:
+                    yield chunk(finish=openai_finish_reason(out.finish_reason), treespec=self.stats(out))
                 if include_usage:
-                    usage = self.usage(job, out)
+                    usage = self.usage(job, ids)
                     if chat:
                         body = ChatCompletionChunk(
                             id=rid, created=created, model=self.model_name, choices=[], usage=usage
@@ -484,8 +497,22 @@ class Server:
                 break
             yield "data: [DONE]\n\n"
         finally:
+            self.jobs.discard(job)
             if not finished:  # the client went away (or the server is cancelling the stream)
                 self.loop.cancel(job)
+
+
+def _after(seconds: float, fn, *args) -> None:
+    timer = threading.Timer(seconds, fn, args)
+    timer.daemon = True
+    timer.start()
+
+
+def _call_soon(aloop: asyncio.AbstractEventLoop, fn) -> None:
+    try:
+        aloop.call_soon_threadsafe(fn)
+    except RuntimeError:  # the loop is closed: nothing left to answer
+        pass
 
 
 def sse(data: dict) -> str:
@@ -507,12 +534,15 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        srv.aloop = asyncio.get_running_loop()
         srv.loop.start()
         try:
             yield
         finally:
             srv.draining = True
-            await asyncio.to_thread(srv.loop.stop, grace_period)
+            srv.cut()  # anything still open (none after a graceful shutdown) is answered now
+            if not await asyncio.to_thread(srv.loop.stop, STOP_WAIT_S):
+                log.warning("the engine thread is still in a step %g s after the shutdown", STOP_WAIT_S)
             srv.prepare.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="treespec", lifespan=lifespan, docs_url=None, redoc_url=None)

@@ -94,6 +94,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "response), and then its body; a late one gets 408 and the connection closes (default 30)",
     )
     s.add_argument("--max-body-mb", type=float, default=4.0, help="larger request bodies get 413 (default 4)")
+    s.add_argument(
+        "--round-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens one engine step may prefill beside the live decodes (chunked prefill; "
+        "default: the engine's, 256); 0 prefills each prompt whole",
+    )
 
     a = p.add_argument_group("access")
     a.add_argument(
@@ -205,6 +212,11 @@ def build(args):
     name = name or Path(str(target)).name
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    chunking = {}  # --round-tokens: given, it replaces the engine's default budget
+    if args.round_tokens is not None:
+        if args.round_tokens < 0:
+            raise ValueError(f"--round-tokens must be >= 0 (0: whole prompts), got {args.round_tokens}")
+        chunking["round_tokens"] = args.round_tokens or None
     import torch
 
     from .. import parallel
@@ -224,6 +236,7 @@ def build(args):
         speculate_max_live=_speculate_max_live(args.speculate_max_live),
         deterministic=args.deterministic,
         shared_tree_nodes=shared_tree_nodes,
+        **chunking,
     )
     settings = ServeSettings(
         max_queue=args.max_queue,
@@ -309,13 +322,35 @@ def run(args) -> int:
     # handlers that would kill the process with SIGTERM's status or raise KeyboardInterrupt,
     # so a graceful exit is 0 whichever signal asked for it
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    code = 0
     try:
         server.run()
-    except KeyboardInterrupt:  # a second Ctrl-C: uvicorn's forced exit
-        return 130
+        if server.force_exit:  # a second Ctrl-C: uvicorn's forced exit (the app's shutdown skipped)
+            code = 130
+        elif getattr(server, "started", True) is False:
+            code = 1  # could not bind (uvicorn logged why)
+    except KeyboardInterrupt:
+        code = 130
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if getattr(server, "started", True) is False:
-        return 1  # could not bind (uvicorn logged why)
-    return 0
+    from .app import STOP_WAIT_S
+
+    # after a graceful shutdown the app has already waited STOP_WAIT_S for the thread
+    return leave(srv.loop, code, STOP_WAIT_S if code else 0.1)
+
+
+def leave(loop, code: int, wait: float) -> int:
+    """`code`, once the engine thread has ended. A thread still inside a step (a long forward)
+    after `wait` seconds is not waited for: the process ends at once (`os._exit`), since an
+    interpreter that exits under a running torch op aborts ("terminate called without an
+    active exception")."""
+    if loop.stop(wait):
+        return code
+    logging.getLogger("treespec.serve").warning(
+        "the engine thread is still in a step; exiting without it (%d)", code
+    )
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,9 +1,10 @@
 """What every HTTP request passes before the app sees it: the API key, the body's size and time.
 
 `Guard` is plain ASGI middleware, so it answers before FastAPI parses (or even reads) a body:
-- with API keys set, every `/v1` route wants `Authorization: Bearer <key>` (401 otherwise, as
-  OpenAI answers a wrong key; the keys are compared in constant time); `/health` and
-  `/metrics` stay open, for load balancers and scrapers;
+- with API keys set, every `/v1` route (and the schema, `/openapi.json`, and docs pages) wants
+  `Authorization: Bearer <key>` (401 otherwise, as OpenAI answers a wrong key; the keys are
+  compared in constant time); `/health` and `/metrics` stay open, for load balancers and
+  scrapers;
 - a body over `max_body_bytes` is answered 413: at once when its Content-Length says so, and
   while it arrives when it is sent chunked (nothing beyond the limit is kept);
 - a body that has not arrived `read_timeout` seconds after its headers is answered 408.
@@ -24,6 +25,8 @@ from pathlib import Path
 from .protocol import error_body
 
 API_KEY_ENV = "TREESPEC_API_KEY"
+# what wants a key when the server has keys: the API, and the schema and docs pages describing it
+KEYED = ("/v1", "/openapi.json", "/docs", "/redoc")
 
 
 def read_api_keys(keys: list[str] | None, key_file: str | None) -> tuple[str, ...]:
@@ -62,7 +65,7 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.keys and scope["path"].startswith("/v1") and not self.authorized(headers):
+        if self.keys and scope["path"].startswith(KEYED) and not self.authorized(headers):
             message = "a valid API key is required: send it as 'Authorization: Bearer <key>'"
             body = error_body(message, "invalid_request_error", code="invalid_api_key")
             return await _reply(send, 401, body, [(b"www-authenticate", b"Bearer")])

@@ -11,6 +11,11 @@ engine is only ever touched by that thread, and requests join and leave between 
 nothing to do the thread sleeps on a condition that `submit`, `cancel` and `stop` notify.
 Results cross back with `loop.call_soon_threadsafe` into each request's asyncio queue.
 
+The event loop never waits on the engine: the engine's lock is held for a whole step, so no
+handler calls the engine. The thread publishes an `EngineStatus` snapshot (`status`) after
+every step, which handlers read without a lock, and `_cond` is only ever held for a few
+list operations on either side.
+
 A request that fails inside the engine (its finish_reason "error") is answered alone. If a
 round raises instead (an engine that cannot isolate the fault), every request that was live
 in it fails with that error and the thread goes on with the others waiting.
@@ -35,6 +40,7 @@ from dataclasses import dataclass, field
 
 from .. import parallel
 from ..engine import Engine
+from ..engine_state import EngineStatus
 from ..output import GenerationOutput
 from ..request import Request
 from .metrics import Metrics
@@ -58,6 +64,8 @@ class Job:
     last: float | None = None  # perf_counter of the latest emission
     error: str | None = None  # set when the request failed inside the engine
     added: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    waiter: asyncio.Future | None = None  # the handler's wait for `added` (cancelled by a cut)
+    cut: bool = False  # answered by the server at a shutdown, without the engine (Server.cut)
 
     def push(self, item: tuple) -> None:
         """Hand `item` to the handler's queue (from the engine thread)."""
@@ -82,6 +90,9 @@ class EngineLoop:
         self.failure: BaseException | None = None  # what killed the thread, if anything did
         self._parallel = parallel.current() is not None  # rank 0 of a tensor-parallel group
         self._events: list[tuple] = []  # tensor parallel: what the other ranks must apply next
+        # the engine as of its last step, for the asyncio side (read without a lock: the engine's
+        # own is held while it steps); taken here before the thread runs, then by the thread
+        self.status: EngineStatus = engine.status()
 
     # ---- called from the asyncio side --------------------------------------------------
     def start(self) -> None:
@@ -128,13 +139,16 @@ class EngineLoop:
             self._commands.append(("cancel_all", None))
             self._cond.notify()
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Cancel whatever the engine still holds and end the thread."""
+    def stop(self, timeout: float | None = None) -> bool:
+        """Cancel whatever the engine still holds and end the thread (at its next step
+        boundary: between rounds, or between a prompt's chunks); whether it ended within
+        `timeout` seconds."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        if self._thread.is_alive():
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     # ---- the engine thread ---------------------------------------------------------------
     def _on_tokens(self, job: Job):
@@ -200,6 +214,9 @@ class EngineLoop:
     def _add(self, job: Job) -> None:
         with self._cond:
             self._pending_adds -= 1
+            if not job.added.set_running_or_notify_cancel():  # its handler stopped waiting (a cut)
+                self._outstanding -= 1
+                return
         try:
             rid = self.engine.add(job.request)
         except Exception as e:  # ValueError: bad input, answered 400 by the handler
@@ -271,7 +288,7 @@ class EngineLoop:
             job.push(("done", out, error))
 
     def _publish(self) -> None:
-        status = self.engine.status()
+        status = self.status = self.engine.status()
         self.metrics.engine_state(len(status.live), status.waiting + self._pending_adds, status.kv_tokens)
 
 

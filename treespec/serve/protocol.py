@@ -4,9 +4,10 @@ Requests are checked in two layers. Pydantic checks the JSON types here (a strin
 number goes, an unknown `tree` key); treespec's own classes check the values (`Request`,
 `SamplingConfig`, `TreeConfig`, `Engine.add`), and their ValueError messages, which name the
 field, become 400 answers with `param` set (`error_param`). Fields OpenAI defines that treespec
-cannot honour (n > 1, echo, best_of, suffix, tool_choice "auto") are refused with a 400, never
-silently ignored; fields OpenAI clients send that change nothing here (user, stream_options'
-other keys, ...) are accepted and ignored.
+cannot honour (n > 1, echo, best_of, suffix, tool_choice "auto", logit_bias, ...: the list is
+`treespec.serve.body.UNSUPPORTED`) are refused with a 400, never silently ignored; fields
+OpenAI clients send that change nothing here (user, stream_options' other keys, ...) are
+accepted and ignored.
 
 treespec's own settings ride in extra body fields (the openai client's `extra_body=`):
 `tree` ({width, depth, strategy} or null for plain decoding), `verification`, `ignore_eos`,
@@ -20,6 +21,7 @@ import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
 
 
 class ServeError(Exception):
@@ -63,7 +65,8 @@ class CommonFields(BaseModel):
     """Fields both endpoints take. Strict: a wrong JSON type is a 400 naming the field, never
     converted ("5", 4.0 or true for an integer; "yes" for a boolean)."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # extra fields are kept (`model_extra`) for `treespec.serve.body.check_supported`, else ignored
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -87,7 +90,7 @@ class CommonFields(BaseModel):
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     # tests only, honoured with TREESPEC_SERVE_FAULTS=1: "callback" makes the request fail in the engine
-    treespec_fault: str | None = None
+    treespec_fault: SkipJsonSchema[str | None] = None  # never in a schema
 
 
 class CompletionRequest(CommonFields):

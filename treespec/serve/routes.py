@@ -115,7 +115,7 @@ async def completions(http: HTTPRequest):
                 finish_reason=openai_finish_reason(out.finish_reason),
             )
         ],
-        usage=srv.usage(job, out),
+        usage=srv.usage(job, out.token_ids),
         treespec=srv.stats(out),
     ).model_dump()
 
@@ -153,6 +153,6 @@ async def chat_completions(http: HTTPRequest):
                 finish_reason=finish if tool is None or finish != "stop" else "tool_calls",
             )
         ],
-        usage=srv.usage(job, out),
+        usage=srv.usage(job, out.token_ids),
         treespec=srv.stats(out),
     ).model_dump()

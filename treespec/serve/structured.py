@@ -25,9 +25,12 @@ def constraint_of(body, tools: dict | None = None) -> Constraint | None:
     body names one) takes its parameters' schema."""
     asked = []
     if tools is not None:
-        asked.append(
-            ("tool_choice", JsonSchema(tools.get("parameters") or {"type": "object"}, tools["name"]))
-        )
+        try:
+            asked.append(
+                ("tool_choice", JsonSchema(tools.get("parameters") or {"type": "object"}, tools["name"]))
+            )
+        except ValueError as e:
+            raise ServeError(400, f"tools: {tools['name']}'s parameters: {e}", param="tools") from None
     fmt = getattr(body, "response_format", None)
     if fmt is not None:
         asked.append(("response_format", _response_format(fmt)))
@@ -74,8 +77,12 @@ def _response_format(fmt) -> Constraint | None:
 def called_tool(tools, tool_choice) -> dict | None:
     """The function a chat body makes the model call ({"name", "parameters"}), or None when
     it calls none ("none", or no tools); "auto" cannot be honoured exactly and is refused."""
-    if not tools or tool_choice == "none":
+    if tool_choice == "none":
         return None
+    if not tools:
+        if tool_choice is None:
+            return None
+        raise ServeError(400, "tool_choice needs tools: give the functions in tools", param="tool_choice")
     functions = {}
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
@@ -86,7 +93,8 @@ def called_tool(tools, tool_choice) -> dict | None:
     if tool_choice == "required" and len(functions) == 1:
         return next(iter(functions.values()))
     if isinstance(tool_choice, dict):
-        name = (tool_choice.get("function") or {}).get("name")
+        function = tool_choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
         if name not in functions:
             raise ServeError(
                 400, f"tool_choice names {name!r}, which is not among tools", param="tool_choice"
