@@ -176,3 +176,18 @@ def test_the_private_import_check_tells_them_apart(source, bad):
 def test_the_dispatch_check_tells_them_apart(expr, bad):
     call = ast.parse(expr, mode="eval").body
     assert computed_name(call.args[1]) == bad
+
+
+def test_no_test_module_imports_another():
+    """Shared test helpers live in helper modules (conftest, llamas, ggufs, heads, servers, toy,
+    mc), never in a test module another one imports: a test file can then be moved, split or
+    deselected alone."""
+    tests = Path(__file__).resolve().parent
+    bad = []
+    for path in sorted(tests.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                name = node.module.split(".")[-1]
+                if name.startswith("test_") and (node.level == 1 or node.module.startswith("tests.")):
+                    bad.append(f"{path.name}:{node.lineno} imports {node.module}")
+    assert not bad, bad
