@@ -31,10 +31,11 @@ from contextlib import contextmanager
 from .backends.base import Runner, prefill_many
 from .engine_state import RequestState
 
-# prompt tokens (with the decodes' tree nodes) one step feeds: on the default pair on a 2-core
-# CPU a piece of 256 tokens keeps a step near 0.3 s at 3k tokens of context and loses ~10% of
-# whole-prompt prefill throughput (docs/serving.md, experiments/serve_long_prompts.py)
-DEFAULT_ROUND_TOKENS = 256
+# prompt tokens one step feeds: on the default pair on a 2-core Zen 4, a 16-token request sent
+# while six ~3k-token prompts load finishes in 2.3 s at 32 (4.5-5.3 s at 64, 11.6 at 128, 20.8
+# at 256), while the six take 1.06x their loads one after another (0.99-1.04x at 64-256;
+# docs/serving.md, "Long prompts", experiments/serve_stress.py)
+DEFAULT_ROUND_TOKENS = 32
 
 
 def piece_sizes(

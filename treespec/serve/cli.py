@@ -99,7 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="prompt tokens one engine step may prefill beside the live decodes (chunked prefill; "
-        "default: the engine's, 256); 0 prefills each prompt whole",
+        "default: the engine's, 32); 0 prefills each prompt whole",
     )
 
     a = p.add_argument_group("access")
