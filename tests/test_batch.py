@@ -19,6 +19,7 @@ from treespec.backends.base import extend_many, prefill_many, score_many
 from treespec.backends.hf import HFRunner
 from treespec.backends.native import NativeRunner
 from treespec.planning import GoodputSwitch, policy
+from treespec.prefill import DEFAULT_ROUND_TOKENS
 from treespec.tree import TokenTree
 
 from .conftest import VOCAB, perturbed, tiny_llama
@@ -118,7 +119,7 @@ def test_one_target_forward_per_round_for_all_requests(models, monkeypatch):
     packed = NativeRunner._packed_forward
 
     def counting(self, lanes, feeds, need_logits):
-        calls.append((id(self.pool), len(lanes), [f.tokens.shape[0] for f in feeds]))
+        calls.append((id(self.pool), len(lanes), [f.tokens.shape[0] for f in feeds], need_logits))
         return packed(self, lanes, feeds, need_logits)
 
     monkeypatch.setattr(NativeRunner, "_packed_forward", counting)
@@ -130,11 +131,15 @@ def test_one_target_forward_per_round_for_all_requests(models, monkeypatch):
     target_pool = id(dec._lanes(4)[0][0].pool)
     target_calls = [c for c in calls if c[0] == target_pool]
     rounds = max(o.stats.target_steps for o in outs)
-    assert len(target_calls) == rounds + 1  # one prefill for all four, then one forward per round
-    assert max(n for _, n, _ in target_calls) == 4  # the four requests' trees in one forward
+    # the prompts load in pieces of DEFAULT_ROUND_TOKENS, all four in one forward a step; a
+    # request whose prompt is whole decodes from that step on, one forward a round for all
+    pieces = -(-sum(len(p) - 1 for p in PROMPTS[:4]) // DEFAULT_ROUND_TOKENS)
+    assert sum(not logits for *_, logits in target_calls) == pieces
+    assert rounds <= sum(logits for *_, logits in target_calls) <= rounds + pieces - 1
+    assert max(n for _, n, _, _ in target_calls) == 4  # the four requests' trees in one forward
     draft_calls = [c for c in calls if c[0] != target_pool]
-    assert max(n for _, n, _ in draft_calls) == 4
-    assert len(draft_calls) <= 1 + rounds * (tree.depth + 1)  # a prefill, then (catch-up +) one per depth
+    assert max(n for _, n, _, _ in draft_calls) == 4
+    assert len(draft_calls) <= pieces + (rounds + pieces) * (tree.depth + 1)  # (catch-up +) one per depth
 
 
 def test_hf_lanes_share_one_batched_forward(models):
@@ -159,9 +164,11 @@ def test_hf_lanes_share_one_batched_forward(models):
         for h in hooks:
             h.remove()
     rounds = max(o.stats.target_steps for o in outs)
-    assert len(calls["target"]) == rounds + 1  # one prefill for all four, then one forward per round
-    # the prefill: every prompt but its last token (fed with the first tree), ragged, padded
-    assert calls["target"][0] == (sum(len(p) > 1 for p in PROMPTS[:4]), max(len(p) for p in PROMPTS[:4]) - 1)
+    # the prompts load in pieces (every prompt but its last token, fed with the first tree):
+    # the first step's piece holds the shortest prompts whole, ragged, padded
+    pieces = -(-sum(len(p) - 1 for p in PROMPTS[:4]) // DEFAULT_ROUND_TOKENS)
+    assert rounds + pieces <= len(calls["target"]) <= rounds + 2 * pieces - 1
+    assert calls["target"][0][0] == sum(len(p) > 1 for p in PROMPTS[:4])
     assert max(b for b, _ in calls["target"]) == 4 and max(b for b, _ in calls["draft"]) == 4
     assert len(calls["draft"]) <= 1 + rounds * (tree.depth + 1)
 
