@@ -8,6 +8,10 @@ repository root; a script in a subfolder puts this folder on `sys.path` before i
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -55,3 +59,28 @@ def parse_tree(spec: str, acceptance: list[float] | None = None):
             )
         return TreeConfig(strategy="sequoia", shape=optimal_shape(acceptance, a, b), depth=b)
     return TreeConfig(width=a, depth=b, strategy=strategy)
+
+
+def launch_server(args: list[str], timeout: float = 300.0) -> tuple[subprocess.Popen, str]:
+    """`python -m treespec.serve ARGS` on a free loopback port; (the process, its base URL) once
+    /health answers (SystemExit if it exits or does not come up within `timeout` seconds)."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "treespec.serve", "--port", str(port), "--host", "127.0.0.1", *args]
+    proc = subprocess.Popen(cmd)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise SystemExit(f"the server did not come up in {timeout:.0f} s")

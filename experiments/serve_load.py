@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,7 +36,10 @@ from urllib.parse import urlparse
 
 import httpx
 
-from treespec.zoo import heldout_chats, load_prompts
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/
+from common import launch_server  # noqa: E402
+
+from treespec.zoo import heldout_chats, load_prompts  # noqa: E402
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
@@ -169,36 +171,14 @@ async def run_load(base, prompts, n, concurrency, tree, max_tokens, deadline, ti
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "treespec.serve", "--port", str(port), "--host", "127.0.0.1"]
-    cmd += ["--max-live", str(max(args.concurrency)), "--max-queue", str(max(args.requests, 1))]
-    cmd += ["--dtype", args.dtype, "--log-level", "warning"]
+    extra = ["--max-live", str(max(args.concurrency)), "--max-queue", str(max(args.requests, 1))]
+    extra += ["--dtype", args.dtype, "--log-level", "warning"]
     if args.pair:
-        cmd += ["--pair", args.pair]
+        extra += ["--pair", args.pair]
     if args.threads:
-        cmd += ["--threads", str(args.threads)]
-    cmd += args.server_arg
-    proc = subprocess.Popen(cmd)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise SystemExit("the server did not come up in 300 s")
+        extra += ["--threads", str(args.threads)]
+    return launch_server([*extra, *args.server_arg])
 
 
 def main() -> None:

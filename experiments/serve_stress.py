@@ -28,14 +28,12 @@ import argparse
 import asyncio
 import json
 import signal
-import socket
 import statistics
 import subprocess
-import sys
 import time
 
 import httpx
-from common import machine_info, write_results
+from common import launch_server, machine_info, write_results
 
 LONG_TEXT = "The quick brown fox jumps over the lazy dog. " * 300  # ~3k tokens
 NEIGHBOUR = {"prompt": "def add(a, b):", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
@@ -44,25 +42,8 @@ LONG = {"prompt": LONG_TEXT, "max_tokens": 32, "temperature": 0, "ignore_eos": T
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "treespec.serve", "--port", str(port), "--log-level", "warning"]
-    cmd += ["--grace-period", str(args.grace_period), "--max-live", "8", *args.server_arg]
-    proc = subprocess.Popen(cmd)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("the server did not come up in 600 s")
+    extra = ["--log-level", "warning", "--grace-period", str(args.grace_period), "--max-live", "8"]
+    return launch_server([*extra, *args.server_arg], timeout=600)
 
 
 def rss_mb(proc) -> float | None:
