@@ -49,7 +49,10 @@ def median_seconds(
 
 
 BUSY_SHARE = 0.15  # other processes taking more of the CPUs than this make a measurement unfit to keep
-MIN_WATCH_SECONDS = 1.0  # a shorter watch says nothing: too few clock ticks to count
+MIN_WATCH_SECONDS = 1.0
+# what was measured on a busy machine is kept this long only: processes started together still
+# decide alike, and later ones measure again
+BUSY_KEEP_SECONDS = 3600  # a shorter watch says nothing: too few clock ticks to count
 
 
 def _cpu_ticks() -> tuple[int, int] | None:

@@ -11,12 +11,13 @@ import functools
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
 
 import torch
 
 from ..config import default_cache_dir, write_cache_json
-from ..timing import CpuWatch, median_seconds
+from ..timing import BUSY_KEEP_SECONDS, CpuWatch, median_seconds
 
 log = logging.getLogger(__name__)
 
@@ -81,27 +82,32 @@ CHOICES_FILE = "cpu-choices.json"  # under $TREESPEC_CACHE: the measured choices
 def remembered(name: str, measure: Callable[[], bool]) -> bool:
     """`measure()`, taken once per machine: kept under `name` in $TREESPEC_CACHE/cpu-choices.json
     beside `machine_key()`. A missing, unreadable or other machine's file is measured again
-    (and replaced), never an error; a read-only cache only measures each time, and so does a
-    machine other processes keep busy (`timing.CpuWatch`)."""
+    (and replaced), never an error; a read-only cache only measures each time. A choice
+    measured while other processes kept the CPUs busy (`timing.CpuWatch`) is kept for
+    BUSY_KEEP_SECONDS only."""
     path = default_cache_dir() / CHOICES_FILE
     machine = machine_key()
     try:
         data = json.loads(path.read_text())
-        choices = data["choices"] if data["machine"] == machine else {}
+        choices, busy = (data["choices"], data.get("busy", {})) if data["machine"] == machine else ({}, {})
     except (OSError, ValueError, KeyError, TypeError):
-        choices = {}
-    if isinstance(choices.get(name), bool):
+        choices, busy = {}, {}
+    since = busy.get(name) if isinstance(busy, dict) else None  # when a busy machine measured it
+    fresh = not isinstance(since, (int, float)) or time.time() - since <= BUSY_KEEP_SECONDS
+    if isinstance(choices.get(name), bool) and fresh:
         return choices[name]
     with CpuWatch() as watch:
         value = bool(measure())
-    if watch.busy:  # decided under the others' load: this process's only
+    busy = {k: v for k, v in busy.items() if k != name} if isinstance(busy, dict) else {}
+    if watch.busy:  # decided under the others' load: kept for a while only
+        busy[name] = time.time()
         log.warning(
-            "other processes used %s of the CPUs while %r was measured: not kept, measured again next time",
+            "other processes used %s of the CPUs while %r was measured: kept for %d minutes only",
             watch.describe(),
             name,
+            BUSY_KEEP_SECONDS // 60,
         )
-    else:
-        write_cache_json(path, {"machine": machine, "choices": {**choices, name: value}})
+    write_cache_json(path, {"machine": machine, "choices": {**choices, name: value}, "busy": busy})
     return value
 
 

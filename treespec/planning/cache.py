@@ -7,12 +7,13 @@ import hashlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 from .. import parallel
 from ..backends.cpu import machine_key
 from ..config import default_cache_dir, write_cache_json
-from ..timing import CpuWatch
+from ..timing import BUSY_KEEP_SECONDS, CpuWatch
 from .costs import Costs
 
 COST_VERSION = 17  # bump when what is measured changes: older cache entries are ignored
@@ -48,7 +49,8 @@ class CostCache:
     wins: processes that measure at once all keep the one written first, so that every process
     on a machine plans alike. A missing, unreadable or stale entry is measured again, never an
     error. A measurement taken while other processes kept the CPUs busy (`timing.CpuWatch`) is
-    not kept: it would price every later process's trees by that moment's load."""
+    kept for BUSY_KEEP_SECONDS only: processes started together still plan alike, and later
+    ones do not price their trees by that moment's load."""
 
     def __init__(self, root: Path | None = None):
         self.root = Path(root) if root is not None else default_cache_dir() / "costs"
@@ -81,13 +83,15 @@ class CostCache:
                 with CpuWatch() as watch:
                     costs = measure()
                 record = {**costs.to_json(), "settings": settings, "machine": machine_key()}
-                if watch.busy:  # the others' work is in the numbers: this process's only
+                if watch.busy:  # the others' work is in the numbers: kept for a while only
+                    record["busy"] = watch.others
                     log.warning(
-                        "other processes used %s of the CPUs while the costs were measured: they plan "
-                        "this process's trees only, and the next process measures again",
+                        "other processes used %s of the CPUs while the costs were measured: kept for "
+                        "%d minutes only, then measured again",
                         watch.describe(),
+                        BUSY_KEEP_SECONDS // 60,
                     )
-                elif parallel.leader() and write_cache_json(path, record, replace=stale):
+                if parallel.leader() and write_cache_json(path, record, replace=stale):
                     costs = self._read(path) or costs  # another process's, if it wrote first
                 costs = parallel.agree(costs)
             self.memory[key] = costs
@@ -95,10 +99,15 @@ class CostCache:
 
     @staticmethod
     def _read(path: Path) -> Costs | None:
+        """The record at `path`; None where it is absent, corrupt, another version's, or was
+        measured on a busy machine more than BUSY_KEEP_SECONDS ago."""
         try:
-            return Costs.from_json(json.loads(path.read_text()))
+            data = json.loads(path.read_text())
+            if "busy" in data and time.time() - path.stat().st_mtime > BUSY_KEEP_SECONDS:
+                return None
+            return Costs.from_json(data)
         except (OSError, ValueError, KeyError, TypeError):
-            return None  # absent, corrupt or from another version
+            return None
 
 
 COSTS = CostCache()  # the process's cost cache (on disk under $TREESPEC_CACHE/costs)
