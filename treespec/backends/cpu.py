@@ -92,13 +92,13 @@ def remembered(name: str, measure: Callable[[], bool]) -> bool:
         choices, busy = (data["choices"], data.get("busy", {})) if data["machine"] == machine else ({}, {})
     except (OSError, ValueError, KeyError, TypeError):
         choices, busy = {}, {}
-    since = busy.get(name) if isinstance(busy, dict) else None  # when a busy machine measured it
+    busy = dict(busy) if isinstance(busy, dict) else {}  # name -> when a busy machine measured it
+    since = busy.pop(name, None)
     fresh = not isinstance(since, (int, float)) or time.time() - since <= BUSY_KEEP_SECONDS
     if isinstance(choices.get(name), bool) and fresh:
         return choices[name]
     with CpuWatch() as watch:
         value = bool(measure())
-    busy = {k: v for k, v in busy.items() if k != name} if isinstance(busy, dict) else {}
     if watch.busy:  # decided under the others' load: kept for a while only
         busy[name] = time.time()
         log.warning(
