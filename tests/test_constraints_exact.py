@@ -16,6 +16,8 @@ import torch
 
 from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig
 from treespec.constraints import GrammarVocabulary, Regex
+from treespec.constraints.matcher import TreeMatcher
+from treespec.proposal import DraftTree, Draw
 from treespec.sampling import probs
 from treespec.sequoia import TreeShape
 
@@ -43,23 +45,24 @@ def toy_pair():
     return target, TableModel(VT, seed=32, base=target, noise=0.8)
 
 
-def reference_mask(tokens: tuple[int, ...]) -> torch.Tensor:
+def reference_mask(tokens: tuple[int, ...], tokenizer=TOKENIZER, constraint=CONSTRAINT) -> torch.Tensor:
     """What the grammar allows after `tokens`, from a fresh matcher (once it is complete: EOS)."""
-    vocab = GrammarVocabulary.of(TOKENIZER, VT, (EOS,))
-    m = llguidance.LLMatcher(vocab.tokenizer, CONSTRAINT.grammar)
+    vocab = GrammarVocabulary.of(tokenizer, VT, (EOS,))
+    m = llguidance.LLMatcher(vocab.tokenizer, constraint.grammar)
     assert m.consume_tokens(list(tokens))
     bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")[:VT]
     return torch.from_numpy(bits.astype(bool))
 
 
-def constrained_joint(model: TableModel, sampling: SamplingConfig, k: int) -> dict:
-    """The constrained target's distribution of its first k tokens (shorter at the end)."""
+def constrained_joint(model: TableModel, sampling: SamplingConfig, k: int, grammar=None) -> dict:
+    """The constrained target's distribution of its first k tokens (shorter at the end);
+    `grammar`: (tokenizer, constraint), the first toy grammar's by default."""
     done: dict[tuple, float] = {}
     out: dict[tuple, float] = {(): 1.0}
     for _ in range(k):
         nxt: dict[tuple, float] = {}
         for seq, w in out.items():
-            mask = reference_mask(seq)
+            mask = reference_mask(seq, *(grammar or ()))
             p = probs(model.logits(PROMPT + seq).masked_fill(~mask, float("-inf")), sampling)
             for x in torch.nonzero(p).flatten().tolist():
                 if x == EOS:
@@ -72,7 +75,7 @@ def constrained_joint(model: TableModel, sampling: SamplingConfig, k: int) -> di
     return done
 
 
-def enumerate_constrained(decoder, tree, sampling, verification=None, k=K):
+def enumerate_constrained(decoder, tree, sampling, verification=None, k=K, constraint=CONSTRAINT):
     def run(rng):
         out = decoder.generate(
             list(PROMPT),
@@ -80,7 +83,7 @@ def enumerate_constrained(decoder, tree, sampling, verification=None, k=K):
             tree=tree,
             sampling=sampling,
             rng=rng,
-            constraint=CONSTRAINT,
+            constraint=constraint,
             verification=verification,
         )
         assert out.finish_reason in ("eos", "stop", "length")
@@ -89,10 +92,10 @@ def enumerate_constrained(decoder, tree, sampling, verification=None, k=K):
     return enumerate_outcomes(run)
 
 
-def decoder_for(drafter="model"):
+def decoder_for(drafter="model", tokenizer=TOKENIZER):
     target, draft = toy_pair()
     return target, SpeculativeDecoder(
-        TableRunner(target, eos_token_ids=(EOS,)), TableRunner(draft), TOKENIZER, drafter=drafter
+        TableRunner(target, eos_token_ids=(EOS,)), TableRunner(draft), tokenizer, drafter=drafter
     )
 
 
@@ -185,6 +188,42 @@ def test_forced_tokens_are_drafted_and_counted():
     assert max_abs_diff(got, constrained_joint(target, SAMPLINGS["T1"], K)) < 1e-9
     assert max(s.forced_accepted for s in seen) > 0
     assert all(s.forced_accepted <= s.forced_tokens for s in seen)
+
+
+# a forced string more than one spelling can write: after "a" the grammar forces "b", which
+# "b" writes, or "bc" (the forced "b" and a free "c"); the tree drafts the tokenizer's
+# spelling ("b"), a guess the target may reject, not a certain token
+STRING_TOKENS = [b"a", b"b", b"c", b"bc", b"<eos>"]
+STRING_TOKENIZER = ToyTokenizer(STRING_TOKENS, EOS)
+STRING_CONSTRAINT = Regex("(abc?|c)+")
+
+
+def test_a_forced_string_is_drafted_in_the_tokenizers_spelling():
+    vocab = GrammarVocabulary.of(STRING_TOKENIZER, VT, (EOS,))
+    matcher = TreeMatcher(vocab, STRING_CONSTRAINT)
+    assert matcher.forced([0]) is None and matcher.forced_string([0]) == [1]  # "b" after "a"
+    assert matcher.forced_string([]) == [] and matcher.forced_string([0, 1]) == []
+    assert matcher.extend_forced(DraftTree.root_only(0), room=4).tree.tokens == (0,)
+    chain = matcher.extend_forced(DraftTree.from_paths(0, [[0]]), room=4)  # a drafted "a"
+    assert chain.tree.tokens == (0, 0, 1) and chain.groups[-1].draw is Draw.DETERMINISTIC
+
+
+@pytest.mark.parametrize("sampling_name", ["T1", "T0.6-topk2", "greedy"])
+@pytest.mark.parametrize(
+    "tree,rule",
+    [(None, None), ((1, 1, "iid"), "token"), ((1, 2, "iid"), "block"), ((2, 2, "without_replacement"), "traversal")],
+)
+def test_drafted_forced_strings_are_lossless(tree, rule, sampling_name):
+    """The string's spelling is a guess the target may reject ("b" then "c"): every rule keeps
+    the constrained target's distribution."""
+    sampling = SAMPLINGS[sampling_name]
+    target, decoder = decoder_for(tokenizer=STRING_TOKENIZER)
+    config = None if tree is None else TreeConfig(width=tree[0], depth=tree[1], strategy=tree[2])
+    got = enumerate_constrained(decoder, config, sampling, rule, k=4, constraint=STRING_CONSTRAINT)
+    want = constrained_joint(target, sampling, 4, (STRING_TOKENIZER, STRING_CONSTRAINT))
+    assert max_abs_diff(got, want) < 1e-9
+    if not sampling.greedy:  # both spellings happen
+        assert any(seq[:2] == (0, 1) for seq in got) and any(seq[:2] == (0, 3) for seq in got)
 
 
 # ---- chi-square on a tiny real model --------------------------------------------------------

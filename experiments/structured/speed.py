@@ -3,7 +3,8 @@ the default pair, in one process, interleaved (prompt by prompt, every mode in t
 
 Modes: plain decoding unconstrained, plain decoding under the schema, and the default
 (speculative, automatic tree, forced tokens drafted) under the schema. Reports tokens/s
-(median over prompts and repeats), tokens/step, the share of emitted tokens the grammar forced
+(median over prompts and repeats; the whole call, and decoding alone: the prompt's prefill,
+which no mode changes, left out), tokens/step, the share of emitted tokens the grammar forced
 and how many accepted draft tokens were forced, and whether every output validates.
 
     nice -n 5 python experiments/structured/speed.py --repeats 2 --max-new-tokens 96
@@ -112,6 +113,7 @@ def run_mode(dec, mode: str, schema, text, n, sampling, seed) -> dict:
     s = out.stats
     return {
         "tokens": len(out.token_ids), "seconds": dt, "tok_s": len(out.token_ids) / dt,
+        "decode_tok_s": s.tokens_per_second,
         "tokens_per_step": s.tokens_per_step, "forced": s.forced_tokens, "forced_accepted": s.forced_accepted,
         "accepted": s.accepted_tokens, "finish": out.finish_reason, "valid": valid, "text": out.text,
     }  # fmt: skip
@@ -145,12 +147,15 @@ def main() -> None:
     for T in args.temperatures:
         rows = {m: [r for r in runs if r["T"] == T and r["mode"] == m] for m in modes}
         med = {m: statistics.median(r["tok_s"] for r in rs) for m, rs in rows.items()}
+        decode = {m: statistics.median(r["decode_tok_s"] for r in rs) for m, rs in rows.items()}
         spec = rows["speculative"]
         summary[f"T{T}"] = {
             "tok_s": med,
             "tokens_per_step": {m: statistics.mean(r["tokens_per_step"] for r in v) for m, v in rows.items()},
             "constrained_over_unconstrained_plain": med["plain-constrained"] / med["plain-unconstrained"],
             "speculative_over_constrained_plain": med["speculative"] / med["plain-constrained"],
+            "decode_tok_s": decode,  # the prompt's prefill left out
+            "decode_speculative_over_constrained_plain": decode["speculative"] / decode["plain-constrained"],
             "forced_share": sum(r["forced"] for r in spec) / sum(r["tokens"] for r in spec),
             "forced_accepted": sum(r["forced_accepted"] for r in spec),
             "accepted": sum(r["accepted"] for r in spec),

@@ -9,9 +9,12 @@ proposed. The mask at a path is a function of the path alone: the matcher advanc
 reads the mask and rolls back (llguidance keeps the committed state); masks are cached for the
 round and dropped when the round's tokens are committed.
 
-Where the grammar allows one token, the constrained target gives it probability 1:
-`extend_forced` appends such tokens below the tree's leaves as deterministic proposals, which
-the target scores in the same forward and every rule accepts with probability 1.
+Where the grammar allows one token, the constrained target gives it probability 1; where it
+forces a string that more than one spelling of tokens can write (`, "age": `), the grammar's
+tokenizer's spelling of it is what the target nearly always picks.
+`extend_forced` appends both below the tree's leaves as deterministic proposals, which the
+target scores in the same forward: every rule accepts a forced token with probability 1 and a
+forced string's token with its constrained probability, as any deterministic draft.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class TreeMatcher:
         self.vocab, self.constraint = vocab, constraint
         self._matcher = vocab.matcher(constraint)
         self._masks: dict[Path, torch.Tensor] = {}
+        self._strings: dict[Path, list[int]] = {}
         self._ended = False
 
     def allowed(self, path: Sequence[int] = ()) -> torch.Tensor:
@@ -95,10 +99,31 @@ class TreeMatcher:
         top = torch.topk(mask.to(torch.uint8), 2).values
         return int(mask.to(torch.uint8).argmax()) if top[0] == 1 and top[1] == 0 else None
 
+    def forced_string(self, path: Sequence[int] = ()) -> list[int]:
+        """The tokenizer's spelling of the string the grammar forces after `path` (its
+        fast-forward bytes), as far as the grammar takes it; [] when it forces none, or the
+        path leaves the grammar."""
+        path = tuple(path)
+        hit = self._strings.get(path)
+        if hit is not None:
+            return hit
+        m, out = self._matcher, []
+        n = m.try_consume_tokens(list(path)) if path else 0
+        if n == len(path) and not m.is_error():
+            spelling = self.vocab.tokenizer.tokenize_bytes(m.compute_ff_bytes())
+            k = m.try_consume_tokens(spelling) if spelling else 0  # the part the grammar takes
+            out = spelling[:k]
+            n += k
+        if n:
+            m.rollback(n)
+        self._strings[path] = out
+        return out
+
     def extend_forced(self, draft: DraftTree, room: int) -> DraftTree:
-        """`draft` with each leaf extended by the tokens the grammar allows alone after it (at
-        most `room` below the root): deterministic single-child proposals, accepted with
-        probability 1 by the constrained target. The original nodes keep their indices."""
+        """`draft` with each leaf extended (at most `room` below the root) by the token the
+        grammar allows alone after it, or else by the grammar's spelling of the string it
+        forces, again and again: deterministic single-child proposals, the first kind accepted
+        with probability 1 by the constrained target. The original nodes keep their indices."""
         tree = draft.tree
         tokens, parents, groups = list(tree.tokens), list(tree.parents), list(draft.groups)
         for leaf in [u for u in range(len(tree)) if tree.is_leaf(u)]:
@@ -106,13 +131,15 @@ class TreeMatcher:
             node = leaf
             while len(path) < room:
                 x = self.forced(path)
-                if x is None:
+                run = [x] if x is not None else self.forced_string(path)[: room - len(path)]
+                if not run:
                     break
-                tokens.append(x)
-                parents.append(node)
-                groups.append(ProposalGroup(node, Draw.DETERMINISTIC, (x,), (len(tokens) - 1,)))
-                node = len(tokens) - 1
-                path.append(x)
+                for x in run:
+                    tokens.append(x)
+                    parents.append(node)
+                    groups.append(ProposalGroup(node, Draw.DETERMINISTIC, (x,), (len(tokens) - 1,)))
+                    node = len(tokens) - 1
+                    path.append(x)
         if len(tokens) == len(tree):
             return draft
         return DraftTree(TokenTree(tokens, parents), tuple(groups))
@@ -139,6 +166,7 @@ class TreeMatcher:
         """Advance the committed state by a round's emitted tokens; drop the round's masks.
         After the end of sequence the grammar takes nothing more (only the end may follow)."""
         self._masks.clear()
+        self._strings.clear()
         for t in tokens:
             if self._ended:
                 break
