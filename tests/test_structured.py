@@ -274,7 +274,7 @@ def test_server_tool_choice_answers_tool_calls(client):
          "response_format"),
         ({"response_format": {"type": "yaml"}}, "response_format.type"),
         ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "g"}, "tool_choice"),
         ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
          "structured_outputs"),
     ],

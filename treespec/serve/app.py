@@ -177,7 +177,7 @@ class Server:
 
     def build(self, body: CommonFields, prompt, max_tokens: int | None, field: str, tool=None) -> Request:
         """A treespec `Request` from a body; bad values raise ServeError 400 naming the field.
-        `tool`: the function the answer calls (`structured.called_tool`)."""
+        `tool`: the calls the answer may make (`tools.tool_plan`)."""
         self.check_text_size(prompt, field)
         logprobs = self.top_k_of(body)
         constraint = constraint_of(body, tool)

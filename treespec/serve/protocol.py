@@ -4,10 +4,12 @@ Requests are checked in two layers. Pydantic checks the JSON types here (a strin
 number goes, an unknown `tree` key); treespec's own classes check the values (`Request`,
 `SamplingConfig`, `TreeConfig`, `Engine.add`), and their ValueError messages, which name the
 field, become 400 answers with `param` set (`error_param`). Fields OpenAI defines that treespec
-cannot honour (n > 1, echo, best_of, suffix, tool_choice "auto", logit_bias, ...: the list is
-`treespec.serve.body.UNSUPPORTED`) are refused with a 400, never silently ignored; fields
-OpenAI clients send that change nothing here (user, stream_options' other keys, ...) are
-accepted and ignored.
+cannot honour (n > 1, echo, best_of, suffix, logit_bias, response_format or structured_outputs
+with a tool call, an assistant message whose content is not text (tool_calls in the history),
+...: the list is `treespec.serve.body.UNSUPPORTED`) are refused with a 400, never silently
+ignored; fields OpenAI clients send that change nothing here (user, stream_options'
+other keys, parallel_tool_calls: an answer makes one call at most, ...) are accepted and
+ignored.
 
 treespec's own settings ride in extra body fields (the openai client's `extra_body=`):
 `tree` ({width, depth, strategy} or null for plain decoding), `verification`, `ignore_eos`,
@@ -207,6 +209,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # streamed calls (treespec.serve.tools)
 
 
 class ChatChunkChoice(BaseModel):

@@ -31,7 +31,7 @@ from .protocol import (
     error_body,
     openai_finish_reason,
 )
-from .structured import called_tool, tool_calls
+from .tools import tool_plan, tool_stream
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -126,31 +126,38 @@ async def chat_completions(http: HTTPRequest):
     srv = http.app.state.server
     body = srv.parse(await http.body(), ChatCompletionRequest)
     srv.check_common(body)
-    tool = called_tool(body.tools, body.tool_choice)
-    if tool is not None and body.stream:
-        raise ServeError(400, "tool calls are answered whole: set stream to false", param="stream")
+    tools = tool_plan(body.tools, body.tool_choice)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    request = await srv.off_loop(lambda: srv.build(body, srv.chat_prompt(body), max_tokens, "messages", tool))
+
+    def prepare():
+        prompt = srv.chat_prompt(body) if tools is None else tools.prompt(srv, body)
+        return srv.build(body, prompt, max_tokens, "messages", tools)
+
+    request = await srv.off_loop(prepare)
     job = await srv.submit(request, arrival, body, "messages")
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(srv.stream(job, True, include_usage), media_type="text/event-stream")
+        events = srv.stream(job, True, include_usage)
+        if tools is not None:
+            events = tool_stream(events, tools.reader())
+        return StreamingResponse(events, media_type="text/event-stream")
     out, error = await srv.wait(job, http)
     if (failed := srv.failure(out, error)) is not None:
         return failed
     text = TextStream(srv.tokenizer, request.stop_strings).finish(out.token_ids)
     finish = openai_finish_reason(out.finish_reason)
+    message = ChatResponseMessage(content=text)
+    if tools is not None:
+        message, finish = tools.answer(text, finish)
     return ChatCompletionResponse(
         id="chatcmpl-" + uuid.uuid4().hex,
         created=int(time.time()),
         model=srv.model_name,
         choices=[
             ChatChoice(
-                message=ChatResponseMessage(content=text)
-                if tool is None
-                else ChatResponseMessage(content=None, tool_calls=tool_calls(tool, text)),
+                message=message,
                 logprobs=None if out.logprobs is None else srv.chat_logprobs(out.token_ids, out.logprobs),
-                finish_reason=finish if tool is None or finish != "stop" else "tool_calls",
+                finish_reason=finish,
             )
         ],
         usage=srv.usage(job, out.token_ids),
