@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -23,6 +24,9 @@ if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2":
 # Tests that load "the default pair" (CLI runs without --pair, from_pretrained() with no
 # models) use the small pycode pair; test_bundled.py checks the real default on its own.
 os.environ.setdefault("TREESPEC_PAIR", "pycode")
+# Compiled graphs the machine keeps would make `compile="auto"` (the default) run them: tests
+# see an empty store of their own unless told otherwise (tests/test_aot.py builds in tmp dirs).
+os.environ.setdefault("TREESPEC_GRAPHS", tempfile.mkdtemp(prefix="treespec-graphs-"))
 
 
 def tiny_llama(

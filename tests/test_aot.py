@@ -16,6 +16,7 @@ import torch
 
 from treespec.backends.native import CompiledForward, NativeRunner, aot, kv
 from treespec.backends.native.aot import GraphStore
+from treespec.backends.native.compile import resolve_compile
 from treespec.tree import TokenTree
 
 from .conftest import VOCAB
@@ -72,6 +73,47 @@ def test_a_stored_graph_is_loaded_by_a_later_runner_not_compiled_again(tmp_path,
     again = decode(second, prompt, tree)
     assert set(second.compiled.packages) == {1, "dynamic"}
     assert all(max_diff(w, g) < 1e-4 for w, g in zip(want, again))
+
+    # compile="auto" (build=False): the stored graphs run; an empty store leaves the forward
+    # eager, graph by graph, and compiles nothing
+    third = NativeRunner.from_hf(model, compile=True)
+    third.compiled = CompiledForward(third, CHEAP, store, build=False)
+    assert third.compiled.stored()
+    assert all(max_diff(w, g) < 1e-4 for w, g in zip(want, decode(third, prompt, tree)))
+    assert set(third.compiled.packages) == {1, "dynamic"} and not third.compiled.unbuilt
+    empty = GraphStore(tmp_path / "empty")
+    fourth = NativeRunner.from_hf(model, compile=True)
+    fourth.compiled = CompiledForward(fourth, CHEAP, empty, build=False)
+    assert not fourth.compiled.stored()
+    assert all(max_diff(w, g) < 1e-4 for w, g in zip(want, decode(fourth, prompt, tree)))
+    assert fourth.compiled.unbuilt == {1, "dynamic"} and not fourth.compiled.packages
+    assert not (tmp_path / "empty").exists()
+
+
+def test_compile_auto_runs_stored_graphs_of_quantized_weights_only(tmp_path, monkeypatch):
+    """compile="auto" asks the store for quantized weights on a CPU (float weights pick their eager
+    layout at load, before the store could answer); with nothing stored, the eager forward."""
+    cpu = torch.device("cpu")
+    assert resolve_compile("auto", cpu, torch.float32, "int8") == "auto"
+    assert resolve_compile("auto", cpu, torch.float32, None) is False
+    assert resolve_compile("auto", cpu, torch.float64, "int8") is False
+    assert resolve_compile("auto", cpu, torch.float32, "int8", tp=object()) is False
+    assert resolve_compile(False, cpu, torch.float32, "int8") is False
+    with pytest.warns(UserWarning, match="compile=True ignored"):
+        assert resolve_compile(True, cpu, torch.float64, None) is False
+    with pytest.raises(ValueError, match="True, False or 'auto'"):
+        resolve_compile("yes", cpu, torch.float32, None)
+    monkeypatch.setenv("TREESPEC_GRAPHS", str(tmp_path))
+    nat = NativeRunner.from_hf(build("gqa_tied"), quantize="int8", compile="auto")
+    assert nat.compile_setting == "auto" and nat.compiled is None
+    monkeypatch.setattr(CompiledForward, "stored", lambda self: True)  # as if the store held them
+    nat = NativeRunner.from_hf(build("gqa_tied"), quantize="int8", compile="auto")
+    plain = nat.compiled
+    assert plain is not None and not plain.build
+    nat.set_taps((1,))  # a head's target: the store is asked for the graphs of these taps
+    assert nat.compiled is not None and not nat.compiled.build and nat.compiled.digest() != plain.digest()
+    nat.set_taps(())
+    assert nat.compiled is plain
 
 
 @pytest.mark.cpu

@@ -211,7 +211,12 @@ def test_a_forced_string_is_drafted_in_the_tokenizers_spelling():
 @pytest.mark.parametrize("sampling_name", ["T1", "T0.6-topk2", "greedy"])
 @pytest.mark.parametrize(
     "tree,rule",
-    [(None, None), ((1, 1, "iid"), "token"), ((1, 2, "iid"), "block"), ((2, 2, "without_replacement"), "traversal")],
+    [
+        (None, None),
+        ((1, 1, "iid"), "token"),
+        ((1, 2, "iid"), "block"),
+        ((2, 2, "without_replacement"), "traversal"),
+    ],
 )
 def test_drafted_forced_strings_are_lossless(tree, rule, sampling_name):
     """The string's spelling is a guess the target may reject ("b" then "c"): every rule keeps

@@ -115,7 +115,7 @@ class SpeculativeDecoder:
         backend: str = "auto",
         drafter: str | Drafter | None = None,
         draft_dtype: torch.dtype | str | None = None,
-        compile: bool = False,
+        compile: bool | str = "auto",
         quantize: str | None = "auto",
         draft_quantize: str | None = "auto",
         tp: int | None = None,
@@ -129,8 +129,10 @@ class SpeculativeDecoder:
         (`quantize` below), fp32 for the draft (`treespec.backends.auto_dtype`); a
         feature head runs in the target's dtype. `draft_dtype` overrides the draft's (default:
         `dtype`). `device` defaults to the CPU. The native backend reads the weights straight
-        from safetensors; `compile=True` runs its forwards as inductor graphs (minutes of
-        compilation on first use; docs/performance.md).
+        from safetensors; `compile=True` runs its forwards as inductor graphs, compiled once for
+        this machine and model (minutes) and kept; `compile="auto"` (the default) runs the
+        graphs already kept, where quantized weights have them, and the eager forward otherwise
+        (`compiled` says which; docs/performance.md); `compile=False` always the eager one.
         `quantize` / `draft_quantize` ("int8", "int4", "q4q8"; native backend): weight-only int8 or int4
         for the target / the draft (a draft model or a feature head). A quantized draft is still
         lossless; `draft_quantize="auto"` (the default) runs a feature head's products as int4
@@ -379,7 +381,7 @@ class SpeculativeDecoder:
         if deterministic and not all(r.lanes_match_solo for r in runners):
             raise ValueError(
                 "deterministic=True needs lanes that compute as generate() does, and a compiled native "
-                "runner compiles its one-lane forward only: load the models without compile=True"
+                "runner compiles its one-lane forward only: load the models with compile=False"
             )
         targets = self.target_runner.lanes(max_live)
         drafts = [None] * max_live if self.draft_runner is None else self.draft_runner.lanes(max_live)

@@ -48,12 +48,23 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         choices=BACKENDS,
         help="auto (default): treespec's native forward where supported, else HF; bench: both",
     )
-    g.add_argument(
+    forward = g.add_mutually_exclusive_group()
+    forward.add_argument(
         "--compile",
-        action="store_true",
-        help="run the native forwards as torch.compile (inductor) graphs: faster on deep models, "
-        "minutes of compilation at start; bench then decodes every prompt once, untimed, first "
-        "(docs/performance.md)",
+        action="store_const",
+        const=True,
+        default="auto",
+        help="run the native forwards as inductor graphs, compiled once for this machine and model "
+        "(minutes) and kept: later runs load them by default. Without it, the graphs already kept "
+        "run where quantized weights have them, else the eager forward; bench decodes every prompt "
+        "once, untimed, first (docs/performance.md)",
+    )
+    forward.add_argument(
+        "--eager",
+        dest="compile",
+        action="store_const",
+        const=False,
+        help="the eager forward, even where compiled graphs are kept",
     )
     g.add_argument(
         "--quantize",

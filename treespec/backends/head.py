@@ -38,7 +38,7 @@ from .base import Feed, Scores
 from .checkpoint import LlamaShape
 from .linear import Int4Projection, Projection, Q4Q8Projection, QuantizedProjection, check_quantize
 from .native.aot import GraphStore
-from .native.compile import CompiledForward, ForwardGraph
+from .native.compile import ForwardGraph, compiled_forward, resolve_compile
 from .native.kv import KVPool
 from .native.model import Layer, rms_norm, rope_rows, rotate
 from .native.runner import NativeRunner, split_scores
@@ -251,7 +251,7 @@ class HeadRunner(NativeRunner):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         quantize: str | None = None,
-        compile: bool = False,
+        compile: bool | str = False,
     ):
         """`embed`: the target's embedding matrix [V, hidden] (EAGLE-3 heads share it), unless
         `weights` holds an `embed_tokens.weight` of the head's own. `quantize` ("int8", "int4",
@@ -260,7 +260,7 @@ class HeadRunner(NativeRunner):
         needing inputs in whole groups of 32, else a ValueError naming the weight's shape); a
         head's q only proposes, so the output stays lossless.
         `compile`: its forwards with logits as an inductor graph (`native.compile.CompiledForward`,
-        kept across processes as the target's are)."""
+        kept across processes as the target's are; "auto": loaded where stored, as the target's)."""
         check_head_weights(cfg, weights)
         if quantize is not None:
             check_quantize(quantize, dtype, device)
@@ -312,7 +312,8 @@ class HeadRunner(NativeRunner):
         self.flash, self.prefix_attention = False, None
         self.pool, self.row = KVPool(s, 1, self.inv_freq, dtype, self.device), 0
         self.taps = ()
-        self.compiled = CompiledForward(self, store=GraphStore()) if compile else None
+        self.compile_setting = resolve_compile(compile, self.device, dtype, quantize)
+        self.compiled = compiled_forward(self, self.compile_setting, GraphStore())
         super(NativeRunner, self).__init__()
 
     def forward_graph(self) -> HeadGraph:
@@ -400,7 +401,7 @@ class HeadGraph(ForwardGraph):
 
 
 def load_head_runner(
-    path, target, dtype: torch.dtype, device, quantize: str | None = None, compile: bool = False
+    path, target, dtype: torch.dtype, device, quantize: str | None = None, compile: bool | str = False
 ) -> HeadRunner | None:
     """A `HeadRunner` for the EAGLE-3 checkpoint in the local directory `path`, over the
     embedding of `target` (a runner), its products `quantize`d (None, "int8", "int4"; what

@@ -82,7 +82,7 @@ def run(args) -> None:
             draft_vocab=draft_vocab,
             runners=runners,
             llama_cpp=llama_cpp,
-            warmup=args.compile,  # compiled graphs compile outside the timed runs
+            warmup=args.compile is True,  # compiled graphs compile outside the timed runs
         )
     if progress is not None:
         print("\r\033[K", end="", file=sys.stderr)

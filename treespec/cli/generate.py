@@ -131,7 +131,7 @@ def print_statistics(dec, out, colour: bool) -> None:
         print(f"tree: {out.plan}")
     target = dec.target_runner  # what dtype="auto" / quantize="auto" chose, or what was asked
     weights, dtype = getattr(target, "quantize", None) or "dense", getattr(target, "dtype", "?")
-    print(f"target weights: {weights}, computing in {str(dtype).removeprefix('torch.')}")
+    print(f"target weights: {weights}, computing in {str(dtype).removeprefix('torch.')}, {forward(target)}")
     if s.tree_nodes:
         print(
             f"acceptance rate {s.acceptance_rate:.2f} ({s.accepted_tokens} of {s.tree_nodes} "
@@ -148,3 +148,14 @@ def print_statistics(dec, out, colour: bool) -> None:
         + f"other {s.other_seconds:.2f}s; draft forwards {s.draft_forwards}, tree nodes/step "
         f"{s.tree_nodes / max(1, s.target_steps):.1f}"
     )
+
+
+def forward(target) -> str:
+    """How the target's forwards run, and how a kept compiled forward could run them."""
+    if getattr(target, "compiled", None) is not None:
+        return "compiled forward"
+    if getattr(target, "compile_setting", False) == "auto":
+        return (
+            "eager forward (--compile once builds its graphs for this machine, minutes; later runs load them)"
+        )
+    return "eager forward"

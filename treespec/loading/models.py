@@ -33,7 +33,7 @@ def load_models(
     device=None,
     backend: str = "auto",
     draft_dtype=None,
-    compile: bool = False,
+    compile: bool | str = "auto",
     quantize: str | None = "auto",
     draft_quantize: str | None = "auto",
     tp: int | None = None,
@@ -64,6 +64,8 @@ def load_models(
         draft_runner = load_runner(draft, dtypes[1], device, backend, compile, draft_quantize)
     else:
         draft_runner = None
+    if head:  # its target's forwards return the features it reads (the engine sets them too)
+        target_runner.set_taps(draft_runner.target_taps)
     tokenizer = load_tokenizer(target)
     # a head shares its target's tokenizer; a draft loads its own unless it holds the same files
     draft_tokenizer = None
@@ -73,7 +75,8 @@ def load_models(
 
     origin = {
         "target": files_key(target), "draft": files_key(draft), "dtypes": [str(d) for d in dtypes],
-        "device": str(device), "backend": backend, "compile": compile, "quantize": target_runner.quantize,
+        "device": str(device), "backend": backend, "quantize": target_runner.quantize,
+        "compile": getattr(target_runner, "compiled", None) is not None,  # as resolved: graphs found
         "draft_quantize": getattr(draft_runner, "quantize", draft_quantize),
         "tp": 1 if group is None else group.world,
     }  # fmt: skip
@@ -85,14 +88,15 @@ def load_runner(
     dtype: torch.dtype,
     device: torch.device,
     backend: str = "auto",
-    compile: bool = False,
+    compile: bool | str = False,
     quantize: str | None = None,
     tp=None,
 ) -> Runner:
     """A runner for the checkpoint at `path` (`checkpoint`): native straight from safetensors
     when the backend allows it and the directory holds a supported checkpoint, else through HF.
     `compile`: the native runner's inductor forward (`NativeRunner(compile=True)`; ignored,
-    with a warning, where it cannot compile; the HF backend has none). `quantize`: the native
+    with a warning, where it cannot compile; the HF backend has none; "auto": the graphs
+    already stored for this machine and model, else eager). `quantize`: the native
     runner's weight-only quantization (`NativeRunner(quantize=...)`; "auto": `resolve_quantize`);
     a ValueError where the checkpoint runs on the HF backend (but for "auto", which is None there).
     A draft with a subset vocabulary (`vocab_map.json` beside its weights) is wrapped so that
@@ -138,7 +142,7 @@ def load_runner(
     return subset.wrap(runner, vocab_map)
 
 
-def load_head(path, target: Runner, dtype: torch.dtype, device: torch.device, quantize=None, compile=False):
+def load_head(path, target: Runner, dtype: torch.dtype, device: torch.device, quantize=None, compile="auto"):
     """A `HeadRunner` for the EAGLE-3 head directory `path` over `target`'s embedding, its
     weights format decided by `resolve_quantize`."""
     from ..backends.head import load_head_runner

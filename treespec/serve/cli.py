@@ -31,6 +31,7 @@ SHUTDOWN_SLACK_S = 5.0  # after the grace period: time for cancelled requests to
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
+    p.set_defaults(compile=False)  # compiled graphs serve one-lane pools only: eager unless --compile
     p.add_argument("--served-model-name", default=None, help="the model id clients name (default: the pair)")
 
     s = p.add_argument_group("server")

@@ -6,7 +6,7 @@ inductor's own cache answers. An AOTInductor package (`torch._inductor.aoti_comp
 is the graph compiled once, its frozen weights inside, into a shared library; a later process
 loads it instead, and it runs as fast as the graph built in process (docs/performance.md).
 
-`GraphStore` keeps packages under a directory (default $TREESPEC_CACHE/graphs-v1), one file a
+`GraphStore` keeps packages under a directory ($TREESPEC_GRAPHS, else $TREESPEC_CACHE/graphs-v1), one file a
 graph, named by a digest of everything the compiled code depends on: the module's weights
 (their bytes) and what else its forward reads (the model's shape, the taps it returns), which
 graph it is (a feed size, or "dynamic"), the inductor settings, the backends' source,
@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.utils._pytree as pytree
 
 from ...config import default_cache_dir
 from ..cpu import machine_key
@@ -62,13 +63,36 @@ def model_digest(module: torch.nn.Module, **attributes) -> str:
     return h.hexdigest()
 
 
+def load_package(path: Path) -> Callable:
+    """The AOTInductor package at `path`, loaded by torch's own C++ loader, as
+    `torch._inductor.aoti_load_package` loads it but without its imports and checks: inductor
+    and dynamo (~1.6 s) and the export archive reader (~1.2 s) imported, and the compiler run to
+    probe this CPU's vector ISA (~1.1 s), only to warn if the package was built for another
+    machine, which a store's key (torch's version, the machine) already rules out. Where this
+    torch has no such loader, `aoti_load_package` itself."""
+    loader = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
+    if loader is None:
+        from torch._inductor import aoti_load_package
+
+        return aoti_load_package(str(path))
+    model = loader(str(path), "model", False, 1, -1)  # model name, single-threaded, runners, device
+    out_spec = pytree.treespec_loads(model.get_call_spec()[1])
+
+    def run(*inputs: torch.Tensor):
+        return pytree.tree_unflatten(
+            model.boxed_run([t for t in inputs if isinstance(t, torch.Tensor)]), out_spec
+        )
+
+    return run
+
+
 class GraphStore:
     """AOTInductor packages on disk, one per graph, found by `key`; a package not used for
     `keep_days` is removed when another is stored (a package holds its model's weights)."""
 
     def __init__(self, root: str | os.PathLike | None = None, keep_days: float = 14.0):
         if root is None:
-            root = default_cache_dir() / f"graphs-v{STORE_VERSION}"
+            root = os.environ.get("TREESPEC_GRAPHS") or default_cache_dir() / f"graphs-v{STORE_VERSION}"
         self.root, self.keep_days = Path(root), keep_days
 
     @staticmethod
@@ -104,10 +128,8 @@ class GraphStore:
         path = self.path(key)
         if not path.is_file():
             return None
-        from torch._inductor import aoti_load_package  # inductor loads here, when a graph is needed
-
         try:
-            package = aoti_load_package(str(path))
+            package = load_package(path)
         except Exception as e:  # noqa: BLE001 - any unreadable package is rebuilt, never an error
             log.info("the compiled forward in %s does not load (%s); compiling it again", path, e)
             with contextlib.suppress(OSError):
@@ -123,7 +145,7 @@ class GraphStore:
         """Export `module` on `inputs` (their sizes free along `dynamic_shapes`), compile it
         under the inductor `settings` into a package stored under `key` (written whole: a
         temporary file, then a rename), and load it."""
-        from torch._inductor import aoti_compile_and_package, aoti_load_package
+        from torch._inductor import aoti_compile_and_package
 
         program = torch.export.export(module, inputs, dynamic_shapes=dynamic_shapes, strict=False)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -135,7 +157,7 @@ class GraphStore:
         finally:
             Path(tmp).unlink(missing_ok=True)
         self.prune()
-        return aoti_load_package(str(self.path(key)))
+        return load_package(self.path(key))
 
     def prune(self) -> None:
         """Remove the packages not used for `keep_days` (older models, settings or versions)."""

@@ -43,6 +43,36 @@ def compile_unsupported_reason(device: torch.device, dtype: torch.dtype) -> str 
     return None
 
 
+def resolve_compile(
+    compile: bool | str, device: torch.device, dtype: torch.dtype, quantize: str | None, tp=None
+) -> bool | str:
+    """What a runner's `compile` comes to here: True (a warning and False where it cannot
+    compile), False, or "auto": graphs loaded from the store where it holds them
+    (`compiled_forward`), for quantized weights on a CPU, one process a model; False elsewhere
+    (float weights choose their eager layout when they load, before the store is asked)."""
+    if compile not in (True, False, "auto"):
+        raise ValueError(f"compile must be True, False or 'auto', not {compile!r}")
+    reason = compile_unsupported_reason(device, dtype) if compile else None
+    if compile == "auto":
+        return "auto" if reason is None and quantize is not None and tp is None else False
+    if reason:
+        warnings.warn(f"treespec: compile=True ignored, {reason}", stacklevel=4)
+        return False
+    return compile
+
+
+def compiled_forward(runner, compile: bool | str, store: GraphStore | None) -> CompiledForward | None:
+    """`runner`'s forwards with logits as `compile` (`resolve_compile`'s) asks: True, compiled
+    where `store` lacks them; "auto", loaded from `store` if it holds a one-token step's graph
+    (nothing is ever compiled), else None: the eager forward."""
+    if not compile:
+        return None
+    if compile is True:
+        return CompiledForward(runner, store=store)
+    forward = CompiledForward(runner, store=store, build=False)
+    return forward if forward.stored() else None
+
+
 def add_tensor(module: torch.nn.Module, name: str, tensor: torch.Tensor | None) -> None:
     """`tensor` as `module`'s buffer `name`; a missing one (no bias, no scales) as a plain None,
     which torch.export takes where it refuses None buffers."""
@@ -226,22 +256,42 @@ class CompiledForward:
     # graph), and there is room for every static size plus the dynamic graph
     DYNAMO = {"automatic_dynamic_shapes": False, "recompile_limit": COMPILE_STATIC_MAX + 4}
 
-    def __init__(self, runner: NativeRunner, config: dict | None = None, store: GraphStore | None = None):
+    def __init__(
+        self,
+        runner: NativeRunner,
+        config: dict | None = None,
+        store: GraphStore | None = None,
+        build: bool = True,
+    ):
         """`config`: inductor settings for every graph instead of AUTOTUNED / PACKED (tests use
         cheap ones). `store`: where graphs are kept across processes as AOTInductor packages
-        (`aot.GraphStore`); None: each process compiles its own in process (`torch.compile`)."""
+        (`aot.GraphStore`); None: each process compiles its own in process (`torch.compile`).
+        `build=False`: only load graphs from `store`; a feed whose graph is not there runs
+        eagerly, and nothing is compiled (`compile="auto"`)."""
         self.module = runner.forward_graph().eval()
-        self.graph = self._own_compiled_forward(self.module)
+        self._graph: Callable | None = None  # `graph`, made on first use
         self.custom_config = config
         static, dynamic, self.static_max = self.products(runner.quantize, runner.dtype)
         if config is not None:
             static = dynamic = config
         self.config = {"static": dict(static), "dynamic": dict(dynamic)}
-        self.dynamo = {k: v for k, v in self.DYNAMO.items() if hasattr(torch._dynamo.config, k)}
         self.compiled: set[int | str] = set()  # graphs compiled: static feed sizes, "dynamic"
+        self.build, self.unbuilt = build, set()  # unbuilt: graphs not in the store (build=False)
         self.failed = False
         self.store, self.model = store, None  # model: its digest, once a package is sought
         self.packages: dict[int | str, Callable] = {}  # graphs loaded from `store`
+
+    @property
+    def graph(self) -> Callable:
+        """The forward under `torch.compile`, made when a graph is first compiled in process
+        (importing dynamo takes ~2 s: a process that loads its graphs from the store skips it)."""
+        if self._graph is None:
+            self._graph = self._own_compiled_forward(self.module)
+        return self._graph
+
+    @graph.setter
+    def graph(self, forward: Callable) -> None:
+        self._graph = forward
 
     @staticmethod
     def _own_compiled_forward(module: ForwardGraph) -> Callable:
@@ -293,10 +343,12 @@ class CompiledForward:
         # process, dynamo keeps no dimension of size 1 dynamic, so one token gets a graph of its own
         static = n <= self.static_max or (n == 1 and 1 in self.compiled)
         graph = n if static else "dynamic"
+        if graph in self.unbuilt:
+            return None
         try:
             if graph in self.compiled:
                 # compiled: the dynamic sizes and settings are read only while compiling
-                return Scores(*self.packages.get(graph, self.graph)(*inputs))
+                return Scores(*(self.packages[graph] if graph in self.packages else self.graph)(*inputs))
             return self._first_call(graph, inputs, pool)
         except Exception as e:  # noqa: BLE001 - any compile failure means: run eagerly from now on
             self.failed = True
@@ -318,6 +370,9 @@ class CompiledForward:
             self.packages[graph] = package
             self.compiled.add(graph)
             return Scores(*package(*inputs))
+        if not self.build:
+            self.unbuilt.add(graph)
+            return None
         n = inputs[0].shape[0]
         if n == 1 and not static:  # in process: the one-token graph (see __call__)
             static, graph, what = True, 1, "1 tokens"
@@ -330,7 +385,9 @@ class CompiledForward:
         log.info("compiling the forward for %s (once per process; seconds to minutes)", what)
         with (
             torch._inductor.config.patch(candidates[-1]),  # the settings every product takes
-            torch._dynamo.config.patch(self.dynamo),
+            torch._dynamo.config.patch(
+                {k: v for k, v in self.DYNAMO.items() if hasattr(torch._dynamo.config, k)}
+            ),
             _quiet_compiler(),
         ):
             scores = Scores(*self.graph(*inputs))
@@ -343,6 +400,16 @@ class CompiledForward:
         `settings` leaves a product no kernel but the C++ template (TEMPLATES)."""
         templates_only = settings.get("max_autotune_gemm_backends") == "CPP"
         return [settings, cls.AUTOTUNED] if templates_only else [settings]
+
+    def stored(self) -> bool:
+        """Whether the store holds the graph of a one-token step, under any of the settings
+        it would be compiled under (nothing is loaded or compiled)."""
+        if self.store is None:
+            return False
+        graph = 1 if self.static_max else "dynamic"
+        settings = self.config["static" if self.static_max else "dynamic"]
+        keys = [self.store.key(self.digest(), graph, s) for s in self.candidates(settings)]
+        return any(self.store.path(k).is_file() and not self.store.refused(k) for k in keys)
 
     def digest(self) -> str:
         """What these graphs compute (`aot.model_digest`: weights, shape, taps), computed once."""
@@ -367,6 +434,8 @@ class CompiledForward:
             if package is not None:
                 log.info("loaded the compiled forward for %s from %s", what, self.store.root)
                 return package
+            if not self.build:
+                continue
             try:
                 return self._build(key, graph, inputs, settings, what)
             except Exception as e:  # noqa: BLE001 - the next settings, then the in-process compiler

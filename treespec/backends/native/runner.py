@@ -13,7 +13,6 @@ each layer's cache views, the RoPE rows) is made once per forward, not per layer
 from __future__ import annotations
 
 import copy
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +24,7 @@ from ..base import Feed, Runner, Scores, forward_grouped
 from ..checkpoint import LlamaShape, read_checkpoint
 from ..linear import check_quantize
 from .aot import GraphStore
-from .compile import CompiledForward, ForwardGraph, compile_unsupported_reason
+from .compile import CompiledForward, ForwardGraph, compiled_forward, resolve_compile
 from .kv import KVPool
 from .model import Layer, decoder_stack, rms_norm
 from .sharding import adds_bias, rank_shape
@@ -59,7 +58,7 @@ class NativeRunner(Runner):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         pack_weights: bool = True,
-        compile: bool = False,
+        compile: bool | str = False,
         quantize: str | None = None,
         tp: TensorParallel | None = None,
     ):
@@ -72,7 +71,9 @@ class NativeRunner(Runner):
         tree verification, drafting) through inductor graphs (`CompiledForward`): compiled on
         first use, then a faster forward. CPU and float32 / bfloat16 only; elsewhere it is
         ignored with a warning. The graphs hold their own packed copies of the weights, so the
-        eager path (prefills, batched lanes) then multiplies unpacked.
+        eager path (prefills, batched lanes) then multiplies unpacked. "auto": the graphs the
+        store already holds for this machine and model (quantized weights; `resolve_compile`),
+        never compiling one; a feed whose graph is not there runs eagerly.
         `quantize="int8"`: every projection and the output layer multiply by int8 weights with
         a scale per row (`linear.QuantizedProjection`; the embedding lookup stays in `dtype`):
         a different model, the quantized one, which is lossless for a draft and the int8
@@ -90,14 +91,15 @@ class NativeRunner(Runner):
         self.tp, self.quantize = tp, quantize
         shape, blocks = rank_shape(shape, tp)
         self._set_shape(shape, eos_token_ids, torch.device(device), dtype)
-        compile = self._can_compile(compile)
+        compile = resolve_compile(compile, self.device, self.dtype, quantize, tp)
         loader = WeightLoader(weights, blocks, self.device, dtype, quantize, pack_weights and not compile)
         self._load_weights(loader)
         self._init_cache()
         # compiled graphs kept across processes, but for tensor parallel (collectives in the graph)
-        store = GraphStore() if tp is None else None
-        self.compiled = CompiledForward(self, store=store) if compile else None
-        self._graphs_by_taps: dict[tuple[int, ...], CompiledForward] = {}  # see set_taps
+        # compile_setting: as resolved (True, False, "auto"); compiled: the graphs, or None (eager)
+        self.compile_setting, self._store = compile, GraphStore() if tp is None else None
+        self.compiled = compiled_forward(self, compile, self._store)
+        self._graphs_by_taps: dict[tuple[int, ...], CompiledForward | None] = {}  # see set_taps
         super().__init__()
 
     def _set_shape(
@@ -108,14 +110,6 @@ class NativeRunner(Runner):
         self.vocab_size, self.max_positions, self.n_layers = shape.vocab, shape.max_positions, shape.layers
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device, self.dtype = device, dtype
-
-    def _can_compile(self, compile: bool) -> bool:
-        """`compile`, unless this device and dtype cannot compile (then a warning)."""
-        reason = compile_unsupported_reason(self.device, self.dtype) if compile else None
-        if reason:
-            warnings.warn(f"treespec: compile=True ignored, {reason}", stacklevel=3)
-            return False
-        return compile
 
     def _load_weights(self, loader: WeightLoader) -> None:
         """The embedding, output layer, final norm and decoder layers, checked against the shape."""
@@ -193,13 +187,19 @@ class NativeRunner(Runner):
     def set_taps(self, taps) -> None:
         before = self.taps
         super().set_taps(taps)
-        if self.compiled is not None and self.taps != before:
+        if self.compile_setting and self.taps != before:
             # the graphs return the taps they were traced with: one set of graphs per taps, kept
-            # (decoders sharing this runner, with and without a head, do not recompile in turn)
-            graphs = self._graphs_by_taps
-            graphs.setdefault(before, self.compiled)
+            # (decoders sharing this runner, with and without a head, do not recompile in turn);
+            # "auto" asks the store again, for the graphs of these taps
+            graphs, now = self._graphs_by_taps, self.compiled
+            graphs.setdefault(before, now)
             if self.taps not in graphs:
-                graphs[self.taps] = CompiledForward(self, self.compiled.custom_config, self.compiled.store)
+                if now is None:
+                    graphs[self.taps] = compiled_forward(self, self.compile_setting, self._store)
+                else:
+                    graphs[self.taps] = CompiledForward(self, now.custom_config, now.store, now.build)
+                    if not now.build and not graphs[self.taps].stored():
+                        graphs[self.taps] = None
             self.compiled = graphs[self.taps]
 
     # ---- the KV cache ---------------------------------------------------------------------
