@@ -7,7 +7,7 @@ Modes: plain decoding unconstrained, plain decoding under the schema, and the de
 which no mode changes, left out), tokens/step, the share of emitted tokens the grammar forced
 and how many accepted draft tokens were forced, and whether every output validates.
 
-    nice -n 5 python experiments/structured/speed.py --repeats 2 --max-new-tokens 96
+    nice -n 5 python experiments/structured/speed.py --repeats 2 --max-new-tokens 96 [--eager]
 
 Writes experiments/results/structured_speed.json. Numbers are indicative on a shared machine.
 """
@@ -125,8 +125,13 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--out", default=str(ROOT / "experiments/results/structured_speed.json"))
+    ap.add_argument(
+        "--eager", action="store_true", help="the eager forward even where compiled graphs are kept"
+    )
     args = ap.parse_args()
-    dec = SpeculativeDecoder.from_pretrained()
+    dec = SpeculativeDecoder.from_pretrained(compile=False if args.eager else "auto")
+    forward = "compiled" if getattr(dec.target_runner, "compiled", None) is not None else "eager"
+    print("target forward:", forward, flush=True)
     modes = ["plain-unconstrained", "plain-constrained", "speculative"]
     dec.generate(chat(*TASKS[0]), 8, constraint=JsonSchema(TASKS[0][0]))  # warm up (and plan the tree)
     runs = []
@@ -162,7 +167,9 @@ def main() -> None:
             "all_valid": all(r["valid"] for m in modes[1:] for r in rows[m]),
         }  # fmt: skip
         print(json.dumps(summary[f"T{T}"], indent=1))
-    Path(args.out).write_text(json.dumps({"summary": summary, "runs": runs}, indent=1) + "\n")
+    Path(args.out).write_text(
+        json.dumps({"forward": forward, "summary": summary, "runs": runs}, indent=1) + "\n"
+    )
     print("wrote", args.out)
 
 

@@ -3,6 +3,7 @@ tokenizers, and what they were loaded from (`load_models`, the one path `from_pr
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,8 @@ from .. import parallel
 from ..backends import Runner, check_backend, make_runner, use_native
 from .paths import PathKind, checkpoint, path_kind
 from .weights import resolve_device, resolve_dtype, resolve_quantize, resolve_weights
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -71,6 +74,11 @@ def load_models(
     draft_tokenizer = None
     if draft is not None and not head:
         draft_tokenizer = load_tokenizer(draft, same_as=(target, tokenizer))
+    if getattr(target_runner, "compile_setting", None) == "auto" and target_runner.compiled is None:
+        log.info(
+            "eager forward: no compiled graphs kept for this model on this machine (run once with "
+            "--compile, or compile=True, to build them in about two minutes; later runs load them)"
+        )
     from ..planning import files_key
 
     origin = {
