@@ -88,6 +88,18 @@ class GrammarVocabulary:
             raise ValueError(f"invalid {constraint.describe()}: {m.get_error()}")
         return m
 
+    def single(self, bitmask: bytes) -> int | None:
+        """The one token id llguidance's bitmask allows, or None (none, or several)."""
+        words = np.frombuffer(bitmask, dtype="<u4")  # bit i of word w: token 32 w + i
+        nonzero = np.flatnonzero(words)
+        if nonzero.size != 1:
+            return None
+        word = int(words[nonzero[0]])
+        if word & (word - 1):
+            return None
+        token = int(nonzero[0]) * 32 + word.bit_length() - 1
+        return token if token < self.size else None
+
     def unpack(self, bitmask: bytes) -> torch.Tensor:
         """[size] bool: llguidance's bitmask (one bit per token id, little-endian words)."""
         bits = np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little")

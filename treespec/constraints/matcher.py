@@ -43,7 +43,7 @@ class TreeMatcher:
     def __init__(self, vocab: GrammarVocabulary, constraint: Constraint):
         self.vocab, self.constraint = vocab, constraint
         self._matcher = vocab.matcher(constraint)
-        self._masks: dict[Path, torch.Tensor] = {}
+        self._masks: dict[Path, tuple[torch.Tensor, int | None]] = {}  # `_read`'s, this round
         self._strings: dict[Path, list[int]] = {}
         self._ended = False
 
@@ -51,25 +51,35 @@ class TreeMatcher:
         """[V] bool: the tokens the grammar allows after the committed tokens + `path`. A path
         the grammar cannot take gets every token (its node is never reached: its own token has
         probability 0 under the constrained target)."""
-        path = tuple(path)
-        mask = self._masks.get(path)
-        if mask is not None:
-            return mask
-        m = self._matcher
+        return self._read(tuple(path))[0]
+
+    def forced(self, path: Sequence[int] = ()) -> int | None:
+        """The one token the grammar allows after `path`, or None."""
+        return self._read(tuple(path))[1]
+
+    def _read(self, path: Path) -> tuple[torch.Tensor, int | None]:
+        """`allowed` and `forced` after `path`, read once a round."""
+        hit = self._masks.get(path)
+        if hit is not None:
+            return hit
+        m, eos = self._matcher, list(self.vocab.eos)
         n = m.try_consume_tokens(list(path)) if path else 0
         if n == len(path) and not m.is_error():
-            mask = self.vocab.unpack(m.compute_bitmask())
-            if not bool(mask.any()):  # nothing may follow (a stopped grammar): only the end
-                mask[list(self.vocab.eos)] = True
+            bitmask = m.compute_bitmask()
+            mask, one = self.vocab.unpack(bitmask), self.vocab.single(bitmask)
+            if one is None and not bool(mask.any()):  # nothing may follow (a stopped grammar): only the end
+                mask[eos] = True
+                one = eos[0] if len(eos) == 1 else None
         elif m.is_stopped() and not m.is_error() and all(t in self.vocab.eos for t in path[n:]):
             mask = torch.zeros(self.vocab.size, dtype=torch.bool)  # past the end (ignore_eos): the end
-            mask[list(self.vocab.eos)] = True
+            mask[eos] = True
+            one = eos[0] if len(eos) == 1 else None
         else:
-            mask = torch.ones(self.vocab.size, dtype=torch.bool)
+            mask, one = torch.ones(self.vocab.size, dtype=torch.bool), None
         if n:
             m.rollback(n)
-        self._masks[path] = mask
-        return mask
+        self._masks[path] = mask, one
+        return mask, one
 
     def masks(self, paths: Sequence[Sequence[int]]) -> torch.Tensor:
         """[n, V] bool: `allowed` of each path."""
@@ -92,12 +102,6 @@ class TreeMatcher:
             empty = ~torch.isfinite(out.amax(-1, keepdim=True))  # [n, 1]
             out = torch.where(empty & allowed, torch.zeros_like(out), out)
         return out
-
-    def forced(self, path: Sequence[int] = ()) -> int | None:
-        """The one token the grammar allows after `path`, or None."""
-        mask = self.allowed(path)
-        top = torch.topk(mask.to(torch.uint8), 2).values
-        return int(mask.to(torch.uint8).argmax()) if top[0] == 1 and top[1] == 0 else None
 
     def forced_string(self, path: Sequence[int] = ()) -> list[int]:
         """The tokenizer's spelling of the string the grammar forces after `path` (its
