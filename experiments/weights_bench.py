@@ -13,8 +13,9 @@ The configurations: plain decoding, the automatic tree (`TreeConfig()`, planned 
 format's own measured costs) and chains of depth 1-3. `--llama-cpp DIR` adds llama.cpp's plain
 decoding of the GGUF file (its own timers: prompt and decode, loading excluded). Also records
 what `dtype="auto"` with `quantize="auto"` picks here (`loading.resolve_weights`). Writes
-results/weights_<pair>_<tag>.json. A format may name its own dtype (`int4:bfloat16`), and
-"auto" is `quantize="auto"`:
+results/weights_<pair>_<tag>.json. A format may name its own dtype (`int4:bfloat16`) and
+the eager forward (`auto::eager`; otherwise the compiled graphs kept for this machine run,
+`compile="auto"`), and "auto" is `quantize="auto"`:
 
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python experiments/weights_bench.py \
         --formats none:float32 int4:bfloat16 int8:bfloat16 none:bfloat16 --tag as_avx2
@@ -44,6 +45,14 @@ CONFIGS = {
 }
 
 
+def weights(dec) -> list[str]:
+    """The target's dtype, weight format and forward: the graphs kept for this machine
+    (`compile="auto"`) or the eager one."""
+    target = dec.target_runner
+    forward = "compiled" if getattr(target, "compiled", None) is not None else "eager"
+    return [str(target.dtype), target.quantize, forward]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", default="smollm2")
@@ -66,11 +75,12 @@ def main() -> None:
     decs = {}
     for spec in args.formats:
         t0 = time.perf_counter()
-        fmt, _, dtype = spec.partition(":")
+        fmt, dtype, *rest = spec.split(":") + [""]
         q = None if fmt == "none" else fmt
         decs[spec] = SpeculativeDecoder.from_pretrained(
-            target=target, draft=draft, dtype=dtype or args.dtype, quantize=q
-        )
+            target=target, draft=draft, dtype=dtype or args.dtype, quantize=q,
+            compile=False if "eager" in rest else "auto",
+        )  # fmt: skip
         print(f"loaded {spec} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     first = next(iter(decs.values()))
     dtype, auto = resolve_weights("auto", "auto", target, torch.device("cpu"))
@@ -81,7 +91,7 @@ def main() -> None:
         "what": "the target's weight formats, plain and speculative, beside llama.cpp",
         "command": " ".join(sys.argv),
         "pair": args.pair,
-        "weights": {spec: [str(d.target_runner.dtype), d.target_runner.quantize] for spec, d in decs.items()},
+        "weights": {k: weights(d) for k, d in decs.items()},
         "auto_weights_here": [str(dtype), auto],
         "machine": machine_info("cpu"),
         "repeats": args.repeats,
