@@ -47,6 +47,23 @@ def test_generate_show_tree_colours_tokens_and_prints_stats(capsys):
     assert "tokens/step" in out and "acceptance by depth" in out and "tokens/s" in out
     assert "acceptance rate" in out and "mean accepted length" in out
     assert "target weights: dense, computing in " in out  # a checkpoint without 4-bit blocks
+    assert out.rstrip().count("eager forward") == 1  # dense weights: no kept graphs are sought
+
+
+def test_compile_eager_and_auto_flags():
+    """--compile (build the graphs), --eager (never run them), neither: compile="auto"; the
+    server runs eagerly unless asked."""
+    from treespec.serve.cli import add_arguments as serve_arguments
+
+    parser = build_parser()
+    assert parser.parse_args(["generate", "x"]).compile == "auto"
+    assert parser.parse_args(["generate", "x", "--compile"]).compile is True
+    assert parser.parse_args(["chat", "--eager"]).compile is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "x", "--compile", "--eager"])
+    serve = argparse.ArgumentParser()
+    serve_arguments(serve)
+    assert serve.parse_args([]).compile is False and serve.parse_args(["--compile"]).compile is True
 
 
 @pytest.mark.parametrize(
@@ -395,3 +412,13 @@ def test_a_bad_verification_name_fails_before_loading(capsys, monkeypatch):
     monkeypatch.setattr(treespec.options, "load_decoder", lambda *a, **k: pytest.fail("loaded"))
     assert main(["generate", "x", "--verification", "blok"]) == 2
     assert "verification must be one of token, block, traversal or 'auto'" in capsys.readouterr().err
+
+
+def test_the_stats_say_how_the_forward_ran():
+    from types import SimpleNamespace
+
+    from treespec.cli.generate import forward
+
+    assert forward(SimpleNamespace(compiled=object(), compile_setting="auto")) == "compiled forward"
+    assert "--compile once" in forward(SimpleNamespace(compiled=None, compile_setting="auto"))
+    assert forward(SimpleNamespace(compiled=None, compile_setting=False)) == "eager forward"
