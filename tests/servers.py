@@ -1,6 +1,6 @@
 """A `treespec serve` process for the tests that talk to one over HTTP (`start_server`: a
 generator fixture body that yields {"base", "proc", "log"} once /health answers, and kills the
-server after)."""
+server after), and the official client of one (`openai_client`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 import time
 
 import httpx
+import openai
 import pytest
 
 MAX_LIVE, MAX_QUEUE = 4, 2  # the servers' lanes and queue limit
@@ -49,3 +50,8 @@ def start_server(tmp_path_factory, dtype: str, *extra: str, models=("--pair", "p
     if proc.poll() is None:
         proc.kill()
         proc.wait()
+
+
+def openai_client(server: dict, timeout: float = 60) -> openai.OpenAI:
+    """The official client of a started server (`start_server`'s), retrying nothing."""
+    return openai.OpenAI(base_url=server["base"] + "/v1", api_key="x", max_retries=0, timeout=timeout)

@@ -29,7 +29,7 @@ from treespec import SamplingConfig, SpeculativeDecoder, TreeConfig  # noqa: E40
 from treespec.output import TextStream, stop_prefix_len  # noqa: E402
 from treespec.zoo import ZOO  # noqa: E402
 
-from .servers import MAX_LIVE, MAX_QUEUE, start_server  # noqa: E402
+from .servers import MAX_LIVE, MAX_QUEUE, openai_client, start_server  # noqa: E402
 
 PROMPT = "def quicksort(xs):"
 PROMPTS = ["def quicksort(xs):", "import os\n", "class Stack:\n", "for i in range("]
@@ -44,7 +44,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    with openai.OpenAI(base_url=server["base"] + "/v1", api_key="x", max_retries=0, timeout=60) as c:
+    with openai_client(server) as c:
         yield c
 
 
@@ -261,7 +261,7 @@ def test_deterministic_server_8_concurrent_bf16_streams_each_equal_their_solo_ou
     server = next(gen)
     results: dict[int, str] = {}
     try:
-        with openai.OpenAI(base_url=server["base"] + "/v1", api_key="x", max_retries=0, timeout=120) as c:
+        with openai_client(server, 120) as c:
 
             def run(i):
                 tree = trees[i % 2]
@@ -596,7 +596,7 @@ def test_a_server_drafting_with_a_feature_head_serves_what_generate_gives(tmp_pa
     )
     server = next(gen)
     try:
-        with openai.OpenAI(base_url=server["base"] + "/v1", api_key="x", max_retries=0, timeout=60) as c:
+        with openai_client(server) as c:
             for temperature, seed in ((0.0, None), (1.0, 5)):
                 got = c.completions.create(
                     model=c.models.list().data[0].id, prompt=PROMPTS[0], max_tokens=16,

@@ -22,7 +22,7 @@ from treespec.constraints import GrammarVocabulary  # noqa: E402
 from treespec.serve.tools import CLOSE, ToolPlan, call_prefix, tool_plan, tool_stream  # noqa: E402
 from treespec.zoo import ZOO  # noqa: E402
 
-from .servers import start_server  # noqa: E402
+from .servers import openai_client, start_server  # noqa: E402
 
 MODEL = "pycode"
 CITY = {
@@ -60,7 +60,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    with openai.OpenAI(base_url=server["base"] + "/v1", api_key="x", max_retries=0, timeout=60) as c:
+    with openai_client(server) as c:
         yield c
 
 

@@ -199,8 +199,9 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    openai = pytest.importorskip("openai")
-    with openai.OpenAI(base_url=server["base"] + "/v1", api_key="x", max_retries=0, timeout=60) as c:
+    from .servers import openai_client
+
+    with openai_client(server) as c:
         yield c
 
 
