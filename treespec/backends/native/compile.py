@@ -61,16 +61,16 @@ def resolve_compile(
     return compile
 
 
-def compiled_forward(runner, compile: bool | str, store: GraphStore | None) -> CompiledForward | None:
+def compiled_forward(
+    runner, compile: bool | str, store: GraphStore | None, config: dict | None = None
+) -> CompiledForward | None:
     """`runner`'s forwards with logits as `compile` (`resolve_compile`'s) asks: True, compiled
     where `store` lacks them; "auto", loaded from `store` if it holds a one-token step's graph
-    (nothing is ever compiled), else None: the eager forward."""
+    (nothing is ever compiled), else None: the eager forward. `config`: `CompiledForward`'s."""
     if not compile:
         return None
-    if compile is True:
-        return CompiledForward(runner, store=store)
-    forward = CompiledForward(runner, store=store, build=False)
-    return forward if forward.stored() else None
+    forward = CompiledForward(runner, config, store, build=compile is True)
+    return forward if forward.build or forward.stored() else None
 
 
 def add_tensor(module: torch.nn.Module, name: str, tensor: torch.Tensor | None) -> None:

@@ -194,12 +194,8 @@ class NativeRunner(Runner):
             graphs, now = self._graphs_by_taps, self.compiled
             graphs.setdefault(before, now)
             if self.taps not in graphs:
-                if now is None:
-                    graphs[self.taps] = compiled_forward(self, self.compile_setting, self._store)
-                else:
-                    graphs[self.taps] = CompiledForward(self, now.custom_config, now.store, now.build)
-                    if not now.build and not graphs[self.taps].stored():
-                        graphs[self.taps] = None
+                config, store = (None, self._store) if now is None else (now.custom_config, now.store)
+                graphs[self.taps] = compiled_forward(self, self.compile_setting, store, config)
             self.compiled = graphs[self.taps]
 
     # ---- the KV cache ---------------------------------------------------------------------
