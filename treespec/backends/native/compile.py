@@ -65,12 +65,13 @@ def compiled_forward(
     runner, compile: bool | str, store: GraphStore | None, config: dict | None = None
 ) -> CompiledForward | None:
     """`runner`'s forwards with logits as `compile` (`resolve_compile`'s) asks: True, compiled
-    where `store` lacks them; "auto", loaded from `store` if it holds a one-token step's graph
-    (nothing is ever compiled), else None: the eager forward. `config`: `CompiledForward`'s."""
+    where `store` lacks them; "auto", the graphs `store` holds, loaded now, if a one-token
+    step's is among them (nothing is ever compiled), else None: the eager forward. `config`:
+    `CompiledForward`'s."""
     if not compile:
         return None
     forward = CompiledForward(runner, config, store, build=compile is True)
-    return forward if forward.build or forward.stored() else None
+    return forward if forward.build or forward.load_stored() else None
 
 
 def add_tensor(module: torch.nn.Module, name: str, tensor: torch.Tensor | None) -> None:
@@ -363,8 +364,7 @@ class CompiledForward:
         store where there is one and it serves, else in process; the `Scores` of that call."""
         static = graph != "dynamic"
         candidates = self.candidates(self.config["static" if static else "dynamic"])
-        # what the graph serves, for the log
-        what = f"{graph} tokens" if static else "longer feeds" if self.static_max else "every feed"
+        what = self._serves(graph)
         package = self._package(graph, inputs, candidates, what) if self.store is not None else None
         if package is not None:
             self.packages[graph] = package
@@ -401,15 +401,30 @@ class CompiledForward:
         templates_only = settings.get("max_autotune_gemm_backends") == "CPP"
         return [settings, cls.AUTOTUNED] if templates_only else [settings]
 
-    def stored(self) -> bool:
-        """Whether the store holds the graph of a one-token step, under any of the settings
-        it would be compiled under (nothing is loaded or compiled)."""
+    def _serves(self, graph: int | str) -> str:
+        """What graph `graph` serves, for the log."""
+        return (
+            f"{graph} tokens" if graph != "dynamic" else "longer feeds" if self.static_max else "every feed"
+        )
+
+    def load_stored(self) -> bool:
+        """Load every graph of these forwards that the store holds, under any of the settings
+        it would be compiled under (now, so that the first tokens do not wait for them; nothing
+        is compiled); whether a one-token step's is among them."""
         if self.store is None:
             return False
-        graph = 1 if self.static_max else "dynamic"
-        settings = self.config["static" if self.static_max else "dynamic"]
-        keys = [self.store.key(self.digest(), graph, s) for s in self.candidates(settings)]
-        return any(self.store.path(k).is_file() and not self.store.refused(k) for k in keys)
+        for graph in (*range(1, self.static_max + 1), "dynamic"):
+            for settings in self.candidates(self.config["dynamic" if graph == "dynamic" else "static"]):
+                key = self.store.key(self.digest(), graph, settings)
+                package = None if self.store.refused(key) else self.store.load(key)
+                if package is not None:
+                    log.info(
+                        "loaded the compiled forward for %s from %s", self._serves(graph), self.store.root
+                    )
+                    self.packages[graph] = package
+                    self.compiled.add(graph)
+                    break
+        return (1 if self.static_max else "dynamic") in self.packages
 
     def digest(self) -> str:
         """What these graphs compute (`aot.model_digest`: weights, shape, taps), computed once."""
