@@ -78,13 +78,16 @@ def test_a_stored_graph_is_loaded_by_a_later_runner_not_compiled_again(tmp_path,
     # eager, graph by graph, and compiles nothing
     third = NativeRunner.from_hf(model, compile=True)
     third.compiled = CompiledForward(third, CHEAP, store, build=False)
-    assert third.compiled.load_stored() and set(third.compiled.packages) == {1, "dynamic"}
+    assert third.compiled.stored()
+    third.load_graphs()
+    assert set(third.compiled.packages) == {1, "dynamic"}
     assert all(max_diff(w, g) < 1e-4 for w, g in zip(want, decode(third, prompt, tree)))
     assert not third.compiled.unbuilt
     empty = GraphStore(tmp_path / "empty")
     fourth = NativeRunner.from_hf(model, compile=True)
     fourth.compiled = CompiledForward(fourth, CHEAP, empty, build=False)
-    assert not fourth.compiled.load_stored()
+    assert not fourth.compiled.stored()
+    fourth.load_graphs()
     assert all(max_diff(w, g) < 1e-4 for w, g in zip(want, decode(fourth, prompt, tree)))
     assert fourth.compiled.unbuilt == {1, "dynamic"} and not fourth.compiled.packages
     assert not (tmp_path / "empty").exists()
@@ -106,7 +109,7 @@ def test_compile_auto_runs_stored_graphs_of_quantized_weights_only(tmp_path, mon
     monkeypatch.setenv("TREESPEC_GRAPHS", str(tmp_path))
     nat = NativeRunner.from_hf(build("gqa_tied"), quantize="int8", compile="auto")
     assert nat.compile_setting == "auto" and nat.compiled is None
-    monkeypatch.setattr(CompiledForward, "load_stored", lambda self: True)  # as if the store held them
+    monkeypatch.setattr(CompiledForward, "stored", lambda self: True)  # as if the store held them
     nat = NativeRunner.from_hf(build("gqa_tied"), quantize="int8", compile="auto")
     plain = nat.compiled
     assert plain is not None and not plain.build

@@ -91,6 +91,8 @@ class Engine:
         self.taps = drafter.taps(self.drafts[0])
         for target in self.targets:
             target.set_taps(self.taps)
+        for runner in {id(r): r for r in (*self.targets, *self.drafts) if r is not None}.values():
+            runner.load_graphs()  # kept compiled graphs load now, not during the first tokens
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(targets[0].eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.vocab_size = targets[0].vocab_size

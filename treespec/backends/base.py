@@ -165,6 +165,10 @@ class Runner(ABC):
             )
         self.taps = taps
 
+    def load_graphs(self) -> None:
+        """Load what this runner's forwards will run before the first tokens: the compiled
+        graphs a runner under `compile="auto"` found kept for its taps (else nothing)."""
+
     @property
     def lanes_match_solo(self) -> bool:
         """Whether a lane of `lanes(n)` forwarding alone computes exactly what this runner

@@ -117,6 +117,9 @@ class SubsetVocabRunner(Runner):
         self.inner.set_taps(taps)
         self.taps = self.inner.taps
 
+    def load_graphs(self) -> None:
+        self.inner.load_graphs()
+
     def scatter(self, scores: Scores) -> Scores:
         """Draft logits [n, K + 1] -> [n, V] target logits, -inf outside the subset."""
         logits = scores.logits

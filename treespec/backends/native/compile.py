@@ -65,13 +65,13 @@ def compiled_forward(
     runner, compile: bool | str, store: GraphStore | None, config: dict | None = None
 ) -> CompiledForward | None:
     """`runner`'s forwards with logits as `compile` (`resolve_compile`'s) asks: True, compiled
-    where `store` lacks them; "auto", the graphs `store` holds, loaded now, if a one-token
-    step's is among them (nothing is ever compiled), else None: the eager forward. `config`:
-    `CompiledForward`'s."""
+    where `store` lacks them; "auto", the graphs `store` holds if a one-token step's is among
+    them (nothing is ever compiled; `load_stored` loads them), else None: the eager forward.
+    `config`: `CompiledForward`'s."""
     if not compile:
         return None
     forward = CompiledForward(runner, config, store, build=compile is True)
-    return forward if forward.build or forward.load_stored() else None
+    return forward if forward.build or forward.stored() else None
 
 
 def add_tensor(module: torch.nn.Module, name: str, tensor: torch.Tensor | None) -> None:
@@ -407,15 +407,23 @@ class CompiledForward:
             f"{graph} tokens" if graph != "dynamic" else "longer feeds" if self.static_max else "every feed"
         )
 
-    def load_stored(self) -> bool:
-        """Load every graph of these forwards that the store holds, under any of the settings
-        it would be compiled under (now, so that the first tokens do not wait for them; nothing
-        is compiled); whether a one-token step's is among them."""
+    def _stored_keys(self, graph: int | str) -> list[str]:
+        """The store's keys of graph `graph`, under each of the settings it would compile under."""
+        settings = self.config["dynamic" if graph == "dynamic" else "static"]
+        return [self.store.key(self.digest(), graph, s) for s in self.candidates(settings)]
+
+    def stored(self) -> bool:
+        """Whether the store holds the graph of a one-token step (nothing is loaded)."""
+        keys = [] if self.store is None else self._stored_keys(1 if self.static_max else "dynamic")
+        return any(self.store.path(k).is_file() and not self.store.refused(k) for k in keys)
+
+    def load_stored(self) -> None:
+        """Load every graph of these forwards that the store holds and is not loaded yet (so
+        that the first tokens do not wait for them); nothing is compiled."""
         if self.store is None:
-            return False
+            return
         for graph in (*range(1, self.static_max + 1), "dynamic"):
-            for settings in self.candidates(self.config["dynamic" if graph == "dynamic" else "static"]):
-                key = self.store.key(self.digest(), graph, settings)
+            for key in [] if graph in self.compiled else self._stored_keys(graph):
                 package = None if self.store.refused(key) else self.store.load(key)
                 if package is not None:
                     log.info(
@@ -424,7 +432,6 @@ class CompiledForward:
                     self.packages[graph] = package
                     self.compiled.add(graph)
                     break
-        return (1 if self.static_max else "dynamic") in self.packages
 
     def digest(self) -> str:
         """What these graphs compute (`aot.model_digest`: weights, shape, taps), computed once."""

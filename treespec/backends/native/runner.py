@@ -198,6 +198,10 @@ class NativeRunner(Runner):
                 graphs[self.taps] = compiled_forward(self, self.compile_setting, store, config)
             self.compiled = graphs[self.taps]
 
+    def load_graphs(self) -> None:
+        if self.compiled is not None and not self.compiled.build:
+            self.compiled.load_stored()
+
     # ---- the KV cache ---------------------------------------------------------------------
     @property
     def kv(self) -> torch.Tensor:
