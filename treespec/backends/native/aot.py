@@ -112,6 +112,10 @@ class GraphStore:
     def path(self, key: str) -> Path:
         return self.root / f"{key}.pt2"
 
+    def empty(self) -> bool:
+        """Whether the store holds no package at all."""
+        return not self.root.is_dir() or next(self.root.glob("*.pt2"), None) is None
+
     def refused(self, key: str) -> bool:
         """Whether compiling `key` ahead of time failed before (`refuse`): not tried again."""
         return self.path(key).with_suffix(".failed").is_file()

@@ -414,7 +414,9 @@ class CompiledForward:
 
     def stored(self) -> bool:
         """Whether the store holds the graph of a one-token step (nothing is loaded)."""
-        keys = [] if self.store is None else self._stored_keys(1 if self.static_max else "dynamic")
+        if self.store is None or self.store.empty():  # no weights' digest to compute
+            return False
+        keys = self._stored_keys(1 if self.static_max else "dynamic")
         return any(self.store.path(k).is_file() and not self.store.refused(k) for k in keys)
 
     def load_stored(self) -> None:
