@@ -97,3 +97,21 @@ def perturbed(model: LlamaForCausalLM, noise: float, seed: int) -> LlamaForCausa
         for p in draft.parameters():
             p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * noise * p.std())
     return draft
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A `treespec serve` of the pycode pair in float32, one per test module that asks (a
+    module with servers of its own defines its own `server`)."""
+    from .servers import start_server
+
+    yield from start_server(tmp_path_factory, "float32")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client of the module's `server`."""
+    from .servers import openai_client
+
+    with openai_client(server) as c:
+        yield c

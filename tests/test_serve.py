@@ -38,17 +38,6 @@ MODEL = "pycode"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    yield from start_server(tmp_path_factory, "float32")
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai_client(server) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def ref():
     """The same pair in this process: what the server must reproduce."""
     return SpeculativeDecoder.from_pretrained(

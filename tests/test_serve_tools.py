@@ -22,8 +22,6 @@ from treespec.constraints import GrammarVocabulary  # noqa: E402
 from treespec.serve.tools import CLOSE, ToolPlan, call_prefix, tool_plan, tool_stream  # noqa: E402
 from treespec.zoo import ZOO  # noqa: E402
 
-from .servers import openai_client, start_server  # noqa: E402
-
 MODEL = "pycode"
 CITY = {
     "type": "object",
@@ -51,17 +49,6 @@ SCHEMAS = {"weather": CITY, "search": QUERY}
 NAMED = {"type": "function", "function": {"name": "weather"}}
 MESSAGES = [{"role": "user", "content": "the weather in Paris for 3 days"}]
 TREES = {"plain": {"tree": None}, "speculative": {}}  # extra_body: plain decoding, the server's tree
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    yield from start_server(tmp_path_factory, "float32")
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai_client(server) as c:
-        yield c
 
 
 def valid(name: str, arguments: str) -> bool:

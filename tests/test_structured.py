@@ -190,19 +190,6 @@ def test_cli_constraint_flags(capsys, tmp_path):
 
 
 # ---- the server -------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from .servers import start_server
-
-    yield from start_server(tmp_path_factory, "float32")
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    from .servers import openai_client
-
-    with openai_client(server) as c:
-        yield c
 
 
 def test_server_response_format_json_schema_streamed_or_not(client):
