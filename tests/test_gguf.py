@@ -219,6 +219,26 @@ def test_metadata_tokenizer_and_generation_config(tmp_path):
     assert tok("<|im_start|>ab!")["input_ids"] == [0, 95, 2]
 
 
+def test_fast_reader_reads_what_gguf_py_reads(tmp_path):
+    write_gguf(tiny(), tmp_path / "m.gguf", qtype=Q.Q4_1, eot_token_id=95)
+    ours, theirs = tg._read(tmp_path / "m.gguf"), gguf.GGUFReader(tmp_path / "m.gguf")
+    assert isinstance(ours, tg._Reader) and list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        assert ours.fields[key].types == field.types and ours.fields[key].contents() == field.contents()
+    assert [(t.name, t.tensor_type, t.shape.tolist()) for t in ours.tensors] == [
+        (t.name, t.tensor_type, t.shape.tolist()) for t in theirs.tensors
+    ]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors))
+
+
+def test_tokenizer_files_are_autotokenizers(tmp_path):
+    write_gguf(tiny(), tmp_path / "m.gguf", eot_token_id=95)
+    out = convert(tmp_path / "m.gguf", tmp_path / "cache")
+    AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf").save_pretrained(tmp_path / "auto")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (out / name).read_text() == (tmp_path / "auto" / name).read_text(), name
+
+
 def test_linear_rope_scaling_and_no_tokenizer(tmp_path):
     write_gguf(
         tiny(),
@@ -346,6 +366,7 @@ def test_smollm2_config_and_chat_template(smollm2):
 @pytest.mark.slow
 @torch.no_grad()
 def test_smollm2_matches_transformers_gguf_loader(smollm2):
+    pytest.importorskip("accelerate", reason="transformers loads a GGUF model through accelerate")
     src, out = smollm2
     ours = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     theirs = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
