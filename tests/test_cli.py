@@ -351,6 +351,21 @@ def test_a_full_stdout_is_one_line_not_a_traceback():
     assert r.returncode == 1 and "cannot write the output" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_the_command_flushes_runs_exit_handlers_and_keeps_its_exit_code():
+    script = (
+        "import atexit, sys\n"
+        "import treespec.cli as cli\n"
+        "def main():\n"
+        "    atexit.register(lambda: print('handler ran', file=sys.stderr))\n"
+        "    print('unflushed output', end='')\n"
+        "    return 3\n"
+        "cli.main = main\n"
+        "cli.console()\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout, r.stderr) == (3, "unflushed output", "handler ran\n")
+
+
 def test_ctrl_c_while_loading_is_exit_130_not_a_traceback():
     import signal
     import time

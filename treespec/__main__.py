@@ -1,7 +1,5 @@
 """`python -m treespec ...` (and `torchrun ... -m treespec ...`): the `treespec` command."""
 
-import sys
+from .cli import console
 
-from .cli import main
-
-sys.exit(main())
+console()
