@@ -231,6 +231,16 @@ def test_fast_reader_reads_what_gguf_py_reads(tmp_path):
     assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors))
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+def test_block_types_dequantise_to_gguf_quants_bits(qtype, tmp_path):
+    write_gguf(tiny(), tmp_path / "m.gguf", qtype=qtype, tokenizer=False)
+    tensors = [t for t in tg._read(tmp_path / "m.gguf").tensors if t.tensor_type == qtype]
+    assert tensors
+    for t in tensors:
+        want = gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1).view(np.int32)
+        assert np.array_equal(tg._dequantize(t).reshape(-1).numpy().view(np.int32), want), t.name
+
+
 def test_tokenizer_files_are_autotokenizers(tmp_path):
     write_gguf(tiny(), tmp_path / "m.gguf", eot_token_id=95)
     out = convert(tmp_path / "m.gguf", tmp_path / "cache")

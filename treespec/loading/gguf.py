@@ -6,7 +6,7 @@ into one: config.json, generation_config.json, model.safetensors and the tokeniz
 the chat template). After that nothing touches GGUF again: the native backend and
 transformers load the directory as they load any checkpoint.
 
-- Weights are dequantised with `gguf.quants` (llama.cpp's own reference code) and stored as
+- Weights are dequantised as `gguf.quants` (llama.cpp's own reference code) does and stored as
   float32: a quantised value such as Q8_0's d * q (a float16 scale times an int8) or Q4_1's
   d * q + m generally has more significant bits than bfloat16 or float16 hold, so float32 is
   the narrowest type that keeps the dequantised model exact. Backends cast at load.
@@ -63,6 +63,7 @@ LAYER_TENSORS = {
 }
 ROPE_FREQS = "rope_freqs.weight"
 INT4_TYPES = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
+BLOCK_TYPES = (*INT4_TYPES, gguf.GGMLQuantizationType.Q8_0)  # dequantised in torch (_dequantize_blocks)
 
 log = logging.getLogger(__name__)
 
@@ -316,6 +317,8 @@ def _end_token_ids(reader: gguf.GGUFReader) -> list[int]:
 def _dequantize(t) -> torch.Tensor:
     """A GGUF tensor as float32 in row-major order: [rows, row length], [n] for vectors."""
     shape = tuple(int(n) for n in reversed(t.shape))  # ggml lists the innermost dimension first
+    if t.tensor_type in BLOCK_TYPES:
+        return _dequantize_blocks(t).reshape(shape)
     try:
         a = gguf.quants.dequantize(t.data, t.tensor_type)
     except NotImplementedError:
@@ -325,6 +328,22 @@ def _dequantize(t) -> torch.Tensor:
         ) from None
     # F32 comes back as a read-only view of the file's memory map: copy it; others are fresh
     return torch.from_numpy(np.require(a, np.float32, ["C", "W"]).reshape(shape))
+
+
+def _dequantize_blocks(t) -> torch.Tensor:
+    """A Q4_0, Q4_1 or Q8_0 tensor as float32 [blocks, 32]: gguf.quants' arithmetic in torch
+    (the same float32 products and sums, so the same bits; tests/test_gguf.py compares them),
+    which runs on every core: SmolLM2's 211 tensors in 0.16 s against gguf.quants' 0.55 s."""
+    # a copy: the file's memory map is read-only, which torch warns about
+    blocks = torch.from_numpy(np.array(t.data).reshape(-1, gguf.GGML_QUANT_SIZES[t.tensor_type][1]))
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float()  # [blocks, 1]
+    if t.tensor_type == gguf.GGMLQuantizationType.Q8_0:
+        return blocks[:, 2:].contiguous().view(torch.int8).float() * d
+    qs = blocks[:, 4:] if t.tensor_type == gguf.GGMLQuantizationType.Q4_1 else blocks[:, 2:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1)  # a block's values j (low nibble) and j + 16 (high)
+    if t.tensor_type == gguf.GGMLQuantizationType.Q4_0:
+        return d * (q.to(torch.int8) - 8).float()
+    return d * q.float() + blocks[:, 2:4].contiguous().view(torch.float16).float()
 
 
 def _int4_blocks(tensors: dict, config) -> dict[str, torch.Tensor]:
