@@ -16,8 +16,10 @@ from ..tree import TokenTree
 
 COST_FEEDS = tuple(range(1, AUTO_MAX_NODES + 2))  # target feed sizes timed: every one a round may score
 COST_PREFIX = 128  # committed tokens before the timed feeds
-COST_ROUND_TOKENS = 32  # tokens of each short generation whose rounds are timed
+COST_ROUND_TOKENS = 24  # tokens of each short generation whose rounds are timed
 COST_RUNS = 3  # timed runs of plain decoding and of chains of 1 and 4 (medians)
+COST_WARM_TOKENS = 8  # tokens of the untimed generation before each tree's timed ones
+COST_WARM_ROUNDS = 1  # untimed rounds of the feeds before their timed ones
 MIN_PLAIN_ROUND = 0.25  # a plain round measured below this many t(1) is a broken clock, not a cost
 # the Sequoia shape whose rounds price a tree's further draft rows and its walk per node
 COST_TREE = TreeShape((-1, 0, 0, 0, 0, 1, 2, 3, 4))
@@ -109,7 +111,7 @@ class Costs:
         )
 
 
-def measure_costs(target, draft=None, engine: Callable[[], object] | None = None, repeats: int = 5) -> Costs:
+def measure_costs(target, draft=None, engine: Callable[[], object] | None = None, repeats: int = 3) -> Costs:
     """This machine's costs for the runners `target` and `draft` (None: no draft model).
 
     1. `time_feeds`: t(n)/t(1) of the target for feeds of n = 1 .. AUTO_MAX_NODES + 1 tokens
@@ -189,22 +191,22 @@ def time_feeds(lane, tokens: list[int], prefix: int, repeats: int) -> tuple[floa
     """t(1) in seconds, t(n)/t(1) of a root and n - 1 children (n = 1 .. AUTO_MAX_NODES + 1,
     under a tree's mask) and of a root and a chain (n = 1 .. AUTO_MAX_DEPTH + 1, the causal
     pattern; a root and one child is both) on `lane` after `prefix` of `tokens`: every size
-    scored once a round, `repeats` rounds after two that warm the kernels and allocations,
-    each size over the one-token feed of its own round (medians)."""
+    scored once a round, `repeats` rounds after COST_WARM_ROUNDS that warm the kernels and
+    allocations, each size over the one-token feed of its own round (medians)."""
     lane.reset()
     lane.prefill(tokens[:prefix])
     trees = {("tree", n): TokenTree(tokens[prefix : prefix + n], [-1] + [0] * (n - 1)) for n in COST_FEEDS}
     for n in range(3, AUTO_MAX_DEPTH + 2):
         trees["chain", n] = TokenTree(tokens[prefix : prefix + n], list(range(-1, n - 1)))
     rounds: list[dict[tuple, float]] = []
-    for r in range(repeats + 2):  # interleaved, so that a slow stretch slows every size alike
+    for r in range(repeats + COST_WARM_ROUNDS):  # interleaved: a slow stretch slows every size alike
         times = {}
         for k, tree in trees.items():
             t0 = time.perf_counter()
             lane.score(tree)
             lane.commit([])
             times[k] = time.perf_counter() - t0
-        if r >= 2:
+        if r >= COST_WARM_ROUNDS:
             rounds.append(times)
     lane.reset()
     t1 = statistics.median(row["tree", 1] for row in rounds)
@@ -237,10 +239,12 @@ class RoundTimer:
             if runner is not None:
                 runner.prefix_reuse = True
 
-    def generate(self, tree: TreeConfig | None, temperature: float):
-        """The stats of one short generation."""
+    def generate(self, tree: TreeConfig | None, temperature: float, warm: bool = False):
+        """The stats of one short generation (`warm`: an untimed one of COST_WARM_TOKENS, which
+        pays for allocations and first calls)."""
+        tokens = min(COST_WARM_TOKENS, self.new_tokens) if warm else self.new_tokens
         i = self.engine.add(
-            self.prompt, self.new_tokens, tree=tree,
+            self.prompt, tokens, tree=tree,
             sampling=SamplingConfig(temperature=temperature), seed=0, ignore_eos=True,
         )  # fmt: skip
         return self.engine.run()[i].stats
@@ -282,7 +286,7 @@ def time_rounds(timer: RoundTimer, verify: list[float], chain_scoring: list[floa
     runs: dict[str, list] = {k: [] for k in trees}
     for r in range(COST_RUNS + 1):
         for k, tree in trees.items():
-            s = timer.generate(tree, 1.0)
+            s = timer.generate(tree, 1.0, warm=not r)
             if r:
                 runs[k].append(s)
     # a plain round skips the tree's masks and walk, so it may cost less than the scored t(1)
@@ -337,8 +341,8 @@ def time_tree_nodes(timer: RoundTimer, out: RoundCosts, short, verify: list[floa
     unwalked = per_round(short, short.verify_seconds) - _scoring(short, verify)
     intercept = max(0.0, unwalked - out.chain_walk * one)  # a round's, whatever its nodes
     first = per_round(short, short.draft_seconds)
+    timer.generate(shape, 1.0, warm=True)  # allocations
     for cls, temperature in (("T1", 1.0), ("T0", 0.0)):
-        timer.generate(shape, temperature)  # allocations
         s = timer.generate(shape, temperature)
         if not (s.target_steps and s.draft_forwards and s.tree_nodes):
             continue
