@@ -69,10 +69,13 @@ def reference(x: torch.Tensor, packed: kernels.PackedQ4, bias=None) -> tuple[tor
     return y, bound
 
 
-def weights(n: int, k: int, seed: int, kind: str = "q4_1") -> kernels.PackedQ4:
+QUANTIZERS = {"q4_0": kernels.quantize_q4_0, "q4_1": kernels.quantize_q4_1, "q8_0": kernels.quantize_q8_0}
+
+
+def weights(n: int, k: int, seed: int, kind: str = "q4_1") -> kernels.PackedQ4 | kernels.PackedQ8:
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen) * 0.1 + 0.02 * torch.randn(n, 1, generator=gen)
-    return kernels.quantize_q4_1(w) if kind == "q4_1" else kernels.quantize_q4_0(w)
+    return QUANTIZERS[kind](w)
 
 
 def activations(m: int, k: int, seed: int) -> torch.Tensor:
@@ -97,11 +100,12 @@ CASES = [  # (n, k, m)
 ]
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("isa", ALL_PATHS)
-def test_each_path_equals_the_float64_reference(isa):
+def test_each_path_equals_the_float64_reference(isa, bits):
     path_or_skip(isa)
     for i, (n, k, m) in enumerate(CASES):
-        packed = weights(n, k, seed=i, kind="q4_1" if i % 2 else "q4_0")
+        packed = weights(n, k, seed=i, kind="q8_0" if bits == 8 else "q4_1" if i % 2 else "q4_0")
         x = activations(m, k, seed=100 + i)
         bias = torch.randn(n) if i % 3 == 0 else None
         y = kernels.q4q8_linear(x, packed, bias, isa=isa)
@@ -111,12 +115,13 @@ def test_each_path_equals_the_float64_reference(isa):
         assert (err <= 1e-5 * bound + 1e-30).all(), (isa, n, k, m, float((err / bound).max()))
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("isa", ALL_PATHS)
-def test_a_row_never_depends_on_the_other_rows(isa):
+def test_a_row_never_depends_on_the_other_rows(isa, kind):
     path_or_skip(isa)
     rng = np.random.default_rng(0 if isa == "avx512vnni" else len(isa))
     n, k = (100, 576) if isa in ("scalar", "aten") else (257, 1536)
-    packed = weights(n, k, seed=7)
+    packed = weights(n, k, seed=7, kind=kind)
     for trial in range(6):
         m = int(rng.integers(1, 65))
         x = activations(m, k, seed=trial)
@@ -133,9 +138,10 @@ def test_a_row_never_depends_on_the_other_rows(isa):
             torch.set_num_threads(old)
 
 
-def test_the_compiled_paths_agree_bit_for_bit(compiled_paths):
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_the_compiled_paths_agree_bit_for_bit(compiled_paths, kind):
     for i, (n, k, m) in enumerate(CASES):
-        packed = weights(n, k, seed=i)
+        packed = weights(n, k, seed=i, kind=kind)
         x = activations(m, k, seed=i)
         bias = torch.randn(n)
         ys = {isa: kernels.q4q8_linear(x, packed, bias, isa=isa) for isa in compiled_paths}
@@ -204,6 +210,25 @@ def test_gguf_blocks_and_quantizers_match_gguf(kind):
         kernels.pack_q4_offsets(q, d.float() * (1 + 1e-6), zeros)
 
 
+def test_q8_0_packing_and_quantizer_match_gguf():
+    from gguf import GGMLQuantizationType, quants
+
+    gen = torch.Generator().manual_seed(6)
+    n, k = 37, 128
+    w = torch.randn(n, k, generator=gen) * 0.05
+    w[3, :QK] = 0  # an all-zero group
+    raw = quants.quantize(w.numpy(), GGMLQuantizationType.Q8_0)
+    want = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q8_0))
+    packed = kernels.quantize_q8_0(w)
+    assert packed.data.shape == (-(-n // 16), k // QK, 544) and torch.equal(packed.dequantize(), want)
+    # a weight that Q8_0 blocks dequantised to comes back as those blocks
+    assert torch.equal(kernels.quantize_q8_0(want).data, packed.data)
+    q, d = packed.unpack()
+    assert torch.equal(kernels.pack_q8(q, d).data, packed.data) and int(q.abs().max()) == 127
+    with pytest.raises(ValueError):
+        kernels.pack_q8(torch.full((2, 32), 128), torch.ones(2, 1))
+
+
 def test_activations_are_quantized_per_row_and_group():
     x = activations(3, 96, seed=9)
     q, s, S = quantize_activations(x)
@@ -235,9 +260,11 @@ def test_the_op_runs_in_a_compiled_graph():
 
 def test_the_environment_caps_the_path_and_aten_needs_no_compiler(tmp_path):
     probe = (
-        "import torch; from treespec.backends import kernels as k; from tests.test_kernels import *;"
-        "p = weights(20, 64, 1); x = activations(3, 64, 2); y = k.q4q8_linear(x, p);"
-        "r, b = reference(x, p); assert ((y.double() - r).abs() <= 1e-5 * b).all();"
+        "import torch; from treespec.backends import kernels as k; from tests.test_kernels import *\n"
+        "x = activations(3, 64, 2)\n"
+        "for p in (weights(20, 64, 1), weights(20, 64, 1, 'q8_0')):\n"
+        "    y, (r, b) = k.q4q8_linear(x, p), reference(x, p)\n"
+        "    assert ((y.double() - r).abs() <= 1e-5 * b).all()\n"
         "print(k.default_isa(), k.compiled())"
     )
     env = {**os.environ, "TREESPEC_KERNEL_ISA": "aten"}

@@ -224,7 +224,7 @@ def test_a_gguf_files_blocks_are_packed_as_they_are():
 def test_q4q8_runs_a_gguf_files_own_blocks(qtype, tmp_path):
     """A converted GGUF file (q and k rows un-permuted by the loader, then packed): every
     product, the (here 4-bit) output layer's too, multiplies by the file's dequantized weights
-    exactly."""
+    exactly, in 4 bits."""
     import gguf
 
     from treespec.loading.gguf import convert
@@ -244,6 +244,23 @@ def test_q4q8_runs_a_gguf_files_own_blocks(qtype, tmp_path):
         assert torch.equal(layer.down.weight, w("mlp.down_proj"))
     assert isinstance(runner.lm_head, Q4Q8Projection)
     assert torch.equal(runner.lm_head.weight, state["lm_head.weight"])
+
+
+def test_q4q8_multiplies_an_8_bit_output_layer_by_its_own_q8_0_blocks(tmp_path):
+    """Where the file keeps the output layer in 8 bits (Q8_0, as llama.cpp's converters do),
+    q4q8 multiplies by exactly those weights in 8 bits, not by a 4-bit rounding of them."""
+    import gguf
+
+    from treespec.backends.kernels import PackedQ8
+    from treespec.loading.gguf import convert
+
+    from .ggufs import tiny, write_gguf
+
+    model = tiny()
+    write_gguf(model, tmp_path / "m.gguf", gguf.GGMLQuantizationType.Q8_0, tokenizer=False)
+    runner = NativeRunner.from_pretrained(convert(tmp_path / "m.gguf", tmp_path / "cache"), quantize="q4q8")
+    assert isinstance(runner.lm_head.packed, PackedQ8)
+    assert torch.equal(runner.lm_head.weight, model.state_dict()["lm_head.weight"])
 
 
 def test_bad_q4q8_settings_are_clear_errors():

@@ -13,9 +13,9 @@
 2. What int8 activations change: on `--chats` held-out chats, the continuation the float
    reference decodes greedily (`--new` tokens), teacher-forced through each model: how often
    q4q8's argmax agrees with the reference's and the mean KL(reference || q4q8) per position.
-   References: the same 4-bit weights dequantized, computing in float32 (q4q8's own weights,
-   the file's Q4 blocks and the tied output layer by Q4_1's rule: only the activations' rounding
-   differs), and the int4 runner in float32 (today's 4-bit target; its output layer is int8).
+   References: the same weights dequantized, computing in float32 (q4q8's own weights, the
+   file's Q4 blocks and its Q8_0 output layer: the file's model, only the activations' rounding
+   differs), and the int4 runner in float32 (the default 4-bit target; its output layer int8).
 Writes results/q4q8_forward.json. On a shared machine the times are indicative only; --threads 1
 (the default) there, as OpenMP's spinning threads on a busy core make every multithreaded
 product many times slower.

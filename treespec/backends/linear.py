@@ -21,7 +21,15 @@ import torch
 import torch.nn.functional as F
 
 from ..config import QUANTIZATIONS
-from .kernels.q4q8 import PackedQ4, compiled, pack_q4_offsets, q4q8_linear, quantize_q4_1
+from .kernels.q4q8 import (
+    PackedQ4,
+    PackedQ8,
+    compiled,
+    pack_q4_offsets,
+    q4q8_linear,
+    quantize_q4_1,
+    quantize_q8_0,
+)
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 MIN_PACKED_FP32 = 1 << 18  # fp32 weights with fewer elements multiply faster unpacked (MKL)
@@ -247,15 +255,16 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 class Q4Q8Projection:
     """y = x @ W^T + b with W in GGUF's 4-bit form (per output row and group of 32 inputs
-    w = d q + m) and x rounded to int8 per row and group of 32 on every call
+    w = d q + m; an output layer in the 8-bit form w = d q, `quantize8`, as GGUF files keep
+    it) and x rounded to int8 per row and group of 32 on every call
     (`kernels.q4q8_linear`, documented in kernels/q4q8.py): the int4 weights' bytes, with a
     cost that grows slowly with the number of rows, and a row's result independent of the
     other rows of the call. Rounding the activations makes it another model than `Int4Projection`
     over the same weights (DESIGN.md, "A precision is a model"). CPU only; x float32 or
     bfloat16, y in x's dtype (the kernel's float32 result, rounded once for bfloat16)."""
 
-    def __init__(self, packed: PackedQ4, bias: torch.Tensor | None, dtype: torch.dtype):
-        """`packed`: W in the kernel's layout (`from_blocks`, `quantize`); `dtype`: x's."""
+    def __init__(self, packed: PackedQ4 | PackedQ8, bias: torch.Tensor | None, dtype: torch.dtype):
+        """`packed`: W in the kernel's layout (`from_blocks`, `quantize`, `quantize8`); `dtype`: x's."""
         check_quantize("q4q8", dtype)
         self.packed, self.dtype = packed, dtype
         self.out_features, self.in_features = packed.n, packed.k
@@ -292,9 +301,16 @@ class Q4Q8Projection:
         cls.check(weight)
         return cls(quantize_q4_1(weight), bias, weight.dtype)
 
+    @classmethod
+    def quantize8(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Q4Q8Projection:
+        """W [out, in] by GGUF's Q8_0 rule (`kernels.quantize_q8_0`: a weight dequantised from
+        Q8_0 blocks gets those blocks back), computing in W's dtype."""
+        cls.check(weight)
+        return cls(quantize_q8_0(weight), bias, weight.dtype)
+
     @property
     def weight(self) -> torch.Tensor:
-        """The dequantized W [out, in] (d q + m, exact in float32), in the compute dtype."""
+        """The dequantized W [out, in] (d q + m or d q, exact in float32), in the compute dtype."""
         return self.packed.dequantize(torch.float32).to(self.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]

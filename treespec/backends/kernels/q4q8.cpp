@@ -13,6 +13,12 @@
 //   bytes [64p, 64p + 64), p = 0..3: column j at bytes 4j..4j+3, low nibbles = q[j, 8p + b],
 //     high nibbles = q[j, 8p + 4 + b] (b = 0..3): one zmm = two VPDPBUSD operands of 16 lanes;
 //   bytes [256, 288): d of the 16 columns (fp16); [288, 320): m (fp16). Padding columns are 0.
+//
+// treespec::q8q8_linear: the same with W in 8 bits (GGUF Q8_0: w = d q, q in -127..127, as GGUF
+// files keep output layers), y[r, o] = sum over g of fma(float(dot_g(q_w, q_a)), d s, .) (+ bias).
+// Layout (pack_q8): per tile and group 544 bytes: [64p, 64p + 64), p = 0..7: column j at bytes
+// 4j..4j+3 = q[j, 4p + b] + 128 (unsigned, VPDPBUSD's first operand; the dot then subtracts
+// 128 * sum(q_a), exactly); [512, 544): d (fp16).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -38,7 +44,8 @@ namespace {
 
 constexpr int64_t QK = 32;          // inputs per group
 constexpr int64_t TN = 16;          // output columns per tile
-constexpr int64_t TILE_BYTES = 320;  // per tile and group
+constexpr int64_t TILE_BYTES = 320;  // per tile and group, 4-bit weights
+constexpr int64_t TILE8_BYTES = 544;  // per tile and group, 8-bit weights
 
 enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512VNNI = 2 };
 
@@ -46,6 +53,7 @@ struct Args {
   const int8_t* qa;   // [M, K] activations, int8
   const float* sa;    // [M, G] their scales
   const float* Sa;    // [M, G] scale * sum of the group's int8 values
+  const int32_t* ia;  // [M, G] the sum of the group's int8 values
   const uint8_t* w;   // [T, G, 320] packed weights
   const float* bias;  // [N] or nullptr
   float* y;           // [M, N]
@@ -66,7 +74,7 @@ inline float half_at(const uint8_t* p) {
 
 // ---------------------------------------------------------------- scalar (any CPU)
 
-void quantize_scalar(const float* x, int64_t M, int64_t K, int8_t* qa, float* sa, float* Sa) {
+void quantize_scalar(const float* x, int64_t M, int64_t K, int8_t* qa, float* sa, float* Sa, int32_t* ia) {
   const int64_t G = K / QK;
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t g = 0; g < G; ++g) {
@@ -84,6 +92,7 @@ void quantize_scalar(const float* x, int64_t M, int64_t K, int8_t* qa, float* sa
       }
       sa[r * G + g] = s;
       Sa[r * G + g] = s * static_cast<float>(sum);
+      ia[r * G + g] = sum;
     }
   }
 }
@@ -117,6 +126,29 @@ void tiles_scalar(const Args& a, int64_t t0, int64_t t1) {
   }
 }
 
+void tiles8_scalar(const Args& a, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* wt = a.w + t * a.G * TILE8_BYTES;
+    const int64_t cols = std::min<int64_t>(TN, a.N - t * TN);
+    for (int64_t r = 0; r < a.M; ++r) {
+      for (int64_t j = 0; j < cols; ++j) {
+        float acc = 0.0f;
+        for (int64_t g = 0; g < a.G; ++g) {
+          const uint8_t* wg = wt + g * TILE8_BYTES;
+          const int8_t* xa = a.qa + r * a.K + g * QK;
+          int32_t dot = 0;
+          for (int p = 0; p < 8; ++p)
+            for (int b = 0; b < 4; ++b) dot += (static_cast<int32_t>(wg[64 * p + 4 * j + b]) - 128) * xa[4 * p + b];
+          const float ds = half_at(wg + 512 + 2 * j) * a.sa[r * a.G + g];
+          acc = std::fma(static_cast<float>(dot), ds, acc);
+        }
+        const int64_t o = t * TN + j;
+        a.y[r * a.N + o] = a.bias ? acc + a.bias[o] : acc;
+      }
+    }
+  }
+}
+
 #if TS_X86
 // ---------------------------------------------------------------- AVX2 (+FMA, F16C)
 #define TS_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -127,7 +159,7 @@ TS_AVX2 inline __m256i round8(__m256 x, __m256 id) {
   return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_set1_ps(127.0f), _mm256_max_ps(_mm256_set1_ps(-127.0f), t)));
 }
 
-TS_AVX2 void quantize_avx2(const float* x, int64_t M, int64_t K, int8_t* qa, float* sa, float* Sa) {
+TS_AVX2 void quantize_avx2(const float* x, int64_t M, int64_t K, int8_t* qa, float* sa, float* Sa, int32_t* ia) {
   const int64_t G = K / QK;
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t r = 0; r < M; ++r) {
@@ -157,6 +189,7 @@ TS_AVX2 void quantize_avx2(const float* x, int64_t M, int64_t K, int8_t* qa, flo
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(qa + r * K + g * QK), p);
       sa[r * G + g] = s;
       Sa[r * G + g] = s * static_cast<float>(sum);
+      ia[r * G + g] = sum;
     }
   }
 }
@@ -165,11 +198,33 @@ TS_AVX2 void quantize_avx2(const float* x, int64_t M, int64_t K, int8_t* qa, flo
 // come sooner with a software prefetch 8 tile-groups ahead (-12% at M = 8 and 16 over a SmolLM2
 // forward's weights on Zen 4; no gain on the AVX2 path); a single row is memory-bound and slower
 // with it.
+template <int64_t BYTES = TILE_BYTES>
 inline void prefetch_ahead(const uint8_t* wg) {
-  for (int c = 0; c < TILE_BYTES / 64; ++c) _mm_prefetch(reinterpret_cast<const char*>(wg + 8 * TILE_BYTES + 64 * c), _MM_HINT_T0);
+  for (int c = 0; c < BYTES / 64; ++c) _mm_prefetch(reinterpret_cast<const char*>(wg + 8 * BYTES + 64 * c), _MM_HINT_T0);
 }
 
 constexpr int R_AVX2 = 4;
+
+// R rows' results for the 8 output columns from o0 (those below N), plus the bias
+template <int R>
+TS_AVX2 inline void store_avx2(const Args& a, const __m256* acc, int64_t o0, int64_t r0) {
+  const int64_t cols = std::min<int64_t>(8, a.N - o0);
+  if (cols <= 0) return;
+  alignas(32) float bias[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  if (a.bias) std::memcpy(bias, a.bias + o0, cols * sizeof(float));
+  const __m256 b = _mm256_load_ps(bias);
+  for (int i = 0; i < R; ++i) {
+    const __m256 out = a.bias ? _mm256_add_ps(acc[i], b) : acc[i];
+    float* y = a.y + (r0 + i) * a.N + o0;
+    if (cols == 8) {
+      _mm256_storeu_ps(y, out);
+    } else {
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, out);
+      std::memcpy(y, tmp, cols * sizeof(float));
+    }
+  }
+}
 
 // R rows x 8 columns (half h of tile t): u8 x s8 -> s16 pairs (vpmaddubsw; |sum| <= 8 * 2 * 15 *
 // 127 = 30480 over a group, no saturation), -> s32 (vpmaddwd by ones) once per group.
@@ -204,39 +259,67 @@ TS_AVX2 inline void block_avx2(const Args& a, int64_t t, int h, int64_t r0) {
       acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.Sa[(r0 + i) * a.G + g]), acc[i]);
     }
   }
-  const int64_t o0 = t * TN + 8 * h;
-  const int64_t cols = std::min<int64_t>(8, a.N - o0);
-  if (cols <= 0) return;
-  alignas(32) float bias[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  if (a.bias) std::memcpy(bias, a.bias + o0, cols * sizeof(float));
-  const __m256 b = _mm256_load_ps(bias);
-  for (int i = 0; i < R; ++i) {
-    const __m256 out = a.bias ? _mm256_add_ps(acc[i], b) : acc[i];
-    float* y = a.y + (r0 + i) * a.N + o0;
-    if (cols == 8) {
-      _mm256_storeu_ps(y, out);
-    } else {
-      alignas(32) float tmp[8];
-      _mm256_store_ps(tmp, out);
-      std::memcpy(y, tmp, cols * sizeof(float));
+  store_avx2<R>(a, acc, t * TN + 8 * h, r0);
+}
+
+// 8-bit weights, R rows x 8 columns: vpmaddubsw wants unsigned x signed with pair sums that fit
+// int16, so it takes |q_w| (<= 127) and q_a with q_w's sign (llama.cpp's trick): |pair| <= 32258,
+// widened to int32 (vpmaddwd by ones) at once.
+template <int R>
+TS_AVX2 inline void block8_avx2(const Args& a, int64_t t, int h, int64_t r0) {
+  const uint8_t* wt = a.w + t * a.G * TILE8_BYTES;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g) {
+    const uint8_t* wg = wt + g * TILE8_BYTES;
+    __m256i s32[R];
+    for (int i = 0; i < R; ++i) s32[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p) {
+      const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 64 * p + 32 * h)), flip);
+      const __m256i wabs = _mm256_sign_epi8(w, w);
+      for (int i = 0; i < R; ++i) {
+        const __m256i xa = _mm256_set1_epi32(load4(a.qa + (r0 + i) * a.K + g * QK + 4 * p));
+        const __m256i pairs = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xa, w));
+        s32[i] = _mm256_add_epi32(s32[i], _mm256_madd_epi16(pairs, ones));
+      }
     }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 512 + 16 * h)));
+    for (int i = 0; i < R; ++i) {
+      const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(a.sa[(r0 + i) * a.G + g]));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[i]), ds, acc[i]);
+    }
+  }
+  store_avx2<R>(a, acc, t * TN + 8 * h, r0);
+}
+
+template <template <int> class Block>
+TS_AVX2 void rows_avx2(const Args& a, int64_t t, int h) {
+  int64_t r = 0;
+  for (; r + R_AVX2 <= a.M; r += R_AVX2) Block<R_AVX2>::run(a, t, h, r);
+  switch (a.M - r) {
+    case 3: Block<3>::run(a, t, h, r); break;
+    case 2: Block<2>::run(a, t, h, r); break;
+    case 1: Block<1>::run(a, t, h, r); break;
+    default: break;
   }
 }
 
+template <int R>
+struct Q4Avx2 {
+  TS_AVX2 static void run(const Args& a, int64_t t, int h, int64_t r0) { block_avx2<R>(a, t, h, r0); }
+};
+template <int R>
+struct Q8Avx2 {
+  TS_AVX2 static void run(const Args& a, int64_t t, int h, int64_t r0) { block8_avx2<R>(a, t, h, r0); }
+};
+
+template <template <int> class Block>
 TS_AVX2 void tiles_avx2(const Args& a, int64_t t0, int64_t t1) {
-  for (int64_t t = t0; t < t1; ++t) {
-    for (int h = 0; h < 2; ++h) {
-      if (t * TN + 8 * h >= a.N) break;
-      int64_t r = 0;
-      for (; r + R_AVX2 <= a.M; r += R_AVX2) block_avx2<R_AVX2>(a, t, h, r);
-      switch (a.M - r) {
-        case 3: block_avx2<3>(a, t, h, r); break;
-        case 2: block_avx2<2>(a, t, h, r); break;
-        case 1: block_avx2<1>(a, t, h, r); break;
-        default: break;
-      }
-    }
-  }
+  for (int64_t t = t0; t < t1; ++t)
+    for (int h = 0; h < 2 && t * TN + 8 * h < a.N; ++h) rows_avx2<Block>(a, t, h);
 }
 
 // ---------------------------------------------------------------- AVX512 VNNI
@@ -247,7 +330,7 @@ TS_AVX512 inline __m512i round16(__m512 x, __m512 id) {
   return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_set1_ps(127.0f), _mm512_max_ps(_mm512_set1_ps(-127.0f), t)));
 }
 
-TS_AVX512 void quantize_avx512(const float* x, int64_t M, int64_t K, int8_t* qa, float* sa, float* Sa) {
+TS_AVX512 void quantize_avx512(const float* x, int64_t M, int64_t K, int8_t* qa, float* sa, float* Sa, int32_t* ia) {
   const int64_t G = K / QK;
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t g = 0; g < G; ++g) {
@@ -263,7 +346,21 @@ TS_AVX512 void quantize_avx512(const float* x, int64_t M, int64_t K, int8_t* qa,
       _mm_storeu_si128(reinterpret_cast<__m128i*>(qa + r * K + g * QK + 16), _mm512_cvtsepi32_epi8(q1));
       sa[r * G + g] = s;
       Sa[r * G + g] = s * static_cast<float>(sum);
+      ia[r * G + g] = sum;
     }
+  }
+}
+
+// R rows' results for tile t's 16 output columns (those below N), plus the bias
+template <int R>
+TS_AVX512 inline void store_avx512(const Args& a, const __m512* acc, int64_t t, int64_t r0) {
+  const int64_t o0 = t * TN;
+  const int64_t cols = std::min<int64_t>(TN, a.N - o0);
+  const __mmask16 keep = cols >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 b = a.bias ? _mm512_maskz_loadu_ps(keep, a.bias + o0) : _mm512_setzero_ps();
+  for (int i = 0; i < R; ++i) {
+    const __m512 out = a.bias ? _mm512_add_ps(acc[i], b) : acc[i];
+    _mm512_mask_storeu_ps(a.y + (r0 + i) * a.N + o0, keep, out);
   }
 }
 
@@ -302,30 +399,65 @@ TS_AVX512 inline void block_avx512(const Args& a, int64_t t, int64_t r0) {
       acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.Sa[(r0 + i) * a.G + g]), acc[i]);
     }
   }
-  const int64_t o0 = t * TN;
-  const int64_t cols = std::min<int64_t>(TN, a.N - o0);
-  const __mmask16 keep = cols >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
-  const __m512 b = a.bias ? _mm512_maskz_loadu_ps(keep, a.bias + o0) : _mm512_setzero_ps();
-  for (int i = 0; i < R; ++i) {
-    const __m512 out = a.bias ? _mm512_add_ps(acc[i], b) : acc[i];
-    _mm512_mask_storeu_ps(a.y + (r0 + i) * a.N + o0, keep, out);
+  store_avx512<R>(a, acc, t, r0);
+}
+
+// 8-bit weights, R rows x 16 columns: VPDPBUSD of q_w + 128 (stored so) and q_a, less 128 * sum(q_a)
+template <int R>
+TS_AVX512 inline void block8_avx512(const Args& a, int64_t t, int64_t r0) {
+  constexpr int A = R <= 4 ? 2 : 1;
+  const uint8_t* wt = a.w + t * a.G * TILE8_BYTES;
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g) {
+    const uint8_t* wg = wt + g * TILE8_BYTES;
+    if (R >= 5 && r0 == 0) prefetch_ahead<TILE8_BYTES>(wg);
+    __m512i dot[R][A];
+    for (int i = 0; i < R; ++i)
+      for (int k = 0; k < A; ++k) dot[i][k] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p) {
+      const __m512i w = _mm512_loadu_si512(wg + 64 * p);
+      for (int i = 0; i < R; ++i) {
+        const int8_t* xa = a.qa + (r0 + i) * a.K + g * QK + 4 * p;
+        dot[i][p % A] = _mm512_dpbusd_epi32(dot[i][p % A], w, _mm512_set1_epi32(load4(xa)));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 512)));
+    for (int i = 0; i < R; ++i) {
+      __m512i di = A == 2 ? _mm512_add_epi32(dot[i][0], dot[i][A - 1]) : dot[i][0];
+      di = _mm512_sub_epi32(di, _mm512_set1_epi32(128 * a.ia[(r0 + i) * a.G + g]));
+      const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(a.sa[(r0 + i) * a.G + g]));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(di), ds, acc[i]);
+    }
   }
+  store_avx512<R>(a, acc, t, r0);
 }
 
 constexpr int R_AVX512 = 8;
 
+template <int R>
+struct Q4Avx512 {
+  TS_AVX512 static void run(const Args& a, int64_t t, int64_t r0) { block_avx512<R>(a, t, r0); }
+};
+template <int R>
+struct Q8Avx512 {
+  TS_AVX512 static void run(const Args& a, int64_t t, int64_t r0) { block8_avx512<R>(a, t, r0); }
+};
+
+template <template <int> class Block>
 TS_AVX512 void tiles_avx512(const Args& a, int64_t t0, int64_t t1) {
   for (int64_t t = t0; t < t1; ++t) {
     int64_t r = 0;
-    for (; r + R_AVX512 <= a.M; r += R_AVX512) block_avx512<R_AVX512>(a, t, r);
+    for (; r + R_AVX512 <= a.M; r += R_AVX512) Block<R_AVX512>::run(a, t, r);
     switch (a.M - r) {
-      case 7: block_avx512<7>(a, t, r); break;
-      case 6: block_avx512<6>(a, t, r); break;
-      case 5: block_avx512<5>(a, t, r); break;
-      case 4: block_avx512<4>(a, t, r); break;
-      case 3: block_avx512<3>(a, t, r); break;
-      case 2: block_avx512<2>(a, t, r); break;
-      case 1: block_avx512<1>(a, t, r); break;
+      case 7: Block<7>::run(a, t, r); break;
+      case 6: Block<6>::run(a, t, r); break;
+      case 5: Block<5>::run(a, t, r); break;
+      case 4: Block<4>::run(a, t, r); break;
+      case 3: Block<3>::run(a, t, r); break;
+      case 2: Block<2>::run(a, t, r); break;
+      case 1: Block<1>::run(a, t, r); break;
       default: break;
     }
   }
@@ -380,16 +512,17 @@ int64_t q4q8_isa(int64_t isa) {
   return isa;
 }
 
-at::Tensor q4q8_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                       int64_t n, int64_t isa) {
-  TORCH_CHECK(x.dim() >= 1, "q4q8_linear: x needs a last dimension K");
+// y = x @ W^T (+ bias) for W packed in `bits` (4: pack_q4's tiles, 8: pack_q8's)
+at::Tensor quantized_linear(const char* op, int bits, const at::Tensor& x, const at::Tensor& packed,
+                            const std::optional<at::Tensor>& bias, int64_t n, int64_t isa) {
+  TORCH_CHECK(x.dim() >= 1, op, ": x needs a last dimension K");
   const int64_t K = x.size(-1);
-  TORCH_CHECK(K > 0 && K % QK == 0, "q4q8_linear: K = ", K, " is not a multiple of ", QK);
-  TORCH_CHECK(n > 0, "q4q8_linear: n = ", n);
-  const int64_t G = K / QK, T = (n + TN - 1) / TN;
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == T * G * TILE_BYTES,
-              "q4q8_linear: packed weights must be contiguous uint8 of ", T * G * TILE_BYTES,
-              " bytes for n = ", n, ", K = ", K, "; got ", packed.numel());
+  TORCH_CHECK(K > 0 && K % QK == 0, op, ": K = ", K, " is not a multiple of ", QK);
+  TORCH_CHECK(n > 0, op, ": n = ", n);
+  const int64_t G = K / QK, T = (n + TN - 1) / TN, tile_bytes = bits == 4 ? TILE_BYTES : TILE8_BYTES;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == T * G * tile_bytes,
+              op, ": packed weights must be contiguous uint8 of ", T * G * tile_bytes, " bytes for n = ", n,
+              ", K = ", K, "; got ", packed.numel());
   isa = q4q8_isa(isa);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t M = xf.numel() / K;
@@ -399,45 +532,61 @@ at::Tensor q4q8_linear(const at::Tensor& x, const at::Tensor& packed, const std:
   if (M == 0) return y;
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "q4q8_linear: bias needs ", n, " values");
+    TORCH_CHECK(bias->numel() == n, op, ": bias needs ", n, " values");
     b = bias->to(at::kFloat).contiguous();
   }
   std::vector<int8_t> qa(M * K);
   std::vector<float> sa(M * G), Sa(M * G);
+  std::vector<int32_t> ia(M * G);
   const float* xp = xf.data_ptr<float>();
   // rows are quantized alone (any split of them gives the same bytes)
   at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t r0, int64_t r1) {
     const float* xr = xp + r0 * K;
     int8_t* q = qa.data() + r0 * K;
     float *s = sa.data() + r0 * G, *S = Sa.data() + r0 * G;
+    int32_t* i = ia.data() + r0 * G;
 #if TS_X86
-    if (isa == AVX512VNNI) return quantize_avx512(xr, r1 - r0, K, q, s, S);
-    if (isa == AVX2) return quantize_avx2(xr, r1 - r0, K, q, s, S);
+    if (isa == AVX512VNNI) return quantize_avx512(xr, r1 - r0, K, q, s, S, i);
+    if (isa == AVX2) return quantize_avx2(xr, r1 - r0, K, q, s, S, i);
 #endif
-    quantize_scalar(xr, r1 - r0, K, q, s, S);
+    quantize_scalar(xr, r1 - r0, K, q, s, S, i);
   });
 
-  Args a{qa.data(), sa.data(), Sa.data(), packed.data_ptr<uint8_t>(), b.defined() ? b.data_ptr<float>() : nullptr,
-         y.data_ptr<float>(), M, n, K, G, T};
+  Args a{qa.data(), sa.data(), Sa.data(), ia.data(), packed.data_ptr<uint8_t>(),
+         b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, n, K, G, T};
   // Split over output tiles only; each output is computed by one thread in one fixed order.
   // Grain: a chunk of at least ~128k multiply-adds (rows counted up to 16), or threads do not pay.
   const int64_t per_tile = G * QK * TN * std::min<int64_t>(M, 16);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / per_tile);
   at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
 #if TS_X86
-    if (isa == AVX512VNNI) return tiles_avx512(a, t0, t1);
-    if (isa == AVX2) return tiles_avx2(a, t0, t1);
+    if (isa == AVX512VNNI) return bits == 4 ? tiles_avx512<Q4Avx512>(a, t0, t1) : tiles_avx512<Q8Avx512>(a, t0, t1);
+    if (isa == AVX2) return bits == 4 ? tiles_avx2<Q4Avx2>(a, t0, t1) : tiles_avx2<Q8Avx2>(a, t0, t1);
 #endif
-    tiles_scalar(a, t0, t1);
+    bits == 4 ? tiles_scalar(a, t0, t1) : tiles8_scalar(a, t0, t1);
   });
   return y;
+}
+
+at::Tensor q4q8_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                       int64_t n, int64_t isa) {
+  return quantized_linear("q4q8_linear", 4, x, packed, bias, n, isa);
+}
+
+at::Tensor q8q8_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                       int64_t n, int64_t isa) {
+  return quantized_linear("q8q8_linear", 8, x, packed, bias, n, isa);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(treespec, m) {
   m.def("q4q8_linear(Tensor x, Tensor packed, Tensor? bias, int n, int isa=-1) -> Tensor");
+  m.def("q8q8_linear(Tensor x, Tensor packed, Tensor? bias, int n, int isa=-1) -> Tensor");
   m.def("q4q8_isa(int isa=-1) -> int", &q4q8_isa);
 }
 
-TORCH_LIBRARY_IMPL(treespec, CPU, m) { m.impl("q4q8_linear", &q4q8_linear); }
+TORCH_LIBRARY_IMPL(treespec, CPU, m) {
+  m.impl("q4q8_linear", &q4q8_linear);
+  m.impl("q8q8_linear", &q8q8_linear);
+}

@@ -10,6 +10,11 @@ y [M, N] = x [M, K] @ W [N, K]^T (+ bias), float32, with
 
   y[r, o] = sum over groups g, in order, of fma(float(dot_g), d s, .) then fma(m, S, .), + bias
 
+Output layers, which GGUF files keep in 8 bits (Q8_0: w = d q, q in -127..127), multiply by
+8-bit weights the same way (`pack_q8`, `quantize_q8_0`; `torch.ops.treespec.q8q8_linear`):
+y[r, o] = sum over g of fma(float(dot_g), d s, .), the integer dot exact, as llama.cpp's
+Q8_0 x Q8_0. `q4q8_linear` takes either packing.
+
 The weights are repacked once (`pack_q4`, `quantize_q4_1`, `from_gguf_blocks`) into tiles of 16
 output columns whose 4-bit values are unpacked once per call and fed to every row (VPDPBUSD on
 AVX512-VNNI cores, vpmaddubsw on AVX2 ones, plain C++ elsewhere), parallel over output tiles only.
@@ -44,6 +49,7 @@ import torch
 QK = 32  # inputs per group
 TILE = 16  # output columns per tile
 TILE_BYTES = 320  # per tile and group: 256 bytes of nibbles, 16 fp16 d, 16 fp16 m
+TILE8_BYTES = 544  # per tile and group, 8-bit weights: 512 bytes of q + 128, 16 fp16 d
 ISAS = ("scalar", "avx2", "avx512vnni")  # the compiled paths, by code (q4q8.cpp's Isa)
 ATEN = "aten"  # torch ops, no compiled code
 SOURCE = Path(__file__).with_name("q4q8.cpp")
@@ -117,6 +123,70 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> PackedQ4:
     dd = d16.reshape(t, TILE, g).permute(0, 2, 1).contiguous().view(torch.uint8)  # [t, g, 32]
     mm = m16.reshape(t, TILE, g).permute(0, 2, 1).contiguous().view(torch.uint8)
     return PackedQ4(torch.cat([nib, dd, mm], dim=-1).contiguous(), n, k)
+
+
+@dataclass(frozen=True)
+class PackedQ8:
+    """A weight [n, k] in 8 bits (GGUF's Q8_0: w = d q), in the kernel's layout: `data` uint8
+    [ceil(n/16), k/32, 544] (per tile of 16 output columns and group of 32 inputs: q + 128, then
+    d in fp16)."""
+
+    data: torch.Tensor
+    n: int
+    k: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q int8 [n, k] in -127..127, d float16 [n, k/32])."""
+        t, g = self.data.shape[0], self.k // QK
+        raw = self.data.reshape(t, g, TILE8_BYTES)
+        q = (raw[..., :512].to(torch.int16) - 128).to(torch.int8).reshape(t, g, 8, TILE, 4)  # [t, g, p, j, b]
+        q = q.permute(0, 3, 1, 2, 4).reshape(t * TILE, self.k)[: self.n]
+        d = raw[..., 512:544].contiguous().view(torch.float16).permute(0, 2, 1).reshape(t * TILE, g)
+        return q.contiguous(), d[: self.n].contiguous()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W [n, k] = d q (exact in float32 and float64)."""
+        q, d = self.unpack()
+        w = q.to(dtype).reshape(self.n, -1, QK) * d.to(dtype)[..., None]
+        return w.reshape(self.n, self.k)
+
+
+def pack_q8(q: torch.Tensor, d: torch.Tensor) -> PackedQ8:
+    """q [n, k] integers -127..127 and d [n, k/32] -> `PackedQ8` (w = d q), d stored as float16."""
+    n, k = q.shape
+    if k % QK or k == 0:
+        raise ValueError(f"q8 weights need rows of whole groups of {QK} inputs, not {k}")
+    g = k // QK
+    if d.shape != (n, g):
+        raise ValueError(f"d must be [{n}, {g}], got {tuple(d.shape)}")
+    q = q.to(torch.int16)
+    if q.numel() and int(q.abs().max()) > 127:
+        raise ValueError("q8 values must be in -127..127")
+    t = -(-n // TILE)
+    pad = t * TILE - n
+    d16 = d.to(torch.float16)
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, k)])
+        d16 = torch.cat([d16, d16.new_zeros(pad, g)])
+    u = (q + 128).to(torch.uint8).reshape(t, TILE, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(t, g, 512)
+    dd = d16.reshape(t, TILE, g).permute(0, 2, 1).contiguous().view(torch.uint8)  # [t, g, 32]
+    return PackedQ8(torch.cat([u, dd], dim=-1).contiguous(), n, k)
+
+
+def quantize_q8_0(w: torch.Tensor) -> PackedQ8:
+    """W [n, k] float -> Q8_0 as GGUF rounds it (ggml's quantize_row_q8_0_ref): per group
+    d = amax / 127, q = round(w / d) half away from zero, d kept in fp16. A weight that a
+    GGUF file's Q8_0 blocks dequantised to comes back as those blocks."""
+    x = _groups(w)
+    d = x.abs().amax(dim=-1) / 127
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    v = x * inv[..., None]
+    q = (torch.sign(v) * torch.floor(v.abs() + 0.5)).clamp(-127, 127)
+    return pack_q8(q.reshape(w.shape), d)
 
 
 def pack_q4_offsets(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> PackedQ4:
@@ -203,6 +273,29 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     q = torch.round(g * inv[..., None]).clamp(-127, 127)
     S = s * q.sum(dim=-1)
     return q.to(torch.int8).reshape(m, k), s, S
+
+
+def _aten_linear8(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """`_aten_linear` for 8-bit weights (`PackedQ8`)."""
+    k = x.shape[-1]
+    if k % QK or packed.numel() != -(-n // TILE) * (k // QK) * TILE8_BYTES:
+        raise ValueError(f"q8q8_linear: {packed.numel()} bytes of weights are not [{n}, {k}] packed")
+    shape = (*x.shape[:-1], n)
+    x2 = x.reshape(-1, k)
+    q, d = PackedQ8(packed, n, k).unpack()
+    qa, s, _ = quantize_activations(x2)
+    groups = k // QK
+    qa = qa.to(torch.float64).reshape(-1, groups, QK)
+    qw = q.to(torch.float64).reshape(n, groups, QK)
+    d = d.to(torch.float32)
+    acc = torch.zeros(x2.shape[0], n, dtype=torch.float32)
+    for j in range(groups):
+        dot = qa[:, j] @ qw[:, j].t()  # exact integers
+        ds = (d[None, :, j] * s[:, j, None]).to(torch.float64)  # float32 product, as in C++
+        acc = (acc.to(torch.float64) + dot * ds).to(torch.float32)
+    if bias is not None:
+        acc = acc + bias.to(torch.float32)
+    return acc.reshape(shape)
 
 
 def _aten_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -305,16 +398,24 @@ def _fake(x, packed, bias, n, isa=-1):
     return x.new_empty((*x.shape[:-1], n), dtype=torch.float32)
 
 
-def _register_python_op() -> None:
-    """Without the compiled library: the same op, in torch ops."""
+OPS = {"q4q8_linear": _aten_linear, "q8q8_linear": _aten_linear8}  # the ops, and their torch-op forms
 
-    @torch.library.custom_op("treespec::q4q8_linear", mutates_args=())
-    def q4q8_linear_op(
-        x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, isa: int = -1
-    ) -> torch.Tensor:
-        return _aten_linear(x, packed, bias, n)
 
-    q4q8_linear_op.register_fake(_fake)
+def _register_python_ops() -> None:
+    """Without the compiled library: the same ops, in torch ops."""
+    for name, aten in OPS.items():
+
+        def op(
+            x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, isa: int = -1, aten=aten
+        ):
+            return aten(x, packed, bias, n)
+
+        torch.library.custom_op(
+            f"treespec::{name}",
+            op,
+            mutates_args=(),
+            schema=("(Tensor x, Tensor packed, Tensor? bias, int n, int isa=-1) -> Tensor"),
+        ).register_fake(_fake)
 
 
 def _ensure() -> bool:
@@ -339,9 +440,10 @@ def _ensure() -> bool:
                     stacklevel=3,
                 )
         if _state["compiled"]:
-            torch.library.register_fake("treespec::q4q8_linear")(_fake)
+            for name in OPS:
+                torch.library.register_fake(f"treespec::{name}")(_fake)
         else:
-            _register_python_op()
+            _register_python_ops()
         _state["op"] = True
         return _state["compiled"]
 
@@ -387,10 +489,11 @@ def describe() -> str:
 
 
 def q4q8_linear(
-    x: torch.Tensor, packed: PackedQ4, bias: torch.Tensor | None = None, isa: str | None = None
+    x: torch.Tensor, packed: PackedQ4 | PackedQ8, bias: torch.Tensor | None = None, isa: str | None = None
 ) -> torch.Tensor:
-    """x [..., K] (float32 or bfloat16) @ W^T (+ bias) -> [..., N] float32, W `packed`.
-    `isa`: None (the default path), or one of `available_isas()`."""
+    """x [..., K] (float32 or bfloat16) @ W^T (+ bias) -> [..., N] float32, W `packed` in 4 bits
+    (`torch.ops.treespec.q4q8_linear`) or 8 (`q8q8_linear`). `isa`: None (the default path), or
+    one of `available_isas()`."""
     if x.shape[-1] != packed.k:
         raise ValueError(f"x has {x.shape[-1]} inputs, the weights {packed.k}")
     if not _ensure() and isa not in (None, ATEN):
@@ -398,9 +501,14 @@ def q4q8_linear(
     if isa is None:
         code = -1
     elif isa == ATEN:
-        return _aten_linear(x, packed.data, bias, packed.n)
+        return OPS[op_name(packed)](x, packed.data, bias, packed.n)
     elif isa in ISAS:
         code = ISAS.index(isa)
     else:
         raise ValueError(f"isa must be one of {ISAS + (ATEN,)}, not {isa!r}")
-    return torch.ops.treespec.q4q8_linear(x, packed.data, bias, packed.n, code)
+    return getattr(torch.ops.treespec, op_name(packed))(x, packed.data, bias, packed.n, code)
+
+
+def op_name(packed: PackedQ4 | PackedQ8) -> str:
+    """The op that multiplies by `packed`: "q4q8_linear" or "q8q8_linear"."""
+    return "q8q8_linear" if isinstance(packed, PackedQ8) else "q4q8_linear"

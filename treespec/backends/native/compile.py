@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ..attention import graph_lane_attention
 from ..base import Feed, Scores, causal_visible
+from ..kernels.q4q8 import op_name
 from ..linear import Int4Projection, Product, Q4Q8Projection, QuantizedProjection, int4_product, int8_product
 from .aot import GraphStore, model_digest
 from .kv import KVPool
@@ -86,7 +87,7 @@ def add_tensor(module: torch.nn.Module, name: str, tensor: torch.Tensor | None) 
 class GraphProduct(torch.nn.Module):
     """A projection (`linear.Product`) as graph buffers: its weight as its product reads it
     (float; int8 with a scale per row; int4 packed, with scales and offsets per group; q4q8 in
-    the kernel's tiles, `torch.ops.treespec.q4q8_linear`) and its bias. Called as the
+    the kernel's tiles, `torch.ops.treespec.q4q8_linear` or `q8q8_linear`) and its bias. Called as the
     projection is: [T, in] -> [T, out]."""
 
     def __init__(self, projection: Product):
@@ -97,7 +98,7 @@ class GraphProduct(torch.nn.Module):
             self.kind, weight, scales = "int4", projection.packed, projection.scales_and_zeros
         elif isinstance(projection, Q4Q8Projection):
             self.kind, weight, scales = "q4q8", projection.packed.data, None
-            self.out_features = projection.out_features
+            self.out_features, self.op = projection.out_features, op_name(projection.packed)
         else:
             self.kind, weight, scales = "float", projection.weight, None
         self.register_buffer("weight", weight)
@@ -108,7 +109,7 @@ class GraphProduct(torch.nn.Module):
         if self.kind == "float":
             return F.linear(x, self.weight, self.bias)
         if self.kind == "q4q8":  # the custom op (its fake gives inductor the shapes); bias inside
-            y = torch.ops.treespec.q4q8_linear(x, self.weight, self.bias, self.out_features, -1)
+            y = getattr(torch.ops.treespec, self.op)(x, self.weight, self.bias, self.out_features, -1)
             return y if y.dtype == x.dtype else y.to(x.dtype)
         if self.kind == "int8":
             y = int8_product(x, self.weight, self.scales)

@@ -78,15 +78,18 @@ class WeightLoader:
 
     def output(self, shape: LlamaShape) -> tuple[torch.Tensor, Product, torch.Tensor]:
         """The embedding [V, hidden], the output projection (hidden -> V; int8 under int8 and
-        int4, as GGUF files keep it at 8 bits or more; q4q8 under q4q8: the file's 4-bit blocks
-        where it has them, else the weight quantized by Q4_1's rule) and the final norm
+        int4, as GGUF files keep it at 8 bits or more; under q4q8 the file's 4-bit blocks
+        where it has them, else Q8_0 x Q8 products: the file's Q8_0 blocks where it kept
+        them, as llama.cpp multiplies them) and the final norm
         [hidden]. Tied embeddings: the output layer multiplies by the embedding matrix; where it
         is packed (CPU) the packed copy sits next to the plain one the lookup reads."""
         embed = self.tensor("model.embed_tokens.weight")  # [V, hidden]
         name = "model.embed_tokens.weight" if shape.tied else "lm_head.weight"
-        if self.quantize == "q4q8":
-            return embed, self.projection((name, None)), self.tensor("model.norm.weight")
         head = embed if shape.tied else self.tensor(name)
+        if self.quantize == "q4q8":
+            blocks = f"{name}.q4" in self.weights
+            lm_head = self.projection((name, None)) if blocks else Q4Q8Projection.quantize8(head)
+            return embed, lm_head, self.tensor("model.norm.weight")
         lm_head = QuantizedProjection(head) if self.quantize is not None else Projection(head, pack=self.pack)
         return embed, lm_head, self.tensor("model.norm.weight")
 
