@@ -17,9 +17,11 @@ from treespec import SpeculativeDecoder, TreeConfig
 from treespec.backends.hf import HFRunner
 from treespec.backends.linear import (
     INT4_GROUP,
+    WIDE_ROWS,
     Int4Projection,
     QuantizedProjection,
     pack_nibbles,
+    packing_available,
     unpack_nibbles,
 )
 from treespec.backends.native import COMPILE_STATIC_MAX, CompiledForward, NativeRunner
@@ -48,15 +50,21 @@ def dequantized(model, quantize="int8"):
     return ref
 
 
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantized_projection_multiplies_by_its_dequantized_matrix(dtype):
+def test_quantized_projection_multiplies_by_its_dequantized_matrix(dtype, wide):
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(96, 64, generator=g).to(dtype), torch.randn(5, 64, generator=g).to(dtype)
-    q = QuantizedProjection(w, bias=torch.ones(96, dtype=dtype))
+    q = QuantizedProjection(w, bias=torch.ones(96, dtype=dtype), wide=wide)
     assert q.weight_int8.dtype == torch.int8 and q.weight_int8.abs().max() == 127
+    assert (q.wide is not None) == (wide and packing_available(w.device, dtype))
     want = x.float() @ q.weight.float().t() + 1
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert (q(x).float() - want).abs().max() <= tol * want.abs().max()
+    for rows in range(1, 6):  # the wide copy from WIDE_ROWS rows on, int8pack below
+        assert (q(x[:rows]).float() - want[:rows]).abs().max() <= tol * want.abs().max()
+    assert torch.equal(
+        q(x[: WIDE_ROWS - 1]), QuantizedProjection(w, torch.ones(96, dtype=dtype))(x[: WIDE_ROWS - 1])
+    )
     # and the dequantized matrix is W within half a quantization step per row (plus, in bf16,
     # the rounding of Q * s to bf16)
     step = w.float().abs().amax(dim=1, keepdim=True) / 127

@@ -105,6 +105,7 @@ def _packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
 
 
 QUANTIZABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what quantized products compute in
+WIDE_ROWS = 3  # rows from which a `QuantizedProjection` with a wide copy multiplies by it
 INT4_GROUP = 32  # input columns per int4 scale and offset: one GGUF Q4_0 / Q4_1 block
 INT4_ROWS = 16  # torch's int4 layout packs output rows in multiples of this
 
@@ -137,7 +138,12 @@ class QuantizedProjection:
     W, so a different model: lossless for a draft (any q is), the quantized model's own
     distribution for a target."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, wide: bool = False):
+        """`wide`: also keep Q in oneDNN's packed layout, in W's dtype (its integers exactly),
+        for products of WIDE_ROWS rows or more (a tree's): `_weight_int8pack_mm` costs about
+        as much per further row as for the first (SmolLM2's output layer, 2 threads, bf16: 1.1 /
+        6.1 / 11.9 ms at 1 / 8 / 16 rows), oneDNN's GEMM little (1.1 / 2.0 / 3.0 ms). Twice
+        the int8 copy's bytes, read only by those products."""
         check_quantize("int8", weight.dtype)
         self.out_features, self.in_features = weight.shape
         self.bias = bias
@@ -145,6 +151,9 @@ class QuantizedProjection:
         scales = torch.linalg.vector_norm(w, ord=float("inf"), dim=1).clamp_(min=1e-12).div_(127)  # [out]
         self.weight_int8 = w.div_(scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)  # [out, in]
         self.scales = scales.to(weight.dtype)  # [out], the kernel takes them in x's dtype
+        self.wide = None
+        if wide and packing_available(weight.device, weight.dtype):
+            self.wide = _pack(self.weight_int8.to(weight.dtype), None)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -152,7 +161,10 @@ class QuantizedProjection:
         return self.weight_int8.to(self.scales.dtype) * self.scales[:, None]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        y = int8_product(x, self.weight_int8, self.scales)
+        if self.wide is not None and x.shape[0] >= WIDE_ROWS and x.dtype == self.scales.dtype:
+            y = _packed_product(x, self.wide, None) * self.scales  # x @ Q^T, then the scales
+        else:
+            y = int8_product(x, self.weight_int8, self.scales)
         return y if self.bias is None else y + self.bias
 
 

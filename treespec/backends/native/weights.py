@@ -90,7 +90,10 @@ class WeightLoader:
             blocks = f"{name}.q4" in self.weights
             lm_head = self.projection((name, None)) if blocks else Q4Q8Projection.quantize8(head)
             return embed, lm_head, self.tensor("model.norm.weight")
-        lm_head = QuantizedProjection(head) if self.quantize is not None else Projection(head, pack=self.pack)
+        if self.quantize is not None:  # a tree's rows through the wide copy where oneDNN packs (`pack`)
+            lm_head = QuantizedProjection(head, wide=self.pack)
+        else:
+            lm_head = Projection(head, pack=self.pack)
         return embed, lm_head, self.tensor("model.norm.weight")
 
     def layer(self, i: int, shape: LlamaShape, adds_bias: bool) -> Layer:
