@@ -124,11 +124,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    ap.add_argument("--out", default=str(ROOT / "experiments/results/structured_speed.json"))
+    ap.add_argument("--out", default=None, help="default: results/structured_speed[_eager].json")
     ap.add_argument(
         "--eager", action="store_true", help="the eager forward even where compiled graphs are kept"
     )
     args = ap.parse_args()
+    name = "structured_speed_eager.json" if args.eager else "structured_speed.json"
+    args.out = args.out or str(ROOT / "experiments/results" / name)
     dec = SpeculativeDecoder.from_pretrained(compile=False if args.eager else "auto")
     forward = "compiled" if getattr(dec.target_runner, "compiled", None) is not None else "eager"
     print("target forward:", forward, flush=True)
