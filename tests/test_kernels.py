@@ -229,6 +229,29 @@ def test_q8_0_packing_and_quantizer_match_gguf():
         kernels.pack_q8(torch.full((2, 32), 128), torch.ones(2, 1))
 
 
+def test_int4_times_bfloat16_tiles_multiply_by_the_int4_matrix_rows_alone():
+    """`kernels.q4bf16_linear` (AVX512-BF16 cores): the int4 matrix (q - 8) s + z, bfloat16
+    inputs unrounded, within bfloat16's output rounding of a float64 reference; a row's result
+    bit for bit the same whatever rows share the call; `Int4Projection(tiles=True)` uses it."""
+    from treespec.backends.linear import Int4Projection
+
+    if not kernels.q4bf16_available():
+        pytest.skip("q4bf16_linear needs compiled kernels on an AVX512-BF16 core")
+    rng = np.random.default_rng(3)
+    for i, (n, k, m) in enumerate([(16, 32, 1), (48, 96, 5), (960, 576, 9), (576, 1536, 17), (64, 576, 64)]):
+        gen = torch.Generator().manual_seed(i)
+        proj = Int4Projection.quantize(torch.randn(n, k, generator=gen).bfloat16(), tiles=True)
+        assert proj.tiles is not None
+        x = activations(m, k, seed=i).bfloat16()
+        y = proj(x)
+        w = proj.weight.double()  # aten's matrix, exact: small integers times bf16 scales, plus bf16 offsets
+        want, bound = x.double() @ w.t(), x.double().abs() @ w.abs().t()
+        assert y.dtype == torch.bfloat16 and ((y.double() - want).abs() <= 2**-8 * bound + 1e-30).all()
+        for _ in range(3):
+            idx = torch.from_numpy(rng.permutation(m)[: int(rng.integers(1, m + 1))])
+            assert torch.equal(proj(x[idx]), y[idx])
+
+
 def test_activations_are_quantized_per_row_and_group():
     x = activations(3, 96, seed=9)
     q, s, S = quantize_activations(x)

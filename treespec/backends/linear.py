@@ -26,6 +26,8 @@ from .kernels.q4q8 import (
     PackedQ8,
     compiled,
     pack_q4_offsets,
+    pack_q4s,
+    q4bf16_available,
     q4q8_linear,
     quantize_q4_1,
     quantize_q8_0,
@@ -184,13 +186,22 @@ class Int4Projection:
     there); any other weight is quantized with Q4_1's rule (`quantize`). Like int8, another
     model than the float weights': lossless for a draft, the 4-bit model's own for a target.
     The kernel is fast in bfloat16 (on AVX512 and AVX2 cores) and slow in float32
-    (docs/performance.md)."""
+    (docs/performance.md). `tiles`: bfloat16 inputs multiply through
+    `kernels.q4bf16_linear` where it runs (AVX512-BF16 cores): the same matrix, each weight tile
+    unpacked once for all rows of the call (a tree's), rows independent of each other."""
 
     def __init__(
-        self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None, dtype
+        self,
+        q: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype,
+        tiles: bool = False,
     ):
         """q [out, in] integers 0..15; scales, zeros [out, in / INT4_GROUP]; `dtype`: the
-        compute dtype (x's)."""
+        compute dtype (x's); `tiles`: also lay W out for `kernels.q4bf16_linear` (bfloat16, an
+        AVX512-BF16 CPU; otherwise ignored)."""
         check_quantize("int4", dtype)
         self.out_features, self.in_features = q.shape
         groups = self.in_features // INT4_GROUP
@@ -213,6 +224,10 @@ class Int4Projection:
         self.scales_and_zeros = (
             torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
         )  # [in/G, out, 2]
+        self.tiles = None
+        if tiles and dtype == torch.bfloat16 and q.device.type == "cpu" and q4bf16_available():
+            s, z = self.scales_and_zeros.float().unbind(-1)  # the values aten multiplies by
+            self.tiles = pack_q4s(q, s.t(), z.t())
 
     @staticmethod
     def fits(out_features: int, in_features: int) -> bool:
@@ -221,12 +236,16 @@ class Int4Projection:
         return in_features % INT4_GROUP == 0 and out_features % INT4_ROWS == 0
 
     @classmethod
-    def from_blocks(cls, q_packed, scales, zeros, bias=None, dtype=torch.bfloat16) -> Int4Projection:
+    def from_blocks(
+        cls, q_packed, scales, zeros, bias=None, dtype=torch.bfloat16, tiles=False
+    ) -> Int4Projection:
         """From `pack_nibbles`' [out, in / 2] bytes and the scales and offsets per group."""
-        return cls(unpack_nibbles(q_packed), scales, zeros, bias, dtype)
+        return cls(unpack_nibbles(q_packed), scales, zeros, bias, dtype, tiles)
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Projection:
+    def quantize(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, tiles: bool = False
+    ) -> Int4Projection:
         """W [out, in] by Q4_1's rule, per group: s = (max - min) / 15, Q = round((w - min) / s)."""
         out, n = weight.shape
         if n % INT4_GROUP:
@@ -235,16 +254,18 @@ class Int4Projection:
         lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # [out, groups]
         scales = (hi - lo) / 15
         q = ((w - lo[..., None]) / scales.clamp(min=1e-30)[..., None]).round().clamp(0, 15)
-        return cls(q.reshape(out, n), scales, lo + 8 * scales, bias, weight.dtype)
+        return cls(q.reshape(out, n), scales, lo + 8 * scales, bias, weight.dtype, tiles)
 
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized W [out, in] in the compute dtype: the matrix this multiplies by (the
-        kernel's own product with the identity)."""
+        aten kernel's own product with the identity)."""
         eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
         return int4_product(eye, self.packed, self.scales_and_zeros).t()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.tiles is not None and x.dtype == torch.bfloat16:
+            return torch.ops.treespec.q4bf16_linear(x, self.tiles, self.bias, self.out_features)
         y = int4_product(x, self.packed, self.scales_and_zeros)
         return y if self.bias is None else y + self.bias
 

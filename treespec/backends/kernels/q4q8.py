@@ -10,6 +10,10 @@ y [M, N] = x [M, K] @ W [N, K]^T (+ bias), float32, with
 
   y[r, o] = sum over groups g, in order, of fma(float(dot_g), d s, .) then fma(m, S, .), + bias
 
+The default int4 target's own precision (bfloat16 inputs, torch's int4 matrix (q - 8) s + z)
+has a tile kernel too, `torch.ops.treespec.q4bf16_linear` (`pack_q4s`; AVX512-BF16 cores):
+s * dot(q - 8, x) + z * sum(x) per group, VDPBF16PS over bf16 pairs, rows independent.
+
 Output layers, which GGUF files keep in 8 bits (Q8_0: w = d q, q in -127..127), multiply by
 8-bit weights the same way (`pack_q8`, `quantize_q8_0`; `torch.ops.treespec.q8q8_linear`):
 y[r, o] = sum over g of fma(float(dot_g), d s, .), the integer dot exact, as llama.cpp's
@@ -118,8 +122,7 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> PackedQ4:
         q = torch.cat([q, q.new_zeros(pad, k)])
         d16 = torch.cat([d16, d16.new_zeros(pad, g)])
         m16 = torch.cat([m16, m16.new_zeros(pad, g)])
-    q6 = q.reshape(t, TILE, g, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)  # [t, g, p, j, h, b]
-    nib = (q6[..., 0, :] | (q6[..., 1, :] << 4)).reshape(t, g, 256)
+    nib = _nibble_tiles(q, t, g)
     dd = d16.reshape(t, TILE, g).permute(0, 2, 1).contiguous().view(torch.uint8)  # [t, g, 32]
     mm = m16.reshape(t, TILE, g).permute(0, 2, 1).contiguous().view(torch.uint8)
     return PackedQ4(torch.cat([nib, dd, mm], dim=-1).contiguous(), n, k)
@@ -187,6 +190,41 @@ def quantize_q8_0(w: torch.Tensor) -> PackedQ8:
     v = x * inv[..., None]
     q = (torch.sign(v) * torch.floor(v.abs() + 0.5)).clamp(-127, 127)
     return pack_q8(q.reshape(w.shape), d)
+
+
+def _nibble_tiles(q: torch.Tensor, t: int, g: int) -> torch.Tensor:
+    """q [16 t, 32 g] uint8 0..15 -> [t, g, 256]: per tile and group, 64 bytes per p = 0..3 with
+    column j at bytes 4j..4j+3, low nibbles q[j, 8p + b], high nibbles q[j, 8p + 4 + b]."""
+    q6 = q.reshape(t, TILE, g, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)  # [t, g, p, j, h, b]
+    return (q6[..., 0, :] | (q6[..., 1, :] << 4)).reshape(t, g, 256)
+
+
+def pack_q4s(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """torch's int4 form w = (q - 8) s + z (q [n, k] 0..15, s and z [n, k/32]) -> the layout of
+    `torch.ops.treespec.q4bf16_linear`: uint8 [ceil(n/16), k/32, 384], per tile and group the
+    nibbles (as `pack_q4`), then s and z of the 16 columns in float32."""
+    n, k = q.shape
+    g = k // QK
+    if k % QK or scales.shape != (n, g) or zeros.shape != (n, g):
+        raise ValueError(f"q4 weights [{n}, {k}] need whole groups of {QK} and s, z [{n}, {g}]")
+    t = -(-n // TILE)
+    pad = t * TILE - n
+    q, s, z = q.to(torch.uint8), scales.to(torch.float32), zeros.to(torch.float32)
+    if pad:
+        q, s, z = (
+            torch.cat([q, q.new_zeros(pad, k)]),
+            torch.cat([s, s.new_zeros(pad, g)]),
+            torch.cat([z, z.new_zeros(pad, g)]),
+        )
+    ss = s.reshape(t, TILE, g).permute(0, 2, 1).contiguous().view(torch.uint8)  # [t, g, 64]
+    zz = z.reshape(t, TILE, g).permute(0, 2, 1).contiguous().view(torch.uint8)
+    return torch.cat([_nibble_tiles(q, t, g), ss, zz], dim=-1).contiguous()
+
+
+def q4bf16_available() -> bool:
+    """Whether `torch.ops.treespec.q4bf16_linear` runs here (compiled kernels, an AVX512-BF16
+    core, the path not capped below AVX512)."""
+    return _ensure() and bool(torch.ops.treespec.q4bf16_available())
 
 
 def pack_q4_offsets(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> PackedQ4:
@@ -398,6 +436,10 @@ def _fake(x, packed, bias, n, isa=-1):
     return x.new_empty((*x.shape[:-1], n), dtype=torch.float32)
 
 
+def _fake_bf16(x, packed, bias, n):
+    return x.new_empty((*x.shape[:-1], n), dtype=torch.bfloat16)
+
+
 OPS = {"q4q8_linear": _aten_linear, "q8q8_linear": _aten_linear8}  # the ops, and their torch-op forms
 
 
@@ -442,6 +484,7 @@ def _ensure() -> bool:
         if _state["compiled"]:
             for name in OPS:
                 torch.library.register_fake(f"treespec::{name}")(_fake)
+            torch.library.register_fake("treespec::q4bf16_linear")(_fake_bf16)
         else:
             _register_python_ops()
         _state["op"] = True

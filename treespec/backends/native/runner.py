@@ -92,7 +92,11 @@ class NativeRunner(Runner):
         shape, blocks = rank_shape(shape, tp)
         self._set_shape(shape, eos_token_ids, torch.device(device), dtype)
         compile = resolve_compile(compile, self.device, self.dtype, quantize, tp)
-        loader = WeightLoader(weights, blocks, self.device, dtype, quantize, pack_weights and not compile)
+        # eager layouts (oneDNN packing, a quantized product's extra copies) but under compile=True;
+        # "auto" keeps them for the feeds no kept graph serves (all of them where none is kept)
+        loader = WeightLoader(
+            weights, blocks, self.device, dtype, quantize, pack_weights and compile is not True
+        )
         self._load_weights(loader)
         self._init_cache()
         # compiled graphs kept across processes, but for tensor parallel (collectives in the graph)
