@@ -252,6 +252,23 @@ def test_int4_times_bfloat16_tiles_multiply_by_the_int4_matrix_rows_alone():
             assert torch.equal(proj(x[idx]), y[idx])
 
 
+def test_built_answers_without_building(tmp_path):
+    """`kernels.built()` (what a default model's load asks) never runs the compiler: with an
+    empty cache it answers False and leaves no library behind; an int4 projection then keeps
+    aten's kernel alone."""
+    probe = (
+        "import torch; from treespec.backends import kernels\n"
+        "from treespec.backends.linear import Int4Projection\n"
+        "p = Int4Projection.quantize(torch.randn(16, 64).bfloat16(), tiles=True)\n"
+        "print(kernels.built(), p.tiles is None)"
+    )
+    env = {**os.environ, "TREESPEC_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["False", "True"]
+    assert not list(tmp_path.rglob("*.so"))
+
+
 def test_activations_are_quantized_per_row_and_group():
     x = activations(3, 96, seed=9)
     q, s, S = quantize_activations(x)

@@ -187,8 +187,9 @@ class Int4Projection:
     model than the float weights': lossless for a draft, the 4-bit model's own for a target.
     The kernel is fast in bfloat16 (on AVX512 and AVX2 cores) and slow in float32
     (docs/performance.md). `tiles`: bfloat16 inputs multiply through
-    `kernels.q4bf16_linear` where it runs (AVX512-BF16 cores): the same matrix, each weight tile
-    unpacked once for all rows of the call (a tree's), rows independent of each other."""
+    `kernels.q4bf16_linear` where it runs (AVX512-BF16 cores, the kernels built: `kernels.built`):
+    the same matrix, each weight tile unpacked once for all rows of the call (a tree's), rows
+    independent of each other."""
 
     def __init__(
         self,
@@ -225,7 +226,8 @@ class Int4Projection:
             torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
         )  # [in/G, out, 2]
         self.tiles = None
-        if tiles and dtype == torch.bfloat16 and q.device.type == "cpu" and q4bf16_available():
+        # where the kernels are built already: a default model's load never waits for a compiler
+        if tiles and dtype == torch.bfloat16 and q.device.type == "cpu" and q4bf16_available(build=False):
             s, z = self.scales_and_zeros.float().unbind(-1)  # the values aten multiplies by
             self.tiles = pack_q4s(q, s.t(), z.t())
 

@@ -221,10 +221,11 @@ def pack_q4s(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torc
     return torch.cat([_nibble_tiles(q, t, g), ss, zz], dim=-1).contiguous()
 
 
-def q4bf16_available() -> bool:
+def q4bf16_available(build: bool = True) -> bool:
     """Whether `torch.ops.treespec.q4bf16_linear` runs here (compiled kernels, an AVX512-BF16
-    core, the path not capped below AVX512)."""
-    return _ensure() and bool(torch.ops.treespec.q4bf16_available())
+    core, the path not capped below AVX512). `build=False`: only if the kernels are `built()`."""
+    ready = _ensure() if build else built()
+    return ready and bool(torch.ops.treespec.q4bf16_available())
 
 
 def pack_q4_offsets(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> PackedQ4:
@@ -394,8 +395,9 @@ def _build_dir(key: str) -> Path:
         return tmp
 
 
-def _load_compiled() -> None:
-    """Load q4q8.cpp's library, building it once per (source, torch, compiler, flags)."""
+def _library() -> tuple[Path, Path, str]:
+    """(the library's path, its build directory, its name) for this source, torch, compiler and
+    flags; a RuntimeError without a compiler."""
     cxx, version = _compiler()
     if cxx is None:
         raise RuntimeError(version)
@@ -405,7 +407,13 @@ def _load_compiled() -> None:
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     name = f"treespec_q4q8_{key}"
     where = _build_dir(key)
-    lib, done = where / f"{name}.so", where / "built"
+    return where / f"{name}.so", where, name
+
+
+def _load_compiled() -> None:
+    """Load q4q8.cpp's library, building it once per (source, torch, compiler, flags)."""
+    lib, where, name = _library()
+    done = where / "built"
     _state["dir"] = str(where)
     if lib.exists() and done.exists():
         torch.ops.load_library(str(lib))
@@ -494,6 +502,21 @@ def _ensure() -> bool:
 def compiled() -> bool:
     """Whether the compiled kernels are available (built or loaded on first call)."""
     return _ensure()
+
+
+def built() -> bool:
+    """Whether the compiled kernels are available without building them: loaded, or built for
+    this source, torch and compiler before (then loaded). A default model's optional paths ask
+    this, so that no run waits for the compiler; `compiled()` builds."""
+    if _state["op"]:
+        return _state["compiled"]
+    if os.environ.get("TREESPEC_KERNEL_ISA", "").lower() == ATEN:
+        return False
+    try:
+        lib, where, _ = _library()
+    except RuntimeError:
+        return False
+    return lib.exists() and (where / "built").exists() and _ensure()
 
 
 def unavailable_reason() -> str | None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..attention import graph_lane_attention
 from ..base import Feed, Scores, causal_visible
 from ..kernels.q4q8 import op_name
@@ -71,6 +72,8 @@ def compiled_forward(
     `config`: `CompiledForward`'s."""
     if not compile:
         return None
+    if compile is True and runner.device.type == "cpu":  # the one-time step builds the C++ kernels
+        kernels.compiled()  # too, which eager runs then use (`kernels.built`)
     forward = CompiledForward(runner, config, store, build=compile is True)
     return forward if forward.build or forward.stored() else None
 
