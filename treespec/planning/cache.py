@@ -16,7 +16,7 @@ from ..config import default_cache_dir, write_cache_json
 from ..timing import BUSY_KEEP_SECONDS, CpuWatch
 from .costs import Costs
 
-COST_VERSION = 18  # bump when what is measured changes: older cache entries are ignored
+COST_VERSION = 19  # bump when what is measured changes: older cache entries are ignored
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")  # files that hold a model's tensors
 
 log = logging.getLogger(__name__)

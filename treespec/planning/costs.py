@@ -16,8 +16,9 @@ from ..tree import TokenTree
 
 COST_FEEDS = tuple(range(1, AUTO_MAX_NODES + 2))  # target feed sizes timed: every one a round may score
 COST_PREFIX = 128  # committed tokens before the timed feeds
-COST_ROUND_TOKENS = 24  # tokens of each short generation whose rounds are timed
-COST_RUNS = 3  # timed runs of plain decoding and of chains of 1 and 4 (medians)
+COST_ROUND_TOKENS = 32  # tokens of each short generation whose rounds are timed (shorter ones bias
+# the round's costs: 24 planned plain where chains of 1-2 ran 1.12-1.14x, AVX2 T=1)
+COST_RUNS = 2  # timed runs of plain decoding and of chains of 1 and 4 (medians)
 COST_WARM_TOKENS = 8  # tokens of the untimed generation before each tree's timed ones
 COST_WARM_ROUNDS = 1  # untimed rounds of the feeds before their timed ones
 MIN_PLAIN_ROUND = 0.25  # a plain round measured below this many t(1) is a broken clock, not a cost
