@@ -60,6 +60,8 @@ def resolve_compile(
     if reason:
         warnings.warn(f"treespec: compile=True ignored, {reason}", stacklevel=4)
         return False
+    if compile and device.type == "cpu":  # the one-time step builds the C++ kernels too, before the
+        kernels.compiled()  # weights load: its graphs and later runs use them (`kernels.built`)
     return compile
 
 
@@ -72,8 +74,6 @@ def compiled_forward(
     `config`: `CompiledForward`'s."""
     if not compile:
         return None
-    if compile is True and runner.device.type == "cpu":  # the one-time step builds the C++ kernels
-        kernels.compiled()  # too, which eager runs then use (`kernels.built`)
     forward = CompiledForward(runner, config, store, build=compile is True)
     return forward if forward.build or forward.stored() else None
 
@@ -89,14 +89,18 @@ def add_tensor(module: torch.nn.Module, name: str, tensor: torch.Tensor | None) 
 
 class GraphProduct(torch.nn.Module):
     """A projection (`linear.Product`) as graph buffers: its weight as its product reads it
-    (float; int8 with a scale per row; int4 packed, with scales and offsets per group; q4q8 in
-    the kernel's tiles, `torch.ops.treespec.q4q8_linear` or `q8q8_linear`) and its bias. Called as the
+    (float; int8 with a scale per row; int4 packed, with scales and offsets per group, or in the
+    tiles of `torch.ops.treespec.q4bf16_linear`; q4q8 in the kernel's tiles, `q4q8_linear` or
+    `q8q8_linear`) and its bias. Called as the
     projection is: [T, in] -> [T, out]."""
 
     def __init__(self, projection: Product):
         super().__init__()
         if isinstance(projection, QuantizedProjection):
             self.kind, weight, scales = "int8", projection.weight_int8, projection.scales
+        elif isinstance(projection, Int4Projection) and projection.tiles is not None:
+            self.kind, weight, scales = "q4bf16", projection.tiles, None
+            self.out_features = projection.out_features
         elif isinstance(projection, Int4Projection):
             self.kind, weight, scales = "int4", projection.packed, projection.scales_and_zeros
         elif isinstance(projection, Q4Q8Projection):
@@ -114,6 +118,8 @@ class GraphProduct(torch.nn.Module):
         if self.kind == "q4q8":  # the custom op (its fake gives inductor the shapes); bias inside
             y = getattr(torch.ops.treespec, self.op)(x, self.weight, self.bias, self.out_features, -1)
             return y if y.dtype == x.dtype else y.to(x.dtype)
+        if self.kind == "q4bf16":  # int4 tiles x bf16 (`linear.Int4Projection.tiles`); bias inside
+            return torch.ops.treespec.q4bf16_linear(x, self.weight, self.bias, self.out_features)
         if self.kind == "int8":
             y = int8_product(x, self.weight, self.scales)
         else:

@@ -65,12 +65,12 @@ class WeightLoader:
                 torch.cat([self.weights[f"{n}.{k}"][:] for n, _ in parts])
                 for k in ("q4", "q4_scales", "q4_zeros")
             )
-            if self.quantize == "int4":  # eager (`pack`): bf16 rows through the tiles where they run
-                return Int4Projection.from_blocks(q, scales, zeros, bias, self.dtype, tiles=self.pack)
+            if self.quantize == "int4":  # bf16 rows through the tiles where the kernels are built
+                return Int4Projection.from_blocks(q, scales, zeros, bias, self.dtype, tiles=True)
             return Q4Q8Projection.from_blocks(q, scales, zeros, bias, self.dtype)
         weight = self.stacked(*parts) if cols is None else self.tensor(parts[0][0], cols=cols)
         if self.quantize == "int4":
-            return Int4Projection.quantize(weight, bias, tiles=self.pack)
+            return Int4Projection.quantize(weight, bias, tiles=True)
         if self.quantize == "q4q8":
             return Q4Q8Projection.quantize(weight, bias)
         if self.quantize == "int8":
