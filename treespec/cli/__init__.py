@@ -43,10 +43,14 @@ def main(argv: list[str] | None = None) -> int:
 def console() -> NoReturn:
     """The `treespec` command's process (the console script and `python -m treespec`): main(),
     then an exit that skips the interpreter's teardown, where unloading torch's libraries added
-    ~0.5 s to every command. Exit handlers run and the standard streams are flushed first; a
-    process with threads still running exits the ordinary way, which waits for them."""
+    ~0.5 s to every command. Exit handlers run and the standard streams are flushed first. A
+    process with threads still running exits the ordinary way, which waits for them, and so does
+    a tensor-parallel rank: one that ends at once has torchrun stop the others before they report."""
     code = main()
-    if threading.active_count() > 1:
+    # loaded by main() with torch; not imported here: after a Ctrl-C inside torch's import, a
+    # second import of torch can crash, and a process that never loaded torch has no teardown
+    parallel = sys.modules.get("treespec.parallel")
+    if threading.active_count() > 1 or parallel is None or parallel.launched_rank() is not None:
         sys.exit(code)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
