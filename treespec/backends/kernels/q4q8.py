@@ -71,9 +71,9 @@ _state: dict = {"tried": False, "compiled": False, "error": None, "dir": None, "
 
 
 @dataclass(frozen=True)
-class PackedQ4:
-    """A weight [n, k] in 4 bits, in the kernel's layout: `data` uint8 [ceil(n/16), k/32, 320]
-    (per tile of 16 output columns and group of 32 inputs: the nibbles, then d and m in fp16)."""
+class PackedTiles:
+    """A weight [n, k] in a kernel's tiles: `data` uint8 [ceil(n/16), k/32, bytes per tile and
+    group] (`PackedQ4`, `PackedQ8`)."""
 
     data: torch.Tensor
     n: int
@@ -83,6 +83,19 @@ class PackedQ4:
     def nbytes(self) -> int:
         return self.data.numel()
 
+
+def _fp16_per_column(raw: torch.Tensor, start: int) -> torch.Tensor:
+    """The float16 value per output column and group stored at bytes [start, start + 32) of
+    each tile and group of `raw` [t, g, bytes] -> [16 t, g]."""
+    t, g = raw.shape[:2]
+    return raw[..., start : start + 32].contiguous().view(torch.float16).permute(0, 2, 1).reshape(t * TILE, g)
+
+
+@dataclass(frozen=True)
+class PackedQ4(PackedTiles):
+    """A weight [n, k] in 4 bits, in the kernel's layout: `data` uint8 [ceil(n/16), k/32, 320]
+    (per tile of 16 output columns and group of 32 inputs: the nibbles, then d and m in fp16)."""
+
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q uint8 [n, k] in 0..15, d float16 [n, k/32], m float16 [n, k/32])."""
         t, g = self.data.shape[0], self.k // QK
@@ -90,8 +103,7 @@ class PackedQ4:
         nib = raw[..., :256].reshape(t, g, 4, TILE, 4)  # [t, g, p, j, b]
         q = torch.stack([nib & 15, nib >> 4], dim=4)  # [t, g, p, j, h, b]; k = 32g + 8p + 4h + b
         q = q.permute(0, 3, 1, 2, 4, 5).reshape(t * TILE, self.k)[: self.n]
-        d = raw[..., 256:288].contiguous().view(torch.float16).permute(0, 2, 1).reshape(t * TILE, g)
-        m = raw[..., 288:320].contiguous().view(torch.float16).permute(0, 2, 1).reshape(t * TILE, g)
+        d, m = _fp16_per_column(raw, 256), _fp16_per_column(raw, 288)
         return q.contiguous(), d[: self.n].contiguous(), m[: self.n].contiguous()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -129,18 +141,10 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> PackedQ4:
 
 
 @dataclass(frozen=True)
-class PackedQ8:
+class PackedQ8(PackedTiles):
     """A weight [n, k] in 8 bits (GGUF's Q8_0: w = d q), in the kernel's layout: `data` uint8
     [ceil(n/16), k/32, 544] (per tile of 16 output columns and group of 32 inputs: q + 128, then
     d in fp16)."""
-
-    data: torch.Tensor
-    n: int
-    k: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel()
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q int8 [n, k] in -127..127, d float16 [n, k/32])."""
@@ -148,7 +152,7 @@ class PackedQ8:
         raw = self.data.reshape(t, g, TILE8_BYTES)
         q = (raw[..., :512].to(torch.int16) - 128).to(torch.int8).reshape(t, g, 8, TILE, 4)  # [t, g, p, j, b]
         q = q.permute(0, 3, 1, 2, 4).reshape(t * TILE, self.k)[: self.n]
-        d = raw[..., 512:544].contiguous().view(torch.float16).permute(0, 2, 1).reshape(t * TILE, g)
+        d = _fp16_per_column(raw, 512)
         return q.contiguous(), d[: self.n].contiguous()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
