@@ -235,7 +235,7 @@ def test_int4_times_bfloat16_tiles_multiply_by_the_int4_matrix_rows_alone():
     bit for bit the same whatever rows share the call; `Int4Projection(tiles=True)` uses it."""
     from treespec.backends.linear import Int4Projection
 
-    if not kernels.q4bf16_available():
+    if not kernels.bf16.available():
         pytest.skip("q4bf16_linear needs compiled kernels on an AVX512-BF16 core")
     rng = np.random.default_rng(3)
     for i, (n, k, m) in enumerate([(16, 32, 1), (48, 96, 5), (960, 576, 9), (576, 1536, 17), (64, 576, 64)]):
@@ -250,6 +250,36 @@ def test_int4_times_bfloat16_tiles_multiply_by_the_int4_matrix_rows_alone():
         for _ in range(3):
             idx = torch.from_numpy(rng.permutation(m)[: int(rng.integers(1, m + 1))])
             assert torch.equal(proj(x[idx]), y[idx])
+
+
+def test_int8_times_bfloat16_tiles_multiply_by_the_int8_matrix_rows_alone():
+    """`kernels.bf16`'s q8bf16_linear (AVX512-BF16 cores): weight-only int8 s q, bfloat16 inputs
+    unrounded, within bfloat16's output rounding of a float64 reference for every tail of the
+    tile (n % 16) and of the row blocks (M up to 64); a row's result bit for bit the same
+    whatever rows share the call, in any order; `QuantizedProjection(tiles=True)` uses it."""
+    from treespec.backends.linear import QuantizedProjection
+
+    if not kernels.bf16.available():
+        pytest.skip("q8bf16_linear needs compiled kernels on an AVX512-BF16 core")
+    rng = np.random.default_rng(5)
+    for i, (n, k, m) in enumerate([(16, 4, 1), (33, 36, 7), (96, 64, 9), (49, 576, 17), (200, 128, 64)]):
+        gen = torch.Generator().manual_seed(i)
+        bias = torch.randn(n, generator=gen).bfloat16() if i % 2 else None
+        proj = QuantizedProjection(torch.randn(n, k, generator=gen).bfloat16(), bias, tiles=True)
+        assert proj.tiles is not None and proj.wide is None
+        x = activations(m, k, seed=i).bfloat16()
+        y = proj(x)
+        w = proj.weight_int8.double() * proj.scales.double()[:, None]
+        want, bound = x.double() @ w.t(), x.double().abs() @ w.abs().t()
+        if bias is not None:
+            want, bound = want + bias.double(), bound + bias.double().abs()
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        assert ((y.double() - want).abs() <= 2**-8 * bound + 1e-30).all()
+        for _ in range(3):
+            idx = torch.from_numpy(rng.permutation(m)[: int(rng.integers(1, m + 1))])
+            assert torch.equal(proj(x[idx]), y[idx])
+    with pytest.raises(ValueError, match="multiple of 4"):
+        kernels.bf16.pack_q8s(torch.zeros(16, 6, dtype=torch.int8), torch.ones(16))
 
 
 def test_built_answers_without_building(tmp_path):

@@ -275,11 +275,11 @@ class HeadRunner(NativeRunner):
             return weights[name].to(device=self.device, dtype=dtype)
 
         def product(weight: torch.Tensor):
-            if quantize == "int8":
-                return QuantizedProjection(weight)
+            if quantize == "int8":  # bf16 rows through the tiles where the kernels are built
+                return QuantizedProjection(weight, tiles=True)
             if quantize == "q4q8":  # a ValueError where a product's inputs are not whole groups of 32
                 return Q4Q8Projection.quantize(weight)
-            return Int4Projection.quantize(weight) if quantize == "int4" else Projection(weight)
+            return Int4Projection.quantize(weight, tiles=True) if quantize == "int4" else Projection(weight)
 
         own = weights.get("embed_tokens.weight")
         self.embed = (own if own is not None else embed).to(device=self.device, dtype=dtype)  # [V, hidden]

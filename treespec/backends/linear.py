@@ -21,13 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from ..config import QUANTIZATIONS
+from .kernels import bf16
 from .kernels.q4q8 import (
     PackedQ4,
     PackedQ8,
     compiled,
     pack_q4_offsets,
-    pack_q4s,
-    q4bf16_available,
     q4q8_linear,
     quantize_q4_1,
     quantize_q8_0,
@@ -140,12 +139,16 @@ class QuantizedProjection:
     W, so a different model: lossless for a draft (any q is), the quantized model's own
     distribution for a target."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, wide: bool = False):
-        """`wide`: also keep Q in oneDNN's packed layout, in W's dtype (its integers exactly),
-        for products of WIDE_ROWS rows or more (a tree's): `_weight_int8pack_mm` costs about
-        as much per further row as for the first (SmolLM2's output layer, 2 threads, bf16: 1.1 /
-        6.1 / 11.9 ms at 1 / 8 / 16 rows), oneDNN's GEMM little (1.1 / 2.0 / 3.0 ms). Twice
-        the int8 copy's bytes, read only by those products."""
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, wide: bool = False, tiles: bool = False
+    ):
+        """`tiles`: also lay Q out for `kernels.bf16`'s q8bf16_linear (bfloat16, an AVX512-BF16
+        CPU with the kernels built: `kernels.built`), which then multiplies every bf16 product:
+        each weight tile unpacked once for all rows, rows independent (SmolLM2's output layer,
+        2 threads: 0.8 / 1.7 / 3.5 ms at 1 / 8 / 16 rows against int8pack's 1.8 / 5.6 / 11.5).
+        `wide`, where there are no tiles: keep Q in oneDNN's packed layout, in W's dtype (its
+        integers exactly), for products of WIDE_ROWS rows or more (2.4 / 3.4 ms at 8 / 16 rows),
+        at twice the int8 copy's bytes."""
         check_quantize("int8", weight.dtype)
         self.out_features, self.in_features = weight.shape
         self.bias = bias
@@ -153,8 +156,16 @@ class QuantizedProjection:
         scales = torch.linalg.vector_norm(w, ord=float("inf"), dim=1).clamp_(min=1e-12).div_(127)  # [out]
         self.weight_int8 = w.div_(scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)  # [out, in]
         self.scales = scales.to(weight.dtype)  # [out], the kernel takes them in x's dtype
-        self.wide = None
-        if wide and packing_available(weight.device, weight.dtype):
+        self.tiles = self.wide = None
+        if (
+            tiles
+            and weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu"
+            and self.in_features % 4 == 0
+            and bf16.available(build=False)
+        ):
+            self.tiles = bf16.pack_q8s(self.weight_int8, self.scales.float())
+        elif wide and packing_available(weight.device, weight.dtype):
             self.wide = _pack(self.weight_int8.to(weight.dtype), None)
 
     @property
@@ -163,6 +174,8 @@ class QuantizedProjection:
         return self.weight_int8.to(self.scales.dtype) * self.scales[:, None]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.tiles is not None and x.dtype == torch.bfloat16:
+            return torch.ops.treespec.q8bf16_linear(x, self.tiles, self.bias, self.out_features)
         if self.wide is not None and x.shape[0] >= WIDE_ROWS and x.dtype == self.scales.dtype:
             y = _packed_product(x, self.wide, None) * self.scales  # x @ Q^T, then the scales
         else:
@@ -187,7 +200,7 @@ class Int4Projection:
     model than the float weights': lossless for a draft, the 4-bit model's own for a target.
     The kernel is fast in bfloat16 (on AVX512 and AVX2 cores) and slow in float32
     (docs/performance.md). `tiles`: bfloat16 inputs multiply through
-    `kernels.q4bf16_linear` where it runs (AVX512-BF16 cores, the kernels built: `kernels.built`):
+    `kernels.bf16`'s q4bf16_linear where it runs (AVX512-BF16 cores, the kernels built: `kernels.built`):
     the same matrix, each weight tile unpacked once for all rows of the call (a tree's), rows
     independent of each other."""
 
@@ -201,7 +214,7 @@ class Int4Projection:
         tiles: bool = False,
     ):
         """q [out, in] integers 0..15; scales, zeros [out, in / INT4_GROUP]; `dtype`: the
-        compute dtype (x's); `tiles`: also lay W out for `kernels.q4bf16_linear` (bfloat16, an
+        compute dtype (x's); `tiles`: also lay W out for `kernels.bf16`'s q4bf16_linear (bfloat16, an
         AVX512-BF16 CPU; otherwise ignored)."""
         check_quantize("int4", dtype)
         self.out_features, self.in_features = q.shape
@@ -227,9 +240,9 @@ class Int4Projection:
         )  # [in/G, out, 2]
         self.tiles = None
         # where the kernels are built already: a default model's load never waits for a compiler
-        if tiles and dtype == torch.bfloat16 and q.device.type == "cpu" and q4bf16_available(build=False):
+        if tiles and dtype == torch.bfloat16 and q.device.type == "cpu" and bf16.available(build=False):
             s, z = self.scales_and_zeros.float().unbind(-1)  # the values aten multiplies by
-            self.tiles = pack_q4s(q, s.t(), z.t())
+            self.tiles = bf16.pack_q4s(q, s.t(), z.t())
 
     @staticmethod
     def fits(out_features: int, in_features: int) -> bool:

@@ -1,6 +1,8 @@
-"""Compiled CPU kernels (built on first use; see q4q8.py): int4-weight x int8-activation
-products whose cost grows slowly with the number of rows M (issue 58)."""
+"""Compiled CPU kernels (built on first use; see q4q8.py) whose cost grows slowly with the number
+of rows M (issue 58): int4 / int8 weights x int8 activations (q4q8.py), and int4 / int8 weights x
+bfloat16 activations as they are (bf16.py)."""
 
+from . import bf16
 from .q4q8 import (
     ATEN,
     ISAS,
@@ -14,9 +16,7 @@ from .q4q8 import (
     from_gguf_blocks,
     pack_q4,
     pack_q4_offsets,
-    pack_q4s,
     pack_q8,
-    q4bf16_available,
     q4q8_linear,
     quantize_activations,
     quantize_q4_0,
@@ -31,6 +31,7 @@ __all__ = [
     "PackedQ4",
     "PackedQ8",
     "available_isas",
+    "bf16",
     "built",
     "compiled",
     "default_isa",
@@ -38,9 +39,7 @@ __all__ = [
     "from_gguf_blocks",
     "pack_q4",
     "pack_q4_offsets",
-    "pack_q4s",
     "pack_q8",
-    "q4bf16_available",
     "q4q8_linear",
     "quantize_activations",
     "quantize_q4_0",

@@ -19,35 +19,19 @@
 // Layout (pack_q8): per tile and group 544 bytes: [64p, 64p + 64), p = 0..7: column j at bytes
 // 4j..4j+3 = q[j, 4p + b] + 128 (unsigned, VPDPBUSD's first operand; the dot then subtracts
 // 128 * sum(q_a), exactly); [512, 544): d (fp16).
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
 
-#include <algorithm>
 #include <cmath>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <string>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define TS_X86 1
-#else
-#define TS_X86 0
-#endif
+#include "isa.h"
 
 namespace {
 
-constexpr int64_t QK = 32;          // inputs per group
-constexpr int64_t TN = 16;          // output columns per tile
+using namespace treespec_kernels;
+
 constexpr int64_t TILE_BYTES = 320;  // per tile and group, 4-bit weights
 constexpr int64_t TILE8_BYTES = 544;  // per tile and group, 8-bit weights
-
-enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512VNNI = 2 };
 
 struct Args {
   const int8_t* qa;   // [M, K] activations, int8
@@ -479,23 +463,6 @@ int64_t supported_mask() {
   return mask;
 }
 
-int64_t cap_from_env() {
-  // TREESPEC_KERNEL_ISA=avx512vnni|avx2|scalar caps the path; ATEN_CPU_CAPABILITY=avx2|default
-  // (torch's own switch, tests/test_cpu_kinds.py) caps it as on such a core.
-  int64_t cap = AVX512VNNI;
-  if (const char* e = std::getenv("TREESPEC_KERNEL_ISA")) {
-    const std::string v(e);
-    if (v == "avx2") cap = AVX2;
-    else if (v == "scalar" || v == "aten") cap = SCALAR;
-  }
-  if (const char* e = std::getenv("ATEN_CPU_CAPABILITY")) {
-    const std::string v(e);
-    if (v == "avx2") cap = std::min<int64_t>(cap, AVX2);
-    else if (v == "default") cap = SCALAR;
-  }
-  return cap;
-}
-
 // -1: the best path this CPU runs, capped by the environment; >= 0: exactly that path (an error if
 // this CPU cannot run it); -2: the bit mask of the paths this CPU runs.
 int64_t q4q8_isa(int64_t isa) {
@@ -578,191 +545,15 @@ at::Tensor q8q8_linear(const at::Tensor& x, const at::Tensor& packed, const std:
   return quantized_linear("q8q8_linear", 8, x, packed, bias, n, isa);
 }
 
-// ---------------------------------------------------------------- int4 x bfloat16 (AVX512-BF16)
-// treespec::q4bf16_linear: y = x @ W^T (+ bias), x bfloat16 as it is (not quantized), W in torch's
-// int4 form w = (q - 8) s + z per output row and group of 32 (s, z float32: the values the aten
-// int4 kernel multiplies by), as s * dot_g(q - 8, x) + z * sum_g(x) per group, VDPBF16PS over
-// bf16 pairs (q - 8 exact in bf16), each weight tile unpacked once for every row. The same model
-// as aten's `_weight_int4pack_mm_for_cpu` up to float32 rounding; a row's result never depends
-// on the other rows. Layout (pack_q4s): per tile of 16 columns and group 384 bytes: the nibbles
-// as in pack_q4 (bytes [0, 256)), then s and z of the 16 columns (float32, [256, 320), [320, 384)).
-// AVX512-BF16 cores only (the Python side keeps aten's kernel elsewhere).
-constexpr int64_t TILE4S_BYTES = 384;
-
-struct ArgsB {
-  const uint16_t* x;  // [M, K] bfloat16 bits
-  const float* S;     // [M, G] sum of each group's x
-  const uint8_t* w;   // [T, G, 384]
-  const float* bias;  // [N] or nullptr
-  float* y;           // [M, N]
-  int64_t M, N, K, G;
-};
-
-#if TS_X86
-#define TS_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
-
-inline uint64_t load8(const uint16_t* p) {
-  uint64_t v;
-  std::memcpy(&v, p, 8);
-  return v;
-}
-
-// R rows x 16 columns. After cvtepu8_epi16 of 8 columns' nibble bytes, dword lane 2j holds the
-// pair (k, k+1) of column j and lane 2j+1 the pair (k+2, k+3): a 64-bit broadcast of x[k..k+3]
-// meets them. Totals stay two lanes a column until the end.
-template <int R>
-TS_BF16 inline void block_bf16(const ArgsB& a, int64_t t, int64_t r0) {
-  const uint8_t* wt = a.w + t * a.G * TILE4S_BYTES;
-  const __m512i mask = _mm512_set1_epi8(0x0F);
-  alignas(64) uint16_t table[32];
-  for (int q = 0; q < 32; ++q) {
-    const float f = static_cast<float>(q - 8);
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    table[q] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
-  }
-  const __m512i lut = _mm512_load_si512(table);
-  const __m512i pairs0 = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const __m512i pairs1 = _mm512_add_epi32(pairs0, _mm512_set1_epi32(8));
-  __m512 tot[R][2];
-  for (int i = 0; i < R; ++i) tot[i][0] = tot[i][1] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < a.G; ++g) {
-    const uint8_t* wg = wt + g * TILE4S_BYTES;
-    __m512 dot[R][2];
-    for (int i = 0; i < R; ++i) dot[i][0] = dot[i][1] = _mm512_setzero_ps();
-#pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p) {
-      const __m512i raw = _mm512_loadu_si512(wg + 64 * p);
-      const __m512i lo = _mm512_and_si512(raw, mask);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
-      const __m512bh wl0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo)), lut);
-      const __m512bh wl1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1)), lut);
-      const __m512bh wh0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi)), lut);
-      const __m512bh wh1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1)), lut);
-      for (int i = 0; i < R; ++i) {
-        const uint16_t* xr = a.x + (r0 + i) * a.K + g * QK + 8 * p;
-        const __m512bh xa = (__m512bh)_mm512_set1_epi64(static_cast<long long>(load8(xr)));
-        const __m512bh xb = (__m512bh)_mm512_set1_epi64(static_cast<long long>(load8(xr + 4)));
-        dot[i][0] = _mm512_dpbf16_ps(dot[i][0], wl0, xa);
-        dot[i][1] = _mm512_dpbf16_ps(dot[i][1], wl1, xa);
-        dot[i][0] = _mm512_dpbf16_ps(dot[i][0], wh0, xb);
-        dot[i][1] = _mm512_dpbf16_ps(dot[i][1], wh1, xb);
-      }
-    }
-    const __m512 sv = _mm512_loadu_ps(reinterpret_cast<const float*>(wg + 256));
-    const __m512 zv = _mm512_loadu_ps(reinterpret_cast<const float*>(wg + 320));
-    const __m512 s0 = _mm512_permutexvar_ps(pairs0, sv), s1 = _mm512_permutexvar_ps(pairs1, sv);
-    const __m512 z0 = _mm512_maskz_permutexvar_ps(0x5555, pairs0, zv), z1 = _mm512_maskz_permutexvar_ps(0x5555, pairs1, zv);
-    for (int i = 0; i < R; ++i) {
-      const __m512 S = _mm512_set1_ps(a.S[(r0 + i) * a.G + g]);
-      tot[i][0] = _mm512_fmadd_ps(z0, S, _mm512_fmadd_ps(dot[i][0], s0, tot[i][0]));
-      tot[i][1] = _mm512_fmadd_ps(z1, S, _mm512_fmadd_ps(dot[i][1], s1, tot[i][1]));
-    }
-  }
-  const int64_t o0 = t * TN;
-  const int64_t cols = std::min<int64_t>(TN, a.N - o0);
-  for (int i = 0; i < R; ++i) {
-    alignas(64) float lanes[32];
-    _mm512_store_ps(lanes, tot[i][0]);
-    _mm512_store_ps(lanes + 16, tot[i][1]);
-    float* y = a.y + (r0 + i) * a.N + o0;
-    for (int64_t j = 0; j < cols; ++j) {
-      const float v = lanes[2 * j] + lanes[2 * j + 1];
-      y[j] = a.bias ? v + a.bias[o0 + j] : v;
-    }
-  }
-}
-
-TS_BF16 void tiles_bf16(const ArgsB& a, int64_t t0, int64_t t1) {
-  for (int64_t t = t0; t < t1; ++t) {
-    int64_t r = 0;
-    for (; r + 4 <= a.M; r += 4) block_bf16<4>(a, t, r);
-    switch (a.M - r) {
-      case 3: block_bf16<3>(a, t, r); break;
-      case 2: block_bf16<2>(a, t, r); break;
-      case 1: block_bf16<1>(a, t, r); break;
-      default: break;
-    }
-  }
-}
-#endif  // TS_X86
-
-bool bf16_supported() {
-#if TS_X86
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
-}
-
-// whether q4bf16_linear runs here (an AVX512-BF16 core, not capped by TREESPEC_KERNEL_ISA or
-// ATEN_CPU_CAPABILITY below AVX512)
-bool q4bf16_available() {
-  static const bool ok = bf16_supported() && cap_from_env() == AVX512VNNI;
-  return ok;
-}
-
-at::Tensor q4bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                         int64_t n) {
-  TORCH_CHECK(q4bf16_available(), "q4bf16_linear: needs an AVX512-BF16 core");
-  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kBFloat16, "q4bf16_linear: x must be bfloat16 [..., K]");
-  const int64_t K = x.size(-1);
-  TORCH_CHECK(K > 0 && K % QK == 0, "q4bf16_linear: K = ", K, " is not a multiple of ", QK);
-  const int64_t G = K / QK, T = (n + TN - 1) / TN;
-  TORCH_CHECK(n > 0 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.numel() == T * G * TILE4S_BYTES,
-              "q4bf16_linear: packed weights must be contiguous uint8 of ", T * G * TILE4S_BYTES,
-              " bytes for n = ", n, ", K = ", K, "; got ", packed.numel());
-  const at::Tensor xc = x.contiguous();
-  const int64_t M = xc.numel() / K;
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  at::Tensor y = at::empty(shape, x.options().dtype(at::kFloat));
-  if (M > 0) {
-    at::Tensor b;
-    if (bias.has_value() && bias->defined()) {
-      TORCH_CHECK(bias->numel() == n, "q4bf16_linear: bias needs ", n, " values");
-      b = bias->to(at::kFloat).contiguous();
-    }
-    const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-    std::vector<float> S(M * G);
-    for (int64_t r = 0; r < M; ++r)  // each group's sum, in order
-      for (int64_t g = 0; g < G; ++g) {
-        float acc = 0.0f;
-        for (int64_t k = 0; k < QK; ++k) {
-          const uint32_t bits = static_cast<uint32_t>(xp[r * K + g * QK + k]) << 16;
-          float v;
-          std::memcpy(&v, &bits, 4);
-          acc += v;
-        }
-        S[r * G + g] = acc;
-      }
-#if TS_X86
-    ArgsB a{xp, S.data(), packed.data_ptr<uint8_t>(), b.defined() ? b.data_ptr<float>() : nullptr,
-            y.data_ptr<float>(), M, n, K, G};
-    const int64_t per_tile = G * QK * TN * std::min<int64_t>(M, 16);
-    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / per_tile);
-    at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) { tiles_bf16(a, t0, t1); });
-#endif
-  }
-  return y.to(at::kBFloat16);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(treespec, m) {
   m.def("q4q8_linear(Tensor x, Tensor packed, Tensor? bias, int n, int isa=-1) -> Tensor");
   m.def("q8q8_linear(Tensor x, Tensor packed, Tensor? bias, int n, int isa=-1) -> Tensor");
-  m.def("q4bf16_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
-  m.def("q4bf16_available() -> bool", &q4bf16_available);
   m.def("q4q8_isa(int isa=-1) -> int", &q4q8_isa);
 }
 
 TORCH_LIBRARY_IMPL(treespec, CPU, m) {
   m.impl("q4q8_linear", &q4q8_linear);
   m.impl("q8q8_linear", &q8q8_linear);
-  m.impl("q4bf16_linear", &q4bf16_linear);
 }

@@ -10,9 +10,8 @@ y [M, N] = x [M, K] @ W [N, K]^T (+ bias), float32, with
 
   y[r, o] = sum over groups g, in order, of fma(float(dot_g), d s, .) then fma(m, S, .), + bias
 
-The default int4 target's own precision (bfloat16 inputs, torch's int4 matrix (q - 8) s + z)
-has a tile kernel too, `torch.ops.treespec.q4bf16_linear` (`pack_q4s`; AVX512-BF16 cores):
-s * dot(q - 8, x) + z * sum(x) per group, VDPBF16PS over bf16 pairs, rows independent.
+The default int4 target's own precision (bfloat16 inputs, not quantized) has tile kernels of
+its own in bf16.py.
 
 Output layers, which GGUF files keep in 8 bits (Q8_0: w = d q, q in -127..127), multiply by
 8-bit weights the same way (`pack_q8`, `quantize_q8_0`; `torch.ops.treespec.q8q8_linear`):
@@ -25,11 +24,12 @@ AVX512-VNNI cores, vpmaddubsw on AVX2 ones, plain C++ elsewhere), parallel over 
 Integer dot products are exact and the float steps are the same everywhere, so the compiled paths
 agree bit for bit and **a row's result never depends on the other rows of the call**.
 
-The C++ source (q4q8.cpp) is compiled on first use with torch.utils.cpp_extension (needs a C++
-compiler and the `ninja` package) into $TREESPEC_CACHE/kernels/<hash>, and registered as the
-custom op `torch.ops.treespec.q4q8_linear` (with a fake implementation: torch.compile graphs call it
-directly). Without a compiler the same op runs as torch ops ("aten": the same numbers up to rare
-double roundings, slowly). `describe()` says which path runs; TREESPEC_KERNEL_ISA=avx512vnni|avx2|
+The C++ sources (q4q8.cpp, bf16.cpp, isa.h) are compiled on first use with
+torch.utils.cpp_extension (needs a C++ compiler and the `ninja` package) into
+$TREESPEC_CACHE/kernels/<hash>, and registered as custom ops, `torch.ops.treespec.q4q8_linear`
+and the others (with fake implementations: torch.compile graphs call them directly). Without a
+compiler q4q8_linear and q8q8_linear run as torch ops ("aten": the same numbers up to rare double
+roundings, slowly). `describe()` says which path runs; TREESPEC_KERNEL_ISA=avx512vnni|avx2|
 scalar|aten caps it (ATEN_CPU_CAPABILITY=avx2 caps it at avx2, as on such a core).
 """
 
@@ -56,7 +56,7 @@ TILE_BYTES = 320  # per tile and group: 256 bytes of nibbles, 16 fp16 d, 16 fp16
 TILE8_BYTES = 544  # per tile and group, 8-bit weights: 512 bytes of q + 128, 16 fp16 d
 ISAS = ("scalar", "avx2", "avx512vnni")  # the compiled paths, by code (q4q8.cpp's Isa)
 ATEN = "aten"  # torch ops, no compiled code
-SOURCE = Path(__file__).with_name("q4q8.cpp")
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("isa.h", "q4q8.cpp", "bf16.cpp"))
 # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds (inline, so compiled here; the
 # extension then shares torch's libgomp); -ffp-contract=off: no fused multiply-adds but the written
 # ones, the same in every path
@@ -134,7 +134,7 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> PackedQ4:
         q = torch.cat([q, q.new_zeros(pad, k)])
         d16 = torch.cat([d16, d16.new_zeros(pad, g)])
         m16 = torch.cat([m16, m16.new_zeros(pad, g)])
-    nib = _nibble_tiles(q, t, g)
+    nib = nibble_tiles(q, t, g)
     dd = d16.reshape(t, TILE, g).permute(0, 2, 1).contiguous().view(torch.uint8)  # [t, g, 32]
     mm = m16.reshape(t, TILE, g).permute(0, 2, 1).contiguous().view(torch.uint8)
     return PackedQ4(torch.cat([nib, dd, mm], dim=-1).contiguous(), n, k)
@@ -196,40 +196,11 @@ def quantize_q8_0(w: torch.Tensor) -> PackedQ8:
     return pack_q8(q.reshape(w.shape), d)
 
 
-def _nibble_tiles(q: torch.Tensor, t: int, g: int) -> torch.Tensor:
+def nibble_tiles(q: torch.Tensor, t: int, g: int) -> torch.Tensor:
     """q [16 t, 32 g] uint8 0..15 -> [t, g, 256]: per tile and group, 64 bytes per p = 0..3 with
     column j at bytes 4j..4j+3, low nibbles q[j, 8p + b], high nibbles q[j, 8p + 4 + b]."""
     q6 = q.reshape(t, TILE, g, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)  # [t, g, p, j, h, b]
     return (q6[..., 0, :] | (q6[..., 1, :] << 4)).reshape(t, g, 256)
-
-
-def pack_q4s(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """torch's int4 form w = (q - 8) s + z (q [n, k] 0..15, s and z [n, k/32]) -> the layout of
-    `torch.ops.treespec.q4bf16_linear`: uint8 [ceil(n/16), k/32, 384], per tile and group the
-    nibbles (as `pack_q4`), then s and z of the 16 columns in float32."""
-    n, k = q.shape
-    g = k // QK
-    if k % QK or scales.shape != (n, g) or zeros.shape != (n, g):
-        raise ValueError(f"q4 weights [{n}, {k}] need whole groups of {QK} and s, z [{n}, {g}]")
-    t = -(-n // TILE)
-    pad = t * TILE - n
-    q, s, z = q.to(torch.uint8), scales.to(torch.float32), zeros.to(torch.float32)
-    if pad:
-        q, s, z = (
-            torch.cat([q, q.new_zeros(pad, k)]),
-            torch.cat([s, s.new_zeros(pad, g)]),
-            torch.cat([z, z.new_zeros(pad, g)]),
-        )
-    ss = s.reshape(t, TILE, g).permute(0, 2, 1).contiguous().view(torch.uint8)  # [t, g, 64]
-    zz = z.reshape(t, TILE, g).permute(0, 2, 1).contiguous().view(torch.uint8)
-    return torch.cat([_nibble_tiles(q, t, g), ss, zz], dim=-1).contiguous()
-
-
-def q4bf16_available(build: bool = True) -> bool:
-    """Whether `torch.ops.treespec.q4bf16_linear` runs here (compiled kernels, an AVX512-BF16
-    core, the path not capped below AVX512). `build=False`: only if the kernels are `built()`."""
-    ready = _ensure() if build else built()
-    return ready and bool(torch.ops.treespec.q4bf16_available())
 
 
 def pack_q4_offsets(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> PackedQ4:
@@ -405,8 +376,8 @@ def _library() -> tuple[Path, Path, str]:
     cxx, version = _compiler()
     if cxx is None:
         raise RuntimeError(version)
-    parts = [SOURCE.read_text(), torch.__version__, version, " ".join(CFLAGS + LDFLAGS), platform.machine()]
-    parts.append(sys.version)
+    parts = [*(f.read_text() for f in SOURCES), torch.__version__, version, " ".join(CFLAGS + LDFLAGS)]
+    parts += [platform.machine(), sys.version]
     ident = "\n".join(parts)
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     name = f"treespec_q4q8_{key}"
@@ -433,7 +404,7 @@ def _load_compiled() -> None:
     start = time.perf_counter()
     cpp_extension.load(
         name=name,
-        sources=[str(SOURCE)],
+        sources=[str(f) for f in SOURCES if f.suffix == ".cpp"],
         extra_cflags=CFLAGS,
         extra_ldflags=LDFLAGS,
         build_directory=str(where),
@@ -496,7 +467,8 @@ def _ensure() -> bool:
         if _state["compiled"]:
             for name in OPS:
                 torch.library.register_fake(f"treespec::{name}")(_fake)
-            torch.library.register_fake("treespec::q4bf16_linear")(_fake_bf16)
+            for name in ("q4bf16_linear", "q8bf16_linear"):
+                torch.library.register_fake(f"treespec::{name}")(_fake_bf16)
         else:
             _register_python_ops()
         _state["op"] = True

@@ -89,18 +89,21 @@ def add_tensor(module: torch.nn.Module, name: str, tensor: torch.Tensor | None) 
 
 class GraphProduct(torch.nn.Module):
     """A projection (`linear.Product`) as graph buffers: its weight as its product reads it
-    (float; int8 with a scale per row; int4 packed, with scales and offsets per group, or in the
-    tiles of `torch.ops.treespec.q4bf16_linear`; q4q8 in the kernel's tiles, `q4q8_linear` or
-    `q8q8_linear`) and its bias. Called as the
-    projection is: [T, in] -> [T, out]."""
+    (float; int8 with a scale per row, plain or in the tiles of `kernels.bf16`'s q8bf16_linear;
+    int4 packed, with scales and offsets per group, or in the tiles of q4bf16_linear; q4q8 in
+    the kernel's tiles, `q4q8_linear` or `q8q8_linear`) and its bias. Called as the projection
+    is: [T, in] -> [T, out]."""
 
     def __init__(self, projection: Product):
         super().__init__()
-        if isinstance(projection, QuantizedProjection):
+        if isinstance(projection, QuantizedProjection) and projection.tiles is not None:
+            self.kind, weight, scales = "q8bf16", projection.tiles, None
+            self.out_features, self.op = projection.out_features, "q8bf16_linear"
+        elif isinstance(projection, QuantizedProjection):
             self.kind, weight, scales = "int8", projection.weight_int8, projection.scales
         elif isinstance(projection, Int4Projection) and projection.tiles is not None:
             self.kind, weight, scales = "q4bf16", projection.tiles, None
-            self.out_features = projection.out_features
+            self.out_features, self.op = projection.out_features, "q4bf16_linear"
         elif isinstance(projection, Int4Projection):
             self.kind, weight, scales = "int4", projection.packed, projection.scales_and_zeros
         elif isinstance(projection, Q4Q8Projection):
@@ -118,8 +121,8 @@ class GraphProduct(torch.nn.Module):
         if self.kind == "q4q8":  # the custom op (its fake gives inductor the shapes); bias inside
             y = getattr(torch.ops.treespec, self.op)(x, self.weight, self.bias, self.out_features, -1)
             return y if y.dtype == x.dtype else y.to(x.dtype)
-        if self.kind == "q4bf16":  # int4 tiles x bf16 (`linear.Int4Projection.tiles`); bias inside
-            return torch.ops.treespec.q4bf16_linear(x, self.weight, self.bias, self.out_features)
+        if self.kind in ("q4bf16", "q8bf16"):  # integer tiles x bf16 (`kernels.bf16`); bias inside
+            return getattr(torch.ops.treespec, self.op)(x, self.weight, self.bias, self.out_features)
         if self.kind == "int8":
             y = int8_product(x, self.weight, self.scales)
         else:

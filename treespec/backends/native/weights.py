@@ -74,7 +74,7 @@ class WeightLoader:
         if self.quantize == "q4q8":
             return Q4Q8Projection.quantize(weight, bias)
         if self.quantize == "int8":
-            return QuantizedProjection(weight, bias)
+            return QuantizedProjection(weight, bias, tiles=True)
         return Projection(weight, bias, pack=self.pack)
 
     def output(self, shape: LlamaShape) -> tuple[torch.Tensor, Product, torch.Tensor]:
@@ -91,8 +91,8 @@ class WeightLoader:
             blocks = f"{name}.q4" in self.weights
             lm_head = self.projection((name, None)) if blocks else Q4Q8Projection.quantize8(head)
             return embed, lm_head, self.tensor("model.norm.weight")
-        if self.quantize is not None:  # a tree's rows through the wide copy where oneDNN packs (`pack`)
-            lm_head = QuantizedProjection(head, wide=self.pack)
+        if self.quantize is not None:  # a tree's rows through tiles, or the wide copy where oneDNN packs
+            lm_head = QuantizedProjection(head, wide=self.pack, tiles=True)
         else:
             lm_head = Projection(head, pack=self.pack)
         return embed, lm_head, self.tensor("model.norm.weight")

@@ -1,0 +1,47 @@
+// What q4q8.cpp and bf16.cpp share: the tile shape, the instruction-set paths and the
+// environment's cap on them.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define TS_X86 1
+#else
+#define TS_X86 0
+#endif
+
+namespace treespec_kernels {
+
+constexpr int64_t QK = 32;  // inputs per group
+constexpr int64_t TN = 16;  // output columns per tile
+
+enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512VNNI = 2 };
+
+// TREESPEC_KERNEL_ISA=avx512vnni|avx2|scalar caps the path; ATEN_CPU_CAPABILITY=avx2|default
+// (torch's own switch, tests/test_cpu_kinds.py) caps it as on such a core.
+inline int64_t cap_from_env() {
+  int64_t cap = AVX512VNNI;
+  if (const char* e = std::getenv("TREESPEC_KERNEL_ISA")) {
+    const std::string v(e);
+    if (v == "avx2") cap = AVX2;
+    else if (v == "scalar" || v == "aten") cap = SCALAR;
+  }
+  if (const char* e = std::getenv("ATEN_CPU_CAPABILITY")) {
+    const std::string v(e);
+    if (v == "avx2") cap = std::min<int64_t>(cap, AVX2);
+    else if (v == "default") cap = SCALAR;
+  }
+  return cap;
+}
+
+}  // namespace treespec_kernels
