@@ -5,10 +5,11 @@
 // Elsewhere the Python side keeps torch's kernels (bf16.py).
 //
 // treespec::q4bf16_linear: W in torch's int4 form w = (q - 8) s + z per output row and group of 32
-// (s, z float32: the values aten's int4 kernel multiplies by), as s * dot_g(q - 8, x) + z * sum_g(x)
-// per group: the same model as `_weight_int4pack_mm_for_cpu` up to float32 rounding. Layout
-// (pack_q4s): per tile of 16 columns and group 384 bytes: the nibbles as in q4q8.cpp's pack_q4
-// (bytes [0, 256)), then s and z of the 16 columns (float32, [256, 320), [320, 384)).
+// (s, z float32: the values aten's int4 kernel multiplies by), as s * dot_g(128 + q, x) +
+// (z - 136 s) * sum_g(x) per group: the same model as `_weight_int4pack_mm_for_cpu` up to float32
+// rounding. Layout (pack_q4s): per tile of 16 columns and group 384 bytes: 4 chunks c of 32
+// little-endian 16-bit words, word u with nibble e (bits 4e..4e+3) = q[u / 2, 8c + 2e + u % 2]
+// (bytes [0, 256)), then s and z - 136 s of the 16 columns (float32, [256, 320), [320, 384)).
 //
 // treespec::q8bf16_linear: W = diag(s) Q, Q int8 [N, K] with one scale per output row (weight-only
 // int8, `linear.QuantizedProjection`), as s * dot(Q, x) over the whole row: the same model as
@@ -57,59 +58,58 @@ TS_BF16 inline void store_row(const ArgsB& a, int64_t t, int64_t r, const __m512
   }
 }
 
-// R rows x 16 columns of q4bf16. After cvtepu8_epi16 of 8 columns' nibble bytes, dword lane 2j
-// holds the pair (k, k+1) of column j and lane 2j+1 the pair (k+2, k+3): a 64-bit broadcast of
-// x[k..k+3] meets them. Totals stay two lanes a column until the end.
+// The 16 columns' totals, one float32 lane a column, into y.
+TS_BF16 inline void store_cols(const ArgsB& a, int64_t t, int64_t r, __m512 tot) {
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, tot);
+  const int64_t o0 = t * TN;
+  const int64_t cols = std::min<int64_t>(TN, a.N - o0);
+  at::BFloat16* y = a.y + r * a.N + o0;
+  for (int64_t j = 0; j < cols; ++j) y[j] = at::BFloat16(a.bias ? lanes[j] + a.bias[o0 + j] : lanes[j]);
+}
+
+// R rows x 16 columns of q4bf16, one float32 lane a column. Each 16-bit word of the tile holds
+// four nibbles; (word >> 4s) & 15 | 0x4300 is the bf16 of 128 + q, exact, with no shuffle: 32
+// words give the pairs (k, k+1) of 16 columns, met by a 32-bit broadcast of x[k], x[k+1]. So a
+// group's dot is dot(128 + q, x), and (q - 8) s + z = (128 + q) s + (z - 136 s): the tiles hold
+// s and z' = z - 136 s (pack_q4s). Two accumulators a row halve the VDPBF16PS chains, in every
+// block alike (a row's arithmetic never depends on how many rows share it).
 template <int R>
 TS_BF16 inline void block_q4(const ArgsB& a, int64_t t, int64_t r0) {
+  constexpr int A = 2;  // accumulators a row
   const uint8_t* wt = a.w + t * a.G * TILE4S_BYTES;
-  const __m512i mask = _mm512_set1_epi8(0x0F);
-  alignas(64) uint16_t table[32];
-  for (int q = 0; q < 32; ++q) {
-    const float f = static_cast<float>(q - 8);
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    table[q] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
-  }
-  const __m512i lut = _mm512_load_si512(table);
-  const __m512i pairs0 = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const __m512i pairs1 = _mm512_add_epi32(pairs0, _mm512_set1_epi32(8));
-  __m512 tot[R][2];
-  for (int i = 0; i < R; ++i) tot[i][0] = tot[i][1] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi16(0x000F);
+  const __m512i bias = _mm512_set1_epi16(0x4300);
+  __m512 tot[R];
+  for (int i = 0; i < R; ++i) tot[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < a.G; ++g) {
     const uint8_t* wg = wt + g * TILE4S_BYTES;
-    __m512 dot[R][2];
-    for (int i = 0; i < R; ++i) dot[i][0] = dot[i][1] = _mm512_setzero_ps();
+    __m512 dot[R][A];
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < A; ++j) dot[i][j] = _mm512_setzero_ps();
 #pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p) {
-      const __m512i raw = _mm512_loadu_si512(wg + 64 * p);
-      const __m512i lo = _mm512_and_si512(raw, mask);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
-      const __m512bh wl0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo)), lut);
-      const __m512bh wl1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1)), lut);
-      const __m512bh wh0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi)), lut);
-      const __m512bh wh1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1)), lut);
-      for (int i = 0; i < R; ++i) {
-        const uint16_t* xr = a.x + (r0 + i) * a.K + g * QK + 8 * p;
-        const __m512bh xa = (__m512bh)_mm512_set1_epi64(static_cast<long long>(load8(xr)));
-        const __m512bh xb = (__m512bh)_mm512_set1_epi64(static_cast<long long>(load8(xr + 4)));
-        dot[i][0] = _mm512_dpbf16_ps(dot[i][0], wl0, xa);
-        dot[i][1] = _mm512_dpbf16_ps(dot[i][1], wl1, xa);
-        dot[i][0] = _mm512_dpbf16_ps(dot[i][0], wh0, xb);
-        dot[i][1] = _mm512_dpbf16_ps(dot[i][1], wh1, xb);
-      }
+    for (int c = 0; c < 4; ++c) {
+      const __m512i raw = _mm512_loadu_si512(wg + 64 * c);
+      __m512bh w[4];
+      w[0] = (__m512bh)_mm512_ternarylogic_epi32(raw, low4, bias, 0xEA);  // (a & b) | c
+      w[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 4), low4, bias, 0xEA);
+      w[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 8), low4, bias, 0xEA);
+      w[3] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(raw, 12), bias);
+      for (int e = 0; e < 4; ++e)
+        for (int i = 0; i < R; ++i) {
+          int32_t pair;
+          std::memcpy(&pair, a.x + (r0 + i) * a.K + g * QK + 8 * c + 2 * e, 4);
+          dot[i][e % A] = _mm512_dpbf16_ps(dot[i][e % A], w[e], (__m512bh)_mm512_set1_epi32(pair));
+        }
     }
     const __m512 sv = _mm512_loadu_ps(reinterpret_cast<const float*>(wg + 256));
     const __m512 zv = _mm512_loadu_ps(reinterpret_cast<const float*>(wg + 320));
-    const __m512 s0 = _mm512_permutexvar_ps(pairs0, sv), s1 = _mm512_permutexvar_ps(pairs1, sv);
-    const __m512 z0 = _mm512_maskz_permutexvar_ps(0x5555, pairs0, zv), z1 = _mm512_maskz_permutexvar_ps(0x5555, pairs1, zv);
     for (int i = 0; i < R; ++i) {
-      const __m512 S = _mm512_set1_ps(a.S[(r0 + i) * a.G + g]);
-      tot[i][0] = _mm512_fmadd_ps(z0, S, _mm512_fmadd_ps(dot[i][0], s0, tot[i][0]));
-      tot[i][1] = _mm512_fmadd_ps(z1, S, _mm512_fmadd_ps(dot[i][1], s1, tot[i][1]));
+      const __m512 d = A == 2 ? _mm512_add_ps(dot[i][0], dot[i][A - 1]) : dot[i][0];
+      tot[i] = _mm512_fmadd_ps(zv, _mm512_set1_ps(a.S[(r0 + i) * a.G + g]), _mm512_fmadd_ps(d, sv, tot[i]));
     }
   }
-  for (int i = 0; i < R; ++i) store_row(a, t, r0 + i, tot[i], nullptr);
+  for (int i = 0; i < R; ++i) store_cols(a, t, r0 + i, tot[i]);
 }
 
 // R rows x 16 columns of q8bf16: each 64-byte chunk (4 inputs of 16 columns) becomes two bf16
@@ -145,8 +145,7 @@ struct Q8 {
   TS_BF16 static void run(const ArgsB& a, int64_t t, int64_t r0) { block_q8<R>(a, t, r0); }
 };
 
-// rows in blocks of R_MAX, then the rest: block_q4 keeps 4 rows' dot and total in registers,
-// block_q8 8 rows' totals
+// rows in blocks of R_MAX, then the rest (8: the rows' totals and dots fill the registers)
 template <template <int> class Block, int R_MAX>
 TS_BF16 void tiles(const ArgsB& a, int64_t t0, int64_t t1) {
   for (int64_t t = t0; t < t1; ++t) {
@@ -230,7 +229,7 @@ at::Tensor bf16_linear(const char* op, int bits, const at::Tensor& x, const at::
   const int64_t per_tile = K * TN * std::min<int64_t>(M, 16);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / per_tile);
   at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
-    bits == 4 ? tiles<Q4, 4>(a, t0, t1) : tiles<Q8, 8>(a, t0, t1);
+    bits == 4 ? tiles<Q4, 8>(a, t0, t1) : tiles<Q8, 8>(a, t0, t1);
   });
 #endif
   return y;

@@ -3,7 +3,8 @@ target's own precision, with each weight tile unpacked once for all rows of a ca
 
 - `torch.ops.treespec.q4bf16_linear(x, pack_q4s(q, s, z), bias, n)`: torch's int4 matrix
   w = (q - 8) s + z (per output row and group of 32, `linear.Int4Projection`), computed as
-  s * dot_g(q - 8, x) + z * sum_g(x) per group;
+  s * dot_g(128 + q, x) + (z - 136 s) * sum_g(x) per group (128 + q: a nibble's bf16 with no
+  table, by its bits);
 - `torch.ops.treespec.q8bf16_linear(x, pack_q8s(q, s), bias, n)`: weight-only int8, w = s q
   with one scale per output row (`linear.QuantizedProjection`, the output layer of an int4
   target), computed as s * dot(q, x).
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .q4q8 import QK, TILE, built, compiled, nibble_tiles
+from .q4q8 import QK, TILE, built, compiled
 
 
 def available(build: bool = True) -> bool:
@@ -37,17 +38,22 @@ def _tiles(t: torch.Tensor, n: int) -> torch.Tensor:
 
 def pack_q4s(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
     """torch's int4 form w = (q - 8) s + z (q [n, k] 0..15, s and z [n, k/32]) -> the layout of
-    `q4bf16_linear`: uint8 [ceil(n/16), k/32, 384], per tile and group the nibbles (as
-    `q4q8.pack_q4`), then s and z of the 16 columns in float32."""
+    `q4bf16_linear`: uint8 [ceil(n/16), k/32, 384], per tile and group 4 chunks c of 32
+    little-endian 16-bit words, word u holding q[u // 2, 8c + 2e + u % 2] in its bits 4e..4e+3
+    (e = 0..3), then s and z - 136 s of the 16 columns in float32."""
     n, k = q.shape
     g = k // QK
     if k % QK or scales.shape != (n, g) or zeros.shape != (n, g):
         raise ValueError(f"q4 weights [{n}, {k}] need whole groups of {QK} and s, z [{n}, {g}]")
     t = -(-n // TILE)
-    q, s, z = (_tiles(v, n) for v in (q.to(torch.uint8), scales.to(torch.float32), zeros.to(torch.float32)))
-    ss = s.reshape(t, TILE, g).permute(0, 2, 1).contiguous().view(torch.uint8)  # [t, g, 64]
-    zz = z.reshape(t, TILE, g).permute(0, 2, 1).contiguous().view(torch.uint8)
-    return torch.cat([nibble_tiles(q, t, g), ss, zz], dim=-1).contiguous()
+    q, s, z = (_tiles(v, n) for v in (q.to(torch.int32), scales.to(torch.float32), zeros.to(torch.float32)))
+    q6 = q.reshape(t, TILE, g, 4, 4, 2).permute(0, 2, 3, 1, 5, 4)  # [t, g, c, column, u % 2, e]
+    shifts = torch.tensor([0, 4, 8, 12], dtype=torch.int32)
+    words = (q6 << shifts).sum(-1).to(torch.uint16)  # [t, g, 4, 16, 2]
+    nibbles = words.reshape(t, g, 32 * 4).view(torch.uint8)  # [t, g, 256], little-endian words
+    ss = s.reshape(t, TILE, g).permute(0, 2, 1).contiguous()  # [t, g, 16]
+    zz = z.reshape(t, TILE, g).permute(0, 2, 1) - 136 * ss
+    return torch.cat([nibbles, ss.view(torch.uint8), zz.contiguous().view(torch.uint8)], dim=-1).contiguous()
 
 
 def pack_q8s(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -134,7 +134,7 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> PackedQ4:
         q = torch.cat([q, q.new_zeros(pad, k)])
         d16 = torch.cat([d16, d16.new_zeros(pad, g)])
         m16 = torch.cat([m16, m16.new_zeros(pad, g)])
-    nib = nibble_tiles(q, t, g)
+    nib = _nibble_tiles(q, t, g)
     dd = d16.reshape(t, TILE, g).permute(0, 2, 1).contiguous().view(torch.uint8)  # [t, g, 32]
     mm = m16.reshape(t, TILE, g).permute(0, 2, 1).contiguous().view(torch.uint8)
     return PackedQ4(torch.cat([nib, dd, mm], dim=-1).contiguous(), n, k)
@@ -196,7 +196,7 @@ def quantize_q8_0(w: torch.Tensor) -> PackedQ8:
     return pack_q8(q.reshape(w.shape), d)
 
 
-def nibble_tiles(q: torch.Tensor, t: int, g: int) -> torch.Tensor:
+def _nibble_tiles(q: torch.Tensor, t: int, g: int) -> torch.Tensor:
     """q [16 t, 32 g] uint8 0..15 -> [t, g, 256]: per tile and group, 64 bytes per p = 0..3 with
     column j at bytes 4j..4j+3, low nibbles q[j, 8p + b], high nibbles q[j, 8p + 4 + b]."""
     q6 = q.reshape(t, TILE, g, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)  # [t, g, p, j, h, b]
