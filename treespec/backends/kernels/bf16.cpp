@@ -145,21 +145,26 @@ struct Q8 {
   TS_BF16 static void run(const ArgsB& a, int64_t t, int64_t r0) { block_q8<R>(a, t, r0); }
 };
 
-// rows in blocks of R_MAX, then the rest (8: the rows' totals and dots fill the registers)
-template <template <int> class Block, int R_MAX>
+// The rows in as few blocks of at most 8 as there can be, as even as can be (17 rows: 6, 6, 5): a
+// block unpacks the tile once, and a block of few rows waits on its VDPBF16PS chains.
+template <template <int> class Block>
 TS_BF16 void tiles(const ArgsB& a, int64_t t0, int64_t t1) {
+  constexpr int64_t R_MAX = 8;
+  const int64_t blocks = (a.M + R_MAX - 1) / R_MAX, base = a.M / blocks, more = a.M % blocks;
   for (int64_t t = t0; t < t1; ++t) {
-    int64_t r = 0;
-    for (; r + R_MAX <= a.M; r += R_MAX) Block<R_MAX>::run(a, t, r);
-    switch (a.M - r) {
-      case 7: if constexpr (R_MAX > 7) Block<7>::run(a, t, r); break;
-      case 6: if constexpr (R_MAX > 6) Block<6>::run(a, t, r); break;
-      case 5: if constexpr (R_MAX > 5) Block<5>::run(a, t, r); break;
-      case 4: if constexpr (R_MAX > 4) Block<4>::run(a, t, r); break;
-      case 3: Block<3>::run(a, t, r); break;
-      case 2: Block<2>::run(a, t, r); break;
-      case 1: Block<1>::run(a, t, r); break;
-      default: break;
+    for (int64_t b = 0, r = 0; b < blocks; ++b) {
+      const int64_t rows = base + (b < more);
+      switch (rows) {
+        case 8: Block<8>::run(a, t, r); break;
+        case 7: Block<7>::run(a, t, r); break;
+        case 6: Block<6>::run(a, t, r); break;
+        case 5: Block<5>::run(a, t, r); break;
+        case 4: Block<4>::run(a, t, r); break;
+        case 3: Block<3>::run(a, t, r); break;
+        case 2: Block<2>::run(a, t, r); break;
+        default: Block<1>::run(a, t, r); break;
+      }
+      r += rows;
     }
   }
 }
@@ -229,7 +234,7 @@ at::Tensor bf16_linear(const char* op, int bits, const at::Tensor& x, const at::
   const int64_t per_tile = K * TN * std::min<int64_t>(M, 16);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / per_tile);
   at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
-    bits == 4 ? tiles<Q4, 8>(a, t0, t1) : tiles<Q8, 8>(a, t0, t1);
+    bits == 4 ? tiles<Q4>(a, t0, t1) : tiles<Q8>(a, t0, t1);
   });
 #endif
   return y;
