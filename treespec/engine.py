@@ -323,7 +323,7 @@ class Engine:
                 r.drafter.observe(own, own_walk)
                 step = r.depth_policy.update(r.drafter, own, own_walk, depth)
             if r.drafter.taps:  # the features of the path's positions, plain rounds too
-                r.drafter.read_target(rows.rows(walk.path))
+                r.drafter.read_target(rows.rows(walk.path, logits=False))
             draft_s += time.perf_counter() - t
         r.stats.record_round(draft, walk, draft_seconds=draft_s, verify_seconds=verify_s)
         kept = r.builder.add(walk.emitted(draft), walk.kind)

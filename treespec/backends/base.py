@@ -59,12 +59,14 @@ class Scores:
     logits: torch.Tensor | None  # [n, V]; None where none were asked for (a prefill)
     features: torch.Tensor | None = None  # [n, F]: a target's taps concatenated; a head's output state
 
-    def rows(self, index: Sequence[int]) -> Scores:
-        """The scores of rows `index` (e.g. a walk's accepted path)."""
+    def rows(self, index: Sequence[int], logits: bool = True) -> Scores:
+        """The scores of rows `index` (e.g. a walk's accepted path; `logits=False`: its features
+        alone). Consecutive rows are a view, others a copy."""
         idx = list(index)
+        at = slice(idx[0], idx[-1] + 1) if idx and idx == list(range(idx[0], idx[-1] + 1)) else idx
         return Scores(
-            None if self.logits is None else self.logits[idx],
-            None if self.features is None else self.features[idx],
+            None if self.logits is None or not logits else self.logits[at],
+            None if self.features is None else self.features[at],
         )
 
 

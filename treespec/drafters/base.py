@@ -73,8 +73,8 @@ class Drafter(ABC):
 
     def read_target(self, scores: Scores) -> None:
         """For drafters with `taps`: the target's `Scores` of newly committed positions, in
-        sequence order: after `start()`, those of the prompt but its last token (features, no
-        logits); after each round, plain rounds included, those of the walk's path (the
+        sequence order, their features (no logits): after `start()`, those of the prompt but
+        its last token; after each round, plain rounds included, those of the walk's path (the
         positions whose next token the round settled)."""
 
     def path_entropy(self, draft: DraftTree, walk: Walk) -> float | None:
