@@ -7,7 +7,8 @@
 1. Costs: after a held-out chat as prefix, the forward of a random tree of n nodes for
    n = 1..32, each path in turn per repeat (interleaved), medians; printed as t(n) in ms and
    t(n)/t(1) per path. Paths (`--choices`): int4/bfloat16 (torch's int4 kernel, aten's
-   int4pack, fast in bf16 only), int4/float32, q4q8/float32 (the q4q8 kernel; its products take
+   int4pack, or treespec's bf16 tiles where they run; int4/bfloat16/compiled its inductor
+   forward), int4/float32, q4q8/float32 (the q4q8 kernel; its products take
    float32 and return float32), and q4q8/float32/compiled (the inductor forward, compile=True,
    its graphs from the store where cached, else compiled first: minutes).
 2. What int8 activations change: on `--chats` held-out chats, the continuation the float
@@ -42,6 +43,7 @@ from treespec.tree import TokenTree
 
 CHOICES = {  # path -> (quantize, dtype, compile)
     "int4/bfloat16": ("int4", torch.bfloat16, False),
+    "int4/bfloat16/compiled": ("int4", torch.bfloat16, True),
     "int4/float32": ("int4", torch.float32, False),
     "q4q8/float32": ("q4q8", torch.float32, False),
     "q4q8/float32/compiled": ("q4q8", torch.float32, True),

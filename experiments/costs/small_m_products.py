@@ -4,8 +4,9 @@ M (tree nodes scored at once) grows?
 For the product shapes of the default target (SmolLM2-135M: qkv 576->960, gate_up 576->3072,
 down 1536->576, output 576->49152) and M in 1, 2, 4, 8, 16, 32: microseconds (median of many
 runs, 2 threads) and t(M)/t(1) for torch's int4 kernel (`_weight_int4pack_mm_for_cpu`, bf16
-activations, group 32), torch's int8 x int8 `_int_mm`, and treespec's q4q8 kernel
-(treespec/backends/kernels) on every path this CPU runs. `forward` is every product of one
+activations, group 32), its weight-only int8 (`_weight_int8pack_mm`, bf16), torch's int8 x int8
+`_int_mm`, treespec's q4q8 kernel (treespec/backends/kernels) on every path this CPU runs, and
+its bf16 tile kernels for the int4 and int8 matrices (`kernels.bf16`, AVX512-BF16 cores). `forward` is every product of one
 target forward in turn (30 layers of qkv, o 576->576, gate_up, down, each layer its own weights,
 so they stream from memory as in a real forward; then the output): the products' share of
 t(M)/t(1) for the whole model. Writes results/small_m_products.json.
@@ -58,11 +59,18 @@ def formats(n: int, k: int, isas: list[str], seed: int) -> dict:
     # torch int4: w = (q - 8) s + z per group: s = d, z = m + 8 d; bf16 activations
     int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
     sz = torch.stack([d.float().t(), (m.float() + 8 * d.float()).t()], dim=-1).to(torch.bfloat16).contiguous()
-    w8t = (w / (w.abs().amax(dim=1, keepdim=True) / 127)).round().to(torch.int8).t()  # [K, N]
+    s8 = w.abs().amax(dim=1) / 127
+    w8 = (w / s8[:, None]).round().to(torch.int8)  # [N, K]
     out = {
         "torch_int4pack": lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4, 32, sz),
-        "torch_int_mm": lambda x: torch._int_mm(x, w8t),
+        "torch_int8pack": lambda x: torch.ops.aten._weight_int8pack_mm(x, w8, s8.to(torch.bfloat16)),
+        "torch_int_mm": lambda x: torch._int_mm(x, w8.t()),
     }
+    if kernels.bf16.available():
+        tiles4 = kernels.bf16.pack_q4s(q, d.float(), m.float() + 8 * d.float())
+        tiles8 = kernels.bf16.pack_q8s(w8, s8)
+        out["q4bf16"] = lambda x: torch.ops.treespec.q4bf16_linear(x, tiles4, None, n)
+        out["q8bf16"] = lambda x: torch.ops.treespec.q8bf16_linear(x, tiles8, None, n)
     for isa in isas:
         out[f"q4q8_{isa}"] = partial(kernels.q4q8_linear, packed=packed, isa=isa)
     return out
@@ -71,7 +79,7 @@ def formats(n: int, k: int, isas: list[str], seed: int) -> dict:
 def input_for(name: str, x: torch.Tensor) -> torch.Tensor:
     if name == "torch_int_mm":
         return (x * 20).round().clamp(-127, 127).to(torch.int8)
-    if name == "torch_int4pack":
+    if name in ("torch_int4pack", "torch_int8pack", "q4bf16", "q8bf16"):
         return x.to(torch.bfloat16)
     return x
 
