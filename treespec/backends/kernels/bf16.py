@@ -46,11 +46,9 @@ def pack_q4s(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torc
     if k % QK or scales.shape != (n, g) or zeros.shape != (n, g):
         raise ValueError(f"q4 weights [{n}, {k}] need whole groups of {QK} and s, z [{n}, {g}]")
     t = -(-n // TILE)
-    q, s, z = (_tiles(v, n) for v in (q.to(torch.int32), scales.to(torch.float32), zeros.to(torch.float32)))
+    q, s, z = (_tiles(v, n) for v in (q.to(torch.uint8), scales.to(torch.float32), zeros.to(torch.float32)))
     q6 = q.reshape(t, TILE, g, 4, 4, 2).permute(0, 2, 3, 1, 5, 4)  # [t, g, c, column, u % 2, e]
-    shifts = torch.tensor([0, 4, 8, 12], dtype=torch.int32)
-    words = (q6 << shifts).sum(-1).to(torch.uint16)  # [t, g, 4, 16, 2]
-    nibbles = words.reshape(t, g, 32 * 4).view(torch.uint8)  # [t, g, 256], little-endian words
+    nibbles = (q6[..., 0::2] | (q6[..., 1::2] << 4)).reshape(t, g, 256)  # word u: bytes 2u, 2u + 1
     ss = s.reshape(t, TILE, g).permute(0, 2, 1).contiguous()  # [t, g, 16]
     zz = z.reshape(t, TILE, g).permute(0, 2, 1) - 136 * ss
     return torch.cat([nibbles, ss.view(torch.uint8), zz.contiguous().view(torch.uint8)], dim=-1).contiguous()
