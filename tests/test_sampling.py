@@ -102,3 +102,20 @@ def test_nonfinite_rows_flags_nan_posinf_and_all_neginf_rows(dtype):
         with pytest.raises(ValueError):
             check_finite(bad[None], "target")
     check_finite(rows[:2], "target")
+
+
+def test_argmax_is_torchs_first_maximum_with_nan_as_the_maximum():
+    """`sampling.argmax` (numpy's vectorised argmax for CPU float32) returns what
+    `torch.argmax` does: the first of tied maxima, the first NaN, rows of any shape and dtype."""
+    from treespec.sampling import argmax
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 300, generator=gen)
+    x[1, 7] = x[1, 250] = x[1].max() + 1  # a tie: the first wins
+    x[2, 40] = x[2, 30] = float("nan")  # NaN counts as the maximum
+    x[3] = float("-inf")
+    x[4, -1] = float("inf")
+    for t in (x, x.double(), x[0], x.bfloat16()):
+        got = argmax(t)
+        assert got.dtype == torch.int64 and torch.equal(got, t.argmax(-1))
+    assert argmax(x).tolist()[1:4] == [7, 30, 0]

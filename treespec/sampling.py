@@ -17,12 +17,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .config import SamplingConfig
 from .tree import TokenTree
 
 EPS = 1e-12  # a residual with less mass than this had (numerically) zero probability
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...] int64: each row's first maximum, as `torch.argmax` (a NaN counts as
+    the maximum). CPU float32 goes through numpy's vectorised argmax: torch's CPU argmax is
+    scalar (43 us against 7 us for one row of 49,152)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad:
+        return torch.as_tensor(np.argmax(x.numpy(), axis=-1))
+    return x.argmax(-1)
 
 
 def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -117,7 +127,7 @@ def probs(logits: torch.Tensor, cfg: SamplingConfig, counts: TokenCounts | None 
         raise ValueError("this SamplingConfig has penalties: pass the rows' token counts (tree_token_counts)")
     x = penalize(logits if logits.dtype == torch.float64 else logits.float(), cfg, counts)
     if cfg.greedy:
-        return torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)  # one-hot argmax
+        return torch.zeros_like(x).scatter_(-1, argmax(x).unsqueeze(-1), 1.0)  # one-hot argmax
     x = x / cfg.temperature
     if cfg.top_k and cfg.top_k < x.shape[-1]:
         kth = torch.topk(x, cfg.top_k, dim=-1).indices

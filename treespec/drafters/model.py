@@ -24,7 +24,7 @@ from ..backends.base import Runner, Scores
 from ..config import SamplingConfig, TreeConfig
 from ..proposal import DraftTree, Draw, ProposalGroup, Walk
 from ..rng import Rng
-from ..sampling import PenaltyContext, check_finite, penalize, probs, tree_token_counts
+from ..sampling import PenaltyContext, argmax, check_finite, penalize, probs, tree_token_counts
 from ..tree import TokenTree
 from ..vocab import fit_logits
 from .base import Drafter, DraftForward, ProposeSteps
@@ -185,7 +185,7 @@ class ModelDrafter(Drafter):
 
     def _top_tokens(self, node: DraftNode, k: int) -> list[int]:
         if k == 1:  # a chain's node (every level of a greedy chain): no count over V, no sort
-            top = int(node.score.argmax())
+            top = int(argmax(node.score))
             return [top] if node.score[top] > 0 else []
         k = min(k, int((node.score > 0).sum()))
         return torch.topk(node.score, k).indices.tolist()
@@ -200,9 +200,7 @@ class ModelDrafter(Drafter):
             m = width if u == 0 else nodes[u].count
             # at temperature 0 q is one-hot: every draw is its argmax (no coin, no cumsum over V)
             draws = (
-                [int(nodes[u].q.argmax())] * m
-                if self.sampling.greedy
-                else self.rng.categorical(nodes[u].q, m)
+                [int(argmax(nodes[u].q))] * m if self.sampling.greedy else self.rng.categorical(nodes[u].q, m)
             )
             child_of: dict[int, int] = {}
             for x in draws:
