@@ -145,28 +145,9 @@ struct Q8 {
   TS_BF16 static void run(const ArgsB& a, int64_t t, int64_t r0) { block_q8<R>(a, t, r0); }
 };
 
-// The rows in as few blocks of at most 8 as there can be, as even as can be (17 rows: 6, 6, 5): a
-// block unpacks the tile once, and a block of few rows waits on its VDPBF16PS chains.
 template <template <int> class Block>
 TS_BF16 void tiles(const ArgsB& a, int64_t t0, int64_t t1) {
-  constexpr int64_t R_MAX = 8;
-  const int64_t blocks = (a.M + R_MAX - 1) / R_MAX, base = a.M / blocks, more = a.M % blocks;
-  for (int64_t t = t0; t < t1; ++t) {
-    for (int64_t b = 0, r = 0; b < blocks; ++b) {
-      const int64_t rows = base + (b < more);
-      switch (rows) {
-        case 8: Block<8>::run(a, t, r); break;
-        case 7: Block<7>::run(a, t, r); break;
-        case 6: Block<6>::run(a, t, r); break;
-        case 5: Block<5>::run(a, t, r); break;
-        case 4: Block<4>::run(a, t, r); break;
-        case 3: Block<3>::run(a, t, r); break;
-        case 2: Block<2>::run(a, t, r); break;
-        default: Block<1>::run(a, t, r); break;
-      }
-      r += rows;
-    }
-  }
+  for (int64_t t = t0; t < t1; ++t) row_blocks<Block>(a, t);
 }
 #endif  // TS_X86
 

@@ -44,4 +44,28 @@ inline int64_t cap_from_env() {
   return cap;
 }
 
+// Tile t's rows 0..a.M-1 in as few blocks of at most 8 as there can be, as even as can be (17
+// rows: 6, 6, 5), each through Block<rows>::run(a, t, first row): a block unpacks the tile once,
+// and a block of few rows waits on its dot-product chains.
+template <template <int> class Block, typename Args>
+inline void row_blocks(const Args& a, int64_t t) {
+  constexpr int64_t R_MAX = 8;
+  if (a.M <= 0) return;
+  const int64_t blocks = (a.M + R_MAX - 1) / R_MAX, base = a.M / blocks, more = a.M % blocks;
+  for (int64_t b = 0, r = 0; b < blocks; ++b) {
+    const int64_t rows = base + (b < more);
+    switch (rows) {
+      case 8: Block<8>::run(a, t, r); break;
+      case 7: Block<7>::run(a, t, r); break;
+      case 6: Block<6>::run(a, t, r); break;
+      case 5: Block<5>::run(a, t, r); break;
+      case 4: Block<4>::run(a, t, r); break;
+      case 3: Block<3>::run(a, t, r); break;
+      case 2: Block<2>::run(a, t, r); break;
+      default: Block<1>::run(a, t, r); break;
+    }
+    r += rows;
+  }
+}
+
 }  // namespace treespec_kernels

@@ -418,8 +418,6 @@ TS_AVX512 inline void block8_avx512(const Args& a, int64_t t, int64_t r0) {
   store_avx512<R>(a, acc, t, r0);
 }
 
-constexpr int R_AVX512 = 8;
-
 template <int R>
 struct Q4Avx512 {
   TS_AVX512 static void run(const Args& a, int64_t t, int64_t r0) { block_avx512<R>(a, t, r0); }
@@ -431,20 +429,7 @@ struct Q8Avx512 {
 
 template <template <int> class Block>
 TS_AVX512 void tiles_avx512(const Args& a, int64_t t0, int64_t t1) {
-  for (int64_t t = t0; t < t1; ++t) {
-    int64_t r = 0;
-    for (; r + R_AVX512 <= a.M; r += R_AVX512) Block<R_AVX512>::run(a, t, r);
-    switch (a.M - r) {
-      case 7: Block<7>::run(a, t, r); break;
-      case 6: Block<6>::run(a, t, r); break;
-      case 5: Block<5>::run(a, t, r); break;
-      case 4: Block<4>::run(a, t, r); break;
-      case 3: Block<3>::run(a, t, r); break;
-      case 2: Block<2>::run(a, t, r); break;
-      case 1: Block<1>::run(a, t, r); break;
-      default: break;
-    }
-  }
+  for (int64_t t = t0; t < t1; ++t) row_blocks<Block>(a, t);
 }
 #endif  // TS_X86
 
