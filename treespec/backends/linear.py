@@ -145,9 +145,9 @@ class QuantizedProjection:
         """`tiles`: also lay Q out for `kernels.bf16`'s q8bf16_linear (bfloat16, an AVX512-BF16
         CPU with the kernels built: `kernels.built`), which then multiplies every bf16 product:
         each weight tile unpacked once for all rows, rows independent (SmolLM2's output layer,
-        2 threads: 0.8 / 1.7 / 3.5 ms at 1 / 8 / 16 rows against int8pack's 1.8 / 5.6 / 11.5).
+        2 threads: 0.6 / 1.4 / 3.3 ms at 1 / 8 / 16 rows against int8pack's 1.2 / 6.6 / 12.8).
         `wide`, where there are no tiles: keep Q in oneDNN's packed layout, in W's dtype (its
-        integers exactly), for products of WIDE_ROWS rows or more (2.4 / 3.4 ms at 8 / 16 rows),
+        integers exactly), for products of WIDE_ROWS rows or more (2.1 / 3.4 ms at 8 / 16 rows),
         at twice the int8 copy's bytes."""
         check_quantize("int8", weight.dtype)
         self.out_features, self.in_features = weight.shape
