@@ -3,8 +3,8 @@ int8-activation kernel (issue 58; kernels in tests/test_kernels.py).
 
 The runner against a float64 reference of the same quantized math; a tree node's logits bit for
 bit its root-to-node path's scored alone (the kernel's rows are independent, and so is the rest
-of the eager float32 forward except torch's CPU SDPA, whose rounding of a row depends on the
-span and the mask's layout); greedy speculative output == greedy plain output; the compiled
+of the eager float32 forward where attention runs `row_attention`: torch's CPU SDPA rounds a
+row by the span and the mask's layout); greedy speculative output == greedy plain output; the compiled
 forward == the eager one, stored ahead of time; a GGUF file's own blocks packed as they are;
 bad settings are clear errors."""
 
@@ -18,6 +18,7 @@ import torch
 
 from treespec import SpeculativeDecoder, TreeConfig
 from treespec.backends.checkpoint import LlamaShape
+from treespec.backends.kernels import attention as row_kernel
 from treespec.backends.kernels import quantize_activations
 from treespec.backends.linear import Q4Q8Projection, pack_nibbles
 from treespec.backends.native import CompiledForward, NativeRunner
@@ -139,10 +140,10 @@ def test_a_tree_node_scores_bit_for_bit_as_its_path_alone(prompt_len, monkeypatc
         assert torch.equal(full, alone), size
 
 
-@pytest.mark.xfail(reason="torch's CPU SDPA: a row's rounding depends on the span and mask layout")
-def test_a_tree_node_scores_bit_for_bit_as_its_path_alone_under_torch_sdpa():
-    """Under torch's own SDPA the node's attention output differs from its path's in the last
-    bits; q4q8's int8 rounding of the o projection's input hides most of it, not all."""
+@pytest.mark.skipif(not row_kernel.available(), reason="row_attention needs the compiled kernels and AVX512")
+def test_a_tree_node_scores_bit_for_bit_as_its_path_alone_under_the_native_attention():
+    """With `row_attention` (torch's CPU SDPA rounds a row by its span and mask layout, which
+    q4q8's int8 rounding of the o projection's input hid mostly, not always)."""
     model = build("gqa_tied", max_positions=1024)
     runner = NativeRunner.from_hf(model, quantize="q4q8")
     rng = random.Random(505)
@@ -281,7 +282,7 @@ def test_bad_q4q8_settings_are_clear_errors():
 def test_a_q4q8_target_drafts_with_a_q4q8_head_by_default(monkeypatch):
     """`draft_quantize="auto"` gives the default pair's feature head the target's q4q8 kernel
     where the target runs q4q8 (`loading.resolve_quantize`), and drafts. (Greedy speculative ==
-    greedy plain holds for the products, not yet for torch's SDPA: the xfail above.)"""
+    greedy plain: tests/test_row_attention.py.)"""
     from treespec import SpeculativeDecoder, TreeConfig
     from treespec.backends.head import HeadRunner
 

@@ -26,9 +26,23 @@ import torch
 import torch.nn.functional as F
 
 from .base import causal_visible, lanes_mask
+from .kernels.attention import row_attention
 
 # (q, k, v, prefix_len) -> (out, lse): attention of every query over cache slots [0, prefix_len)
 PrefixAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def exact_rows(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether a single lane's attention runs as `kernels.attention.row_attention` here: a CPU
+    with AVX512 whose kernels are built (`kernels.built()`: the one-time `compile=True` step
+    builds them; a load never waits for the compiler), float32 or bfloat16. A query row's result
+    then depends only on the keys it sees, so a tree node scores bit for bit as its path alone.
+    Elsewhere SDPA, whose rounding follows the span and the mask's layout."""
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    from .kernels import attention as kernel
+
+    return kernel.available(build=False)
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -229,7 +243,9 @@ class LaneAttention:
     pending tree nodes). A single token that continues the committed prefix with nothing else
     pending sees every slot and gets no mask at all (the decode path). With `flash` (CUDA,
     fp16/bf16, flash-attn importable) a masked feed after a committed prefix runs as the cascade:
-    `prefix_attention` over the committed slots + the masked tree block, merged by LSE.
+    `prefix_attention` over the committed slots + the masked tree block, merged by LSE. With
+    `exact` (`exact_rows`) a feed of at most FOLD_MAX_QUERIES tokens runs `row_attention`, each
+    row over its own visible keys (longer feeds, prefills, keep SDPA).
     """
 
     def __init__(
@@ -243,6 +259,7 @@ class LaneAttention:
         committed: int,
         flash: bool = False,
         prefix_attention: PrefixAttention | None = None,
+        exact: bool = False,
     ):
         Hkv, D = kv.shape[3], kv.shape[5]
         self.n, self.heads, self.kv_heads, self.scale = n, heads, Hkv, D**-0.5
@@ -253,8 +270,12 @@ class LaneAttention:
         elif n > 1 or S != committed:
             mask = visible  # [n, S+n]
             self.cascade = committed if flash else 0
+        self.exact = None  # row_attention's mask [n, S+n], where it runs
+        if exact and n <= FOLD_MAX_QUERIES and not self.cascade:
+            everything = mask is None  # a decode step: every slot
+            self.exact = torch.ones(n, S + n, dtype=torch.bool, device=kv.device) if everything else mask
         self.fold = n <= FOLD_MAX_QUERIES and not self.cascade
-        if self.fold and mask is not None:
+        if self.fold and mask is not None and self.exact is None:
             mask = mask.repeat(heads // Hkv, 1)  # [g*n, S+n]: row j*n + t is token t's
         self.mask, self.prefix_attention = mask, prefix_attention
         # per layer: where the new keys and values go, [n, 2, Hkv, D] (a view of the pool, token
@@ -268,6 +289,8 @@ class LaneAttention:
         D = qkv.shape[-1]
         self.new[layer].copy_(qkv[:, Hq:].view(n, 2, Hkv, D))  # k and v: one copy
         keys, values = self.keys[layer], self.values[layer]  # [1, Hkv, S+n, D]
+        if self.exact is not None:
+            return row_attention(qkv[:, :Hq], keys, values, self.exact, self.scale)  # [n, Hq*D]
         if n == 1 and self.fold:  # folding one token is a view: q [1, Hkv, g, D], output [1, Hq*D]
             q = qkv[:, :Hq].view(1, Hkv, Hq // Hkv, D)
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, scale=self.scale)
@@ -296,7 +319,9 @@ class PackedAttention:
     `rows`, `starts` (S_b) and `ns` (n_b) per lane, `visibles` as `LaneAttention`'s `visible`.
     Keys and values are written into each lane's row at its own slots; queries are padded to
     [B, n_max] (the only padding in a packed forward) with each lane's mask over its own row;
-    outputs are unpadded back to [T, Hq * D].
+    outputs are unpadded back to [T, Hq * D]. With `exact` (`exact_rows`) and at most
+    FOLD_MAX_QUERIES tokens a lane, `row_attention` instead, unpadded: every row as it would be
+    in its lane alone.
     """
 
     def __init__(
@@ -307,6 +332,7 @@ class PackedAttention:
         ns: list[int],
         heads: int,
         visibles: list[torch.Tensor | None],
+        exact: bool = False,
     ):
         device, Hkv, D = kv.device, kv.shape[3], kv.shape[5]
         B, n_max = len(rows), max(ns)
@@ -325,6 +351,10 @@ class PackedAttention:
         else:  # gathered per layer, after the layer's keys are written
             self.rows = torch.tensor(rows, device=device)
         mask = lanes_mask(starts, ns, visibles, device)[:, None]  # [B, 1, n_max, span]
+        self.exact = None  # row_attention's (mask [T, span], lane [T]), where it runs
+        if exact and n_max <= FOLD_MAX_QUERIES:
+            lane = torch.tensor([b for b, n in enumerate(ns) for _ in range(n)], device=device)
+            self.exact = (mask.view(B * n_max, span)[idx[2]], lane)
         self.g = heads // Hkv if n_max <= FOLD_MAX_QUERIES else 1  # GQA folding (see above)
         self.mask = mask.repeat(1, 1, self.g, 1)  # [B, 1, g*n_max, span]
         self.B, self.n_max, self.heads, self.kv_heads, self.scale = B, n_max, heads, Hkv, D**-0.5
@@ -338,6 +368,9 @@ class PackedAttention:
             keys, values = self.keys[layer], self.values[layer]  # [B, Hkv, span, D]
         else:
             keys, values = kv[:, self.rows, :, : self.span]  # [B, Hkv, span, D] each
+        if self.exact is not None:
+            mask, lane = self.exact
+            return row_attention(qkv[:, :Hq], keys, values, mask, self.scale, lane)  # [T, Hq*D]
         q = qkv[:, :Hq]
         if self.padded is not None:
             q = q.new_zeros(B * n_max, Hq, D).index_copy_(0, self.padded, q)
@@ -353,7 +386,13 @@ GRAPH_DECODE_REDUCTION = True  # one-token graphs: attention as reductions (Fals
 
 
 def graph_lane_attention(
-    kv: torch.Tensor, layer: int, qkv: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, heads: int
+    kv: torch.Tensor,
+    layer: int,
+    qkv: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    heads: int,
+    exact: bool = False,
 ) -> torch.Tensor:
     """`LaneAttention`'s folded path written for a compiled graph (`native.CompiledForward`):
     one lane in row 0 of the pool, every shape taken from the inputs, nothing decided per call.
@@ -363,13 +402,17 @@ def graph_lane_attention(
     [n, Hq + 2 Hkv, D] as `LaneAttention` takes it; slots [n] the cache slots of the new tokens;
     mask bool [n, span] over slots [0, span) (True = attend). Returns [n, Hq * D]. One token
     (a graph of its own) is attended by plain reductions (`GRAPH_DECODE_REDUCTION`), which
-    inductor fuses into its own loops; more tokens by SDPA with the folded GQA layout.
+    inductor fuses into its own loops; more tokens by SDPA with the folded GQA layout. `exact`
+    (`exact_rows`): every feed by `row_attention` (the op in the graph), as the eager forward.
     """
     n, Hkv, D = qkv.shape[0], kv.shape[3], kv.shape[5]
     layer_idx = torch.tensor([layer], device=kv.device)
     row0 = torch.zeros(1, dtype=torch.long, device=kv.device)
     torch.ops.aten.index_put_(kv, [layer_idx, None, row0, None, slots], qkv[:, heads:].view(n, 2, Hkv, D))
     span = mask.shape[1]
+    if exact:
+        keys, values = kv[layer, 0, 0:1, :, :span], kv[layer, 1, 0:1, :, :span]  # [1, Hkv, span, D]
+        return row_attention(qkv[:, :heads], keys, values, mask, D**-0.5)
     if n == 1 and GRAPH_DECODE_REDUCTION:
         # one query row per head: two reductions and a softmax, which inductor fuses into a few
         # loops of its own (in float32, or float64), cheaper than a call of SDPA's kernel

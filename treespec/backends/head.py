@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .attention import graph_lane_attention
+from .attention import exact_rows, graph_lane_attention
 from .base import Feed, Scores
 from .checkpoint import LlamaShape
 from .linear import Int4Projection, Projection, Q4Q8Projection, QuantizedProjection, check_quantize
@@ -310,6 +310,7 @@ class HeadRunner(NativeRunner):
         )  # [K]
         self.inv_freq = s.inv_freq().to(self.device)
         self.flash, self.prefix_attention = False, None
+        self.exact_rows = exact_rows(self.device, dtype)
         self.pool, self.row = KVPool(s, 1, self.inv_freq, dtype, self.device), 0
         self.taps = ()
         self.compile_setting = resolve_compile(compile, self.device, dtype, quantize)
@@ -394,7 +395,7 @@ class HeadGraph(ForwardGraph):
     def forward(self, tokens, hidden, positions, slots, mask, cos_table, sin_table, kv):
         s = self.shape
         cos, sin = rope_rows(cos_table, sin_table, positions, s)  # [T, Hq+2Hkv, D] each
-        attend = lambda i, qkv: graph_lane_attention(kv, i, qkv, slots, mask, s.heads)  # noqa: E731
+        attend = lambda i, qkv: graph_lane_attention(kv, i, qkv, slots, mask, s.heads, self.exact_rows)  # noqa: E731
         out = head_layer(tokens, hidden, self.embed, self.hidden_norm, self.layer(0), attend, cos, sin, s)
         logits = head_logits(out, self.norm, self.lm_head, self.ids, self.vocab_size, s.eps)
         return logits, out  # [T, V], [T, hidden]

@@ -2,7 +2,7 @@
 of rows M (issue 58): int4 / int8 weights x int8 activations (q4q8.py), and int4 / int8 weights x
 bfloat16 activations as they are (bf16.py)."""
 
-from . import bf16
+from . import attention, bf16
 from .q4q8 import (
     ATEN,
     ISAS,
@@ -31,6 +31,7 @@ __all__ = [
     "PackedQ4",
     "PackedQ8",
     "available_isas",
+    "attention",
     "bf16",
     "built",
     "compiled",

@@ -165,6 +165,7 @@ class ForwardGraph(torch.nn.Module):
     def __init__(self, runner: NativeRunner):
         super().__init__()
         self.shape, self.taps, self.tp = runner.shape, runner.taps, runner.tp
+        self.exact_rows = runner.exact_rows  # attention by `row_attention` (`attention.exact_rows`)
         self.register_buffer("embed", runner.embed)
         self.register_buffer("norm", runner.norm)
         self.lm_head = GraphProduct(runner.lm_head)
@@ -183,7 +184,7 @@ class ForwardGraph(torch.nn.Module):
         s = self.shape
         cos, sin = rope_rows(cos_table, sin_table, positions, s)  # [T, Hq+2Hkv, D] each
         layers = (self.layer(i) for i in range(s.layers))
-        attend = lambda i, qkv: graph_lane_attention(kv, i, qkv, slots, mask, s.heads)  # noqa: E731 - [T, Hq*D]
+        attend = lambda i, qkv: graph_lane_attention(kv, i, qkv, slots, mask, s.heads, self.exact_rows)  # noqa: E731 - [T, Hq*D]
         reduce = None if self.tp is None else self.tp.reduce
         x, features = decoder_stack(
             F.embedding(tokens, self.embed), layers, attend, cos, sin, s, self.taps, reduce
@@ -452,9 +453,8 @@ class CompiledForward:
         """What these graphs compute (`aot.model_digest`: weights, shape, taps), computed once."""
         if self.model is None:
             kinds = sorted({m.kind for m in self.module.modules() if isinstance(m, GraphProduct)})
-            self.model = model_digest(
-                self.module, shape=self.module.shape, taps=self.module.taps, products=kinds
-            )
+            m = self.module
+            self.model = model_digest(m, shape=m.shape, taps=m.taps, products=kinds, exact_rows=m.exact_rows)
         return self.model
 
     def _package(self, graph: int | str, inputs: tuple, candidates: list[dict], what: str) -> Callable | None:

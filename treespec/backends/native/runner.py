@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ...config import check_positive_int
 from ...parallel import TensorParallel
-from ..attention import LaneAttention, PackedAttention, flash_available, flash_prefix_attention
+from ..attention import LaneAttention, PackedAttention, exact_rows, flash_available, flash_prefix_attention
 from ..base import Feed, Runner, Scores, forward_grouped
 from ..checkpoint import LlamaShape, read_checkpoint
 from ..linear import check_quantize
@@ -129,6 +129,7 @@ class NativeRunner(Runner):
         # block is a small masked attention merged by log-sum-exp (attention.cascade_attention).
         self.flash = self.dtype in (torch.float16, torch.bfloat16) and flash_available(self.device)
         self.prefix_attention = flash_prefix_attention
+        self.exact_rows = exact_rows(self.device, self.dtype)  # row_attention: rows independent
         self.pool, self.row = KVPool(self.shape, 1, self.inv_freq, self.dtype, self.device), 0
 
     def forward_graph(self) -> ForwardGraph:
@@ -333,10 +334,11 @@ class NativeRunner(Runner):
                 self.n_committed,
                 self.flash,
                 self.prefix_attention,
+                self.exact_rows,
             )
             return feed.tokens, feed.positions, attend
         rows, visibles = [lane.row for lane in lanes], [f.visible for f in feeds]
-        attend = PackedAttention(pool.kv, rows, starts, ns, self.shape.heads, visibles)
+        attend = PackedAttention(pool.kv, rows, starts, ns, self.shape.heads, visibles, self.exact_rows)
         return torch.cat([f.tokens for f in feeds]), torch.cat([f.positions for f in feeds]), attend
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
