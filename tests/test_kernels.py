@@ -256,7 +256,8 @@ def test_int8_times_bfloat16_tiles_multiply_by_the_int8_matrix_rows_alone():
     """`kernels.bf16`'s q8bf16_linear (AVX512-BF16 cores): weight-only int8 s q, bfloat16 inputs
     unrounded, within bfloat16's output rounding of a float64 reference for every tail of the
     tile (n % 16) and of the row blocks (M up to 64); a row's result bit for bit the same
-    whatever rows share the call, in any order; `QuantizedProjection(tiles=True)` uses it."""
+    whatever rows share the call, in any order; `QuantizedProjection(tiles=True)` uses it, and
+    with `float_out=True` (an output layer) gets the float32 totals unrounded."""
     from treespec.backends.linear import QuantizedProjection
 
     if not kernels.bf16.available():
@@ -265,7 +266,8 @@ def test_int8_times_bfloat16_tiles_multiply_by_the_int8_matrix_rows_alone():
     for i, (n, k, m) in enumerate([(16, 4, 1), (33, 36, 7), (96, 64, 9), (49, 576, 17), (200, 128, 64)]):
         gen = torch.Generator().manual_seed(i)
         bias = torch.randn(n, generator=gen).bfloat16() if i % 2 else None
-        proj = QuantizedProjection(torch.randn(n, k, generator=gen).bfloat16(), bias, tiles=True)
+        weight = torch.randn(n, k, generator=gen).bfloat16()
+        proj = QuantizedProjection(weight, bias, tiles=True)
         assert proj.tiles is not None and proj.wide is None
         x = activations(m, k, seed=i).bfloat16()
         y = proj(x)
@@ -275,9 +277,14 @@ def test_int8_times_bfloat16_tiles_multiply_by_the_int8_matrix_rows_alone():
             want, bound = want + bias.double(), bound + bias.double().abs()
         assert y.dtype == torch.bfloat16 and y.shape == (m, n)
         assert ((y.double() - want).abs() <= 2**-8 * bound + 1e-30).all()
+        # an output layer's: the same float32 totals, not rounded (bf16 logits tie a near tie)
+        logits = QuantizedProjection(weight, bias, tiles=True, float_out=True)
+        yf = logits(x)
+        assert yf.dtype == torch.float32 and torch.equal(yf.bfloat16(), y)
+        assert ((yf.double() - want).abs() <= 1e-5 * bound + 1e-30).all()
         for _ in range(3):
             idx = torch.from_numpy(rng.permutation(m)[: int(rng.integers(1, m + 1))])
-            assert torch.equal(proj(x[idx]), y[idx])
+            assert torch.equal(proj(x[idx]), y[idx]) and torch.equal(logits(x[idx]), yf[idx])
     with pytest.raises(ValueError, match="multiple of 4"):
         kernels.bf16.pack_q8s(torch.zeros(16, 6, dtype=torch.int8), torch.ones(16))
 

@@ -140,7 +140,12 @@ class QuantizedProjection:
     distribution for a target."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, wide: bool = False, tiles: bool = False
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        wide: bool = False,
+        tiles: bool = False,
+        float_out: bool = False,
     ):
         """`tiles`: also lay Q out for `kernels.bf16`'s q8bf16_linear (bfloat16, an AVX512-BF16
         CPU with the kernels built: `kernels.built`), which then multiplies every bf16 product:
@@ -148,8 +153,10 @@ class QuantizedProjection:
         2 threads: 0.6 / 1.4 / 3.3 ms at 1 / 8 / 16 rows against int8pack's 1.2 / 6.6 / 12.8).
         `wide`, where there are no tiles: keep Q in oneDNN's packed layout, in W's dtype (its
         integers exactly), for products of WIDE_ROWS rows or more (2.1 / 3.4 ms at 8 / 16 rows),
-        at twice the int8 copy's bytes."""
+        at twice the int8 copy's bytes. `float_out` (an output layer): the tiles' float32 totals
+        as they are, not rounded to bfloat16 (logits one bf16 step apart are not tied)."""
         check_quantize("int8", weight.dtype)
+        self.float_out = float_out
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         w = weight.to(torch.float32, copy=True)  # a copy of its own, rounded in place
@@ -175,7 +182,8 @@ class QuantizedProjection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.tiles is not None and x.dtype == torch.bfloat16:
-            return torch.ops.treespec.q8bf16_linear(x, self.tiles, self.bias, self.out_features)
+            n, f32 = self.out_features, self.float_out  # float32 totals, not bf16
+            return torch.ops.treespec.q8bf16_linear(x, self.tiles, self.bias, n, f32)
         if self.wide is not None and x.shape[0] >= WIDE_ROWS and x.dtype == self.scales.dtype:
             y = _packed_product(x, self.wide, None) * self.scales  # x @ Q^T, then the scales
         else:

@@ -13,7 +13,8 @@
 //
 // treespec::q8bf16_linear: W = diag(s) Q, Q int8 [N, K] with one scale per output row (weight-only
 // int8, `linear.QuantizedProjection`), as s * dot(Q, x) over the whole row: the same model as
-// `_weight_int8pack_mm` up to float32 rounding. Layout (pack_q8s): per tile of 16 columns, K / 4
+// `_weight_int8pack_mm` up to float32 rounding; `float_out`: the float32 totals as they are (an
+// output layer's logits), not rounded to bfloat16. Layout (pack_q8s): per tile of 16 columns, K / 4
 // chunks of 64 bytes (column j at bytes 4j..4j+3 = Q[j, 4c..4c+3]), then the 16 scales (float32).
 #include "isa.h"
 
@@ -30,9 +31,18 @@ struct ArgsB {
   const float* S;     // [M, G] sum of each group's x (q4bf16 only)
   const uint8_t* w;   // the packed weights
   const float* bias;  // [N] or nullptr
-  at::BFloat16* y;    // [M, N]
+  void* y;            // [M, N] bfloat16, or float32 where f32
   int64_t M, N, K, G;
+  bool f32;
 };
+
+// y[r, o] = v: rounded to bfloat16 (nearest even), or as it is where a.f32
+inline void put(const ArgsB& a, int64_t r, int64_t o, float v) {
+  if (a.f32)
+    static_cast<float*>(a.y)[r * a.N + o] = v;
+  else
+    static_cast<at::BFloat16*>(a.y)[r * a.N + o] = at::BFloat16(v);
+}
 
 #if TS_X86
 #define TS_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
@@ -50,11 +60,10 @@ TS_BF16 inline void store_row(const ArgsB& a, int64_t t, int64_t r, const __m512
   _mm512_store_ps(lanes + 16, tot[1]);
   const int64_t o0 = t * TN;
   const int64_t cols = std::min<int64_t>(TN, a.N - o0);
-  at::BFloat16* y = a.y + r * a.N + o0;
   for (int64_t j = 0; j < cols; ++j) {
     float v = lanes[2 * j] + lanes[2 * j + 1];
     if (scale) v *= scale[j];
-    y[j] = at::BFloat16(a.bias ? v + a.bias[o0 + j] : v);  // round to nearest even
+    put(a, r, o0 + j, a.bias ? v + a.bias[o0 + j] : v);
   }
 }
 
@@ -64,8 +73,7 @@ TS_BF16 inline void store_cols(const ArgsB& a, int64_t t, int64_t r, __m512 tot)
   _mm512_store_ps(lanes, tot);
   const int64_t o0 = t * TN;
   const int64_t cols = std::min<int64_t>(TN, a.N - o0);
-  at::BFloat16* y = a.y + r * a.N + o0;
-  for (int64_t j = 0; j < cols; ++j) y[j] = at::BFloat16(a.bias ? lanes[j] + a.bias[o0 + j] : lanes[j]);
+  for (int64_t j = 0; j < cols; ++j) put(a, r, o0 + j, a.bias ? lanes[j] + a.bias[o0 + j] : lanes[j]);
 }
 
 // R rows x 16 columns of q4bf16, one float32 lane a column. Each 16-bit word of the tile holds
@@ -167,10 +175,10 @@ bool bf16_available() {
   return ok;
 }
 
-// y [..., n] bfloat16 = x [..., K] bfloat16 @ W^T (+ bias), W packed in `bits` (4: pack_q4s's
-// tiles, 8: pack_q8s's) of `tile_bytes` per tile
+// y [..., n] bfloat16 (float32 where float_out) = x [..., K] bfloat16 @ W^T (+ bias), W packed in
+// `bits` (4: pack_q4s's tiles, 8: pack_q8s's) of `tile_bytes` per tile
 at::Tensor bf16_linear(const char* op, int bits, const at::Tensor& x, const at::Tensor& packed,
-                       const std::optional<at::Tensor>& bias, int64_t n) {
+                       const std::optional<at::Tensor>& bias, int64_t n, bool float_out) {
   TORCH_CHECK(bf16_available(), op, ": needs an AVX512-BF16 core");
   TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kBFloat16, op, ": x must be bfloat16 [..., K]");
   const int64_t K = x.size(-1), step = bits == 4 ? QK : 4;
@@ -185,7 +193,7 @@ at::Tensor bf16_linear(const char* op, int bits, const at::Tensor& x, const at::
   const int64_t M = xc.numel() / K;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
-  at::Tensor y = at::empty(shape, x.options());
+  at::Tensor y = at::empty(shape, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (M == 0) return y;
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
@@ -210,7 +218,7 @@ at::Tensor bf16_linear(const char* op, int bits, const at::Tensor& x, const at::
   }
 #if TS_X86
   const ArgsB a{xp, S.data(), packed.data_ptr<uint8_t>(), b.defined() ? b.data_ptr<float>() : nullptr,
-                y.data_ptr<at::BFloat16>(), M, n, K, G};
+                y.data_ptr(), M, n, K, G, float_out};
   // a chunk of at least ~128k multiply-adds (rows counted up to 16), or threads do not pay
   const int64_t per_tile = K * TN * std::min<int64_t>(M, 16);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / per_tile);
@@ -223,19 +231,19 @@ at::Tensor bf16_linear(const char* op, int bits, const at::Tensor& x, const at::
 
 at::Tensor q4bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                          int64_t n) {
-  return bf16_linear("q4bf16_linear", 4, x, packed, bias, n);
+  return bf16_linear("q4bf16_linear", 4, x, packed, bias, n, false);
 }
 
 at::Tensor q8bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                         int64_t n) {
-  return bf16_linear("q8bf16_linear", 8, x, packed, bias, n);
+                         int64_t n, bool float_out) {
+  return bf16_linear("q8bf16_linear", 8, x, packed, bias, n, float_out);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(treespec, m) {
   m.def("q4bf16_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
-  m.def("q8bf16_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.def("q8bf16_linear(Tensor x, Tensor packed, Tensor? bias, int n, bool float_out=False) -> Tensor");
   m.def("bf16_available() -> bool", &bf16_available);
 }
 

@@ -419,8 +419,8 @@ def _fake(x, packed, bias, n, isa=-1):
     return x.new_empty((*x.shape[:-1], n), dtype=torch.float32)
 
 
-def _fake_bf16(x, packed, bias, n):
-    return x.new_empty((*x.shape[:-1], n), dtype=torch.bfloat16)
+def _fake_bf16(x, packed, bias, n, float_out=False):
+    return x.new_empty((*x.shape[:-1], n), dtype=torch.float32 if float_out else torch.bfloat16)
 
 
 def _fake_attention(q, k, v, mask, lanes, scale):

@@ -99,6 +99,7 @@ class GraphProduct(torch.nn.Module):
         if isinstance(projection, QuantizedProjection) and projection.tiles is not None:
             self.kind, weight, scales = "q8bf16", projection.tiles, None
             self.out_features, self.op = projection.out_features, "q8bf16_linear"
+            self.float_out = projection.float_out
         elif isinstance(projection, QuantizedProjection):
             self.kind, weight, scales = "int8", projection.weight_int8, projection.scales
         elif isinstance(projection, Int4Projection) and projection.tiles is not None:
@@ -121,8 +122,11 @@ class GraphProduct(torch.nn.Module):
         if self.kind == "q4q8":  # the custom op (its fake gives inductor the shapes); bias inside
             y = getattr(torch.ops.treespec, self.op)(x, self.weight, self.bias, self.out_features, -1)
             return y if y.dtype == x.dtype else y.to(x.dtype)
-        if self.kind in ("q4bf16", "q8bf16"):  # integer tiles x bf16 (`kernels.bf16`); bias inside
-            return getattr(torch.ops.treespec, self.op)(x, self.weight, self.bias, self.out_features)
+        if self.kind == "q8bf16":  # integer tiles x bf16 (`kernels.bf16`); bias inside
+            n, f32 = self.out_features, self.float_out
+            return torch.ops.treespec.q8bf16_linear(x, self.weight, self.bias, n, f32)
+        if self.kind == "q4bf16":
+            return torch.ops.treespec.q4bf16_linear(x, self.weight, self.bias, self.out_features)
         if self.kind == "int8":
             y = int8_product(x, self.weight, self.scales)
         else:

@@ -91,8 +91,8 @@ class WeightLoader:
             blocks = f"{name}.q4" in self.weights
             lm_head = self.projection((name, None)) if blocks else Q4Q8Projection.quantize8(head)
             return embed, lm_head, self.tensor("model.norm.weight")
-        if self.quantize is not None:  # a tree's rows through tiles, or the wide copy where oneDNN packs
-            lm_head = QuantizedProjection(head, wide=self.pack, tiles=True)
+        if self.quantize is not None:  # a tree's rows through tiles (float32 logits), or the wide copy
+            lm_head = QuantizedProjection(head, wide=self.pack, tiles=True, float_out=True)
         else:
             lm_head = Projection(head, pack=self.pack)
         return embed, lm_head, self.tensor("model.norm.weight")
