@@ -353,3 +353,27 @@ def test_the_environment_caps_the_path_and_aten_needs_no_compiler(tmp_path):
         out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr[-3000:]
         assert out.stdout.split() == ["avx2", "True"]
+
+
+def test_row_max_is_torch_max_with_its_first_index():
+    """`kernels.reduce`'s row_max (what `sampling.row_max` and `argmax` run on AVX512 cores):
+    torch.max(x, -1)'s values and first indices, every vector tail, ties, NaN (the first NaN) and
+    rows of -inf, float32 and bfloat16."""
+    from treespec.sampling import argmax, row_max
+
+    if not (kernels.compiled() and kernels.reduce.available()):
+        pytest.skip("row_max needs compiled kernels on an AVX512 core")
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        for V in (1, 15, 16, 17, 100, 49152):
+            x = torch.randn(6, V, generator=gen).to(dtype)
+            x[1] = x[1, 0]  # all tied: the first index
+            x[2, V // 2 :] = x[2].max() + 1  # a tie from the middle on
+            x[3] = float("-inf")
+            x[4, V // 3] = float("nan")
+            x[5, -1] = float("inf")
+            values, indices = row_max(x)
+            want_values, want_indices = x.max(-1)
+            assert torch.equal(indices, want_indices) and torch.equal(argmax(x), want_indices), (dtype, V)
+            torch.testing.assert_close(values, want_values.float(), rtol=0, atol=0, equal_nan=True)
+    assert row_max(torch.randn(2, 3, 50))[1].shape == (2, 3)

@@ -70,6 +70,7 @@ from .sampling import (
     probs,
     remove_token,
     residual,
+    row_max,
     tree_token_counts,
     weighted_residual,
 )
@@ -123,7 +124,7 @@ def verify(
 def _verify_greedy(draft: DraftTree, logits: torch.Tensor, trace: list[ProposalTrace] | None = None) -> Walk:
     # one reduction gives each row's argmax (the first maximum, as argmax) and its max, which is
     # finite iff the row is (`nonfinite_rows`)
-    top, best = logits.max(-1)  # [N] each
+    top, best = row_max(logits)  # [N] each
     best, bad = torch.stack([best, ~torch.isfinite(top)]).tolist()  # [2, N]: the one transfer
     node, path = 0, [0]
     while True:

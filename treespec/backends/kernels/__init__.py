@@ -2,7 +2,7 @@
 of rows M (issue 58): int4 / int8 weights x int8 activations (q4q8.py), and int4 / int8 weights x
 bfloat16 activations as they are (bf16.py)."""
 
-from . import attention, bf16
+from . import attention, bf16, reduce
 from .q4q8 import (
     ATEN,
     ISAS,
@@ -33,6 +33,7 @@ __all__ = [
     "available_isas",
     "attention",
     "bf16",
+    "reduce",
     "built",
     "compiled",
     "default_isa",

@@ -24,7 +24,7 @@ AVX512-VNNI cores, vpmaddubsw on AVX2 ones, plain C++ elsewhere), parallel over 
 Integer dot products are exact and the float steps are the same everywhere, so the compiled paths
 agree bit for bit and **a row's result never depends on the other rows of the call**.
 
-The C++ sources (q4q8.cpp, bf16.cpp, attention.cpp, isa.h) are compiled on first use with
+The C++ sources (q4q8.cpp, bf16.cpp, attention.cpp, reduce.cpp, isa.h) are compiled on first use with
 torch.utils.cpp_extension (needs a C++ compiler and the `ninja` package) into
 $TREESPEC_CACHE/kernels/<hash>, and registered as custom ops, `torch.ops.treespec.q4q8_linear`
 and the others (with fake implementations: torch.compile graphs call them directly). Without a
@@ -56,7 +56,9 @@ TILE_BYTES = 320  # per tile and group: 256 bytes of nibbles, 16 fp16 d, 16 fp16
 TILE8_BYTES = 544  # per tile and group, 8-bit weights: 512 bytes of q + 128, 16 fp16 d
 ISAS = ("scalar", "avx2", "avx512vnni")  # the compiled paths, by code (q4q8.cpp's Isa)
 ATEN = "aten"  # torch ops, no compiled code
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("isa.h", "q4q8.cpp", "bf16.cpp", "attention.cpp"))
+SOURCES = tuple(
+    Path(__file__).with_name(f) for f in ("isa.h", "q4q8.cpp", "bf16.cpp", "attention.cpp", "reduce.cpp")
+)
 # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds (inline, so compiled here; the
 # extension then shares torch's libgomp); -ffp-contract=off: no fused multiply-adds but the written
 # ones, the same in every path
