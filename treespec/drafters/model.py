@@ -160,14 +160,10 @@ class ModelDrafter(Drafter):
             counts = tree_token_counts(
                 self._committed, drafted, self.vocab_size, logits.device, rows=fed
             )  # [n, V]
-        q = probs(logits, self.sampling, counts)  # [n, V]
-        # rank by the sampling distribution; at temperature 0 (one-hot q) by the plain softmax,
-        # in q's precision (float32, or float64 for float64 logits)
-        score = (
-            torch.softmax(penalize(logits.to(q.dtype), self.sampling, counts), -1)
-            if self.sampling.greedy
-            else q
-        )
+        x = logits if logits.dtype == torch.float64 else logits.float()  # q's precision, converted once
+        q = probs(x, self.sampling, counts)  # [n, V]
+        # rank by the sampling distribution; at temperature 0 (one-hot q) by the plain softmax
+        score = torch.softmax(penalize(x, self.sampling, counts), -1) if self.sampling.greedy else q
         for i, n in enumerate(fed):
             nodes[n].pending, nodes[n].q, nodes[n].score = first + i, q[i], score[i]
             nodes[n].state = None if states is None else states[i]
