@@ -173,16 +173,7 @@ RowHead pick(int64_t C, std::integer_sequence<int, Cs...>) {
 
 // whether the kernel runs here: an AVX512 core, the path not capped below AVX512
 bool row_attention_available() {
-  static const bool ok = [] {
-#if TS_X86
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-           cap_from_env() == AVX512VNNI;
-#else
-    return false;
-#endif
-  }();
+  static const bool ok = avx512_runs(false);
   return ok;
 }
 

@@ -162,16 +162,7 @@ TS_BF16 void tiles(const ArgsB& a, int64_t t0, int64_t t1) {
 // whether the kernels run here: an AVX512-BF16 core, the path not capped below AVX512 by
 // TREESPEC_KERNEL_ISA or ATEN_CPU_CAPABILITY
 bool bf16_available() {
-  static const bool ok = [] {
-#if TS_X86
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("avx512bf16") && cap_from_env() == AVX512VNNI;
-#else
-    return false;
-#endif
-  }();
+  static const bool ok = avx512_runs(true);
   return ok;
 }
 

@@ -44,6 +44,21 @@ inline int64_t cap_from_env() {
   return cap;
 }
 
+// Whether AVX512 F/BW/VL/DQ (and AVX512-BF16 where `bf16`) run here, the path not capped below
+// AVX512 by the environment: the AVX512-only kernels ask this once each (attention.cpp,
+// reduce.cpp, bf16.cpp).
+inline bool avx512_runs(bool bf16) {
+#if TS_X86
+  __builtin_cpu_init();
+  const bool base = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return base && (!bf16 || __builtin_cpu_supports("avx512bf16")) && cap_from_env() == AVX512VNNI;
+#else
+  (void)bf16;
+  return false;
+#endif
+}
+
 // Tile t's rows 0..a.M-1 in as few blocks of at most 8 as there can be, as even as can be (17
 // rows: 6, 6, 5), each through Block<rows>::run(a, t, first row): a block unpacks the tile once,
 // and a block of few rows waits on its dot-product chains.

@@ -52,15 +52,7 @@ TS_RED std::pair<float, int64_t> row_top(const void* p, bool bf16, int64_t V) {
 #endif
 
 bool row_max_available() {
-  static const bool ok = [] {
-#if TS_X86
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && cap_from_env() == AVX512VNNI;
-#else
-    return false;
-#endif
-  }();
+  static const bool ok = avx512_runs(false);
   return ok;
 }
 
