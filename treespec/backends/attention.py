@@ -356,7 +356,7 @@ class PackedAttention:
             lane = torch.tensor([b for b, n in enumerate(ns) for _ in range(n)], device=device)
             self.exact = (mask.view(B * n_max, span)[idx[2]], lane)
         self.g = heads // Hkv if n_max <= FOLD_MAX_QUERIES else 1  # GQA folding (see above)
-        self.mask = mask.repeat(1, 1, self.g, 1)  # [B, 1, g*n_max, span]
+        self.mask = None if self.exact else mask.repeat(1, 1, self.g, 1)  # [B, 1, g*n_max, span]
         self.B, self.n_max, self.heads, self.kv_heads, self.scale = B, n_max, heads, Hkv, D**-0.5
 
     def __call__(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:  # [T, Hq+2Hkv, D] -> [T, Hq*D]

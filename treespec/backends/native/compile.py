@@ -98,13 +98,12 @@ class GraphProduct(torch.nn.Module):
         super().__init__()
         if isinstance(projection, QuantizedProjection) and projection.tiles is not None:
             self.kind, weight, scales = "q8bf16", projection.tiles, None
-            self.out_features, self.op = projection.out_features, "q8bf16_linear"
-            self.float_out = projection.float_out
+            self.out_features, self.float_out = projection.out_features, projection.float_out
         elif isinstance(projection, QuantizedProjection):
             self.kind, weight, scales = "int8", projection.weight_int8, projection.scales
         elif isinstance(projection, Int4Projection) and projection.tiles is not None:
             self.kind, weight, scales = "q4bf16", projection.tiles, None
-            self.out_features, self.op = projection.out_features, "q4bf16_linear"
+            self.out_features = projection.out_features
         elif isinstance(projection, Int4Projection):
             self.kind, weight, scales = "int4", projection.packed, projection.scales_and_zeros
         elif isinstance(projection, Q4Q8Projection):
