@@ -85,16 +85,17 @@ def test_a_plain_round_cheaper_than_the_scored_token_turns_a_marginal_plan_plain
     """A plain step skips the tree's masks and walk: where it costs less than the scored t(1)
     (compiled graphs: 0.82), a chain that wins against a plain unit of 1 loses against it."""
     acc = {"T0": (0.45, 0.1, 0.05), "T1": (0.45, 0.1, 0.05)}
-    base = dataclasses.replace(costs(verify_slope=0.07, draft=0.15), overhead=0.14)
+    base = dataclasses.replace(costs(verify_slope=0.07, draft=0.15), overhead={"T0": 0.14, "T1": 0.14})
     assert Planner(base, acc, "shipped").plan(GREEDY).speedup > 1
-    cheap_plain = Planner(dataclasses.replace(base, plain=0.82), acc, "shipped").plan(GREEDY)
+    cheap = dataclasses.replace(base, plain={"T0": 0.82, "T1": 0.82})
+    cheap_plain = Planner(cheap, acc, "shipped").plan(GREEDY)
     assert cheap_plain.tree is None and "plain decoding" in cheap_plain.describe()
 
 
 def test_a_shape_expected_within_the_margin_of_plain_is_not_planned(monkeypatch):
     """The cost model's round is off by 5-10 % on real grids: a shape expected less than
     PLAN_MARGIN faster than plain decoding is planned as plain decoding, one above it is not."""
-    base = dataclasses.replace(costs(verify_slope=0.07, draft=0.15), overhead=0.14)
+    base = dataclasses.replace(costs(verify_slope=0.07, draft=0.15), overhead={"T0": 0.14, "T1": 0.14})
 
     def speedup(a: float) -> float:
         with monkeypatch.context() as m:
@@ -361,7 +362,7 @@ def test_a_shipped_acceptance_by_level_is_read_and_a_planned_chain_runs_block(tm
 
 def test_a_round_costs_its_parts_and_its_fixed_cost_in_plain_rounds():
     base = dataclasses.replace(costs(), node_draft=0.02, walk={"T0": 0.0, "T1": 0.1}, chain_walk=0.04)
-    timed = dataclasses.replace(base, overhead=0.3, plain=1.2)
+    timed = dataclasses.replace(base, overhead={"T0": 0.3, "T1": 0.3}, plain={"T0": 1.2, "T1": 1.2})
     assert timed.round_cost(0, 0) == base.round_cost(0, 0) == 1.0  # plain decoding is the unit
     assert timed.round_cost(3, 3, "T1") == pytest.approx((base.verify[3] + 3 * (0.05 + 0.04) + 0.3) / 1.2)
     assert timed.round_cost(4, 2, "T1") == pytest.approx((base.verify[4] + 2 * 0.03 + 4 * 0.12 + 0.3) / 1.2)
@@ -372,6 +373,12 @@ def test_a_round_costs_its_parts_and_its_fixed_cost_in_plain_rounds():
     assert dear_rows.round_cost(3, 3, "T0") == pytest.approx(base.verify[3] + 3 * 0.05)
     assert dear_rows.round_cost(4, 2, "T0") == pytest.approx(base.verify[4] + 2 * 0.05 + 2 * 0.2)
     assert Costs.from_json(timed.to_json()) == timed
+    # a greedy round's fixed cost and plain round are its own (no sampling, no block rule)
+    greedy = dataclasses.replace(timed, overhead={"T0": 0.1, "T1": 0.3}, plain={"T0": 1.0, "T1": 1.2})
+    assert greedy.round_cost(3, 3, "T1") == timed.round_cost(3, 3, "T1")
+    assert greedy.round_cost(3, 3, "T0") == pytest.approx(base.verify[3] + 3 * 0.05 + 0.1)
+    with pytest.raises(ValueError, match="version"):  # a record of one fixed cost for both classes
+        Costs.from_json({**timed.to_json(), "overhead": 0.3, "plain": 1.2})
     # a chain is scored under the causal pattern, at its own measured price; a tree under a mask
     causal = dataclasses.replace(base, chain=tuple(0.9 * v for v in base.verify[: AUTO_MAX_DEPTH + 1]))
     assert causal.round_cost(3, 3, "T1") == pytest.approx(base.round_cost(3, 3, "T1") - 0.1 * base.verify[3])
@@ -497,6 +504,8 @@ def test_measured_costs_and_acceptance_of_a_real_decoder():
     assert len(c.verify) == AUTO_MAX_NODES + 1 and c.verify[0] == 1.0
     assert all(b >= a for a, b in zip(c.verify[1:], c.verify[2:])) and c.draft > 0 and c.t1 > 0
     assert set(c.walk) == {"T0", "T1"} and min(c.walk.values()) >= 0 and c.node_draft >= 0
+    assert set(c.plain) == set(c.overhead) == {"T0", "T1"} and min(c.plain.values()) > 0
+    assert min(c.overhead.values()) >= 0
     assert len(c.chain) == AUTO_MAX_DEPTH + 1 and c.chain[0] == 1.0
     assert all(b >= a for a, b in zip(c.chain[1:], c.chain[2:]))
     assert Costs.from_json(json.loads(json.dumps(c.to_json()))) == c

@@ -21,6 +21,7 @@ COST_ROUND_TOKENS = 32  # tokens of each short generation whose rounds are timed
 COST_RUNS = 2  # timed runs of plain decoding and of chains of 1 and 4 (medians)
 COST_WARM_TOKENS = 8  # tokens of the untimed generation before each tree's timed ones
 COST_WARM_ROUNDS = 1  # untimed rounds of the feeds before their timed ones
+TEMPERATURES = {"T1": 1.0, "T0": 0.0}  # a temperature of each class the rounds are timed at
 MIN_PLAIN_ROUND = 0.25  # a plain round measured below this many t(1) is a broken clock, not a cost
 # the Sequoia shape whose rounds price a tree's further draft rows and its walk per node
 COST_TREE = TreeShape((-1, 0, 0, 0, 0, 1, 2, 3, 4))
@@ -39,9 +40,12 @@ class Costs:
     node_draft: float = 0.0  # each further row of a tree level's draft forward / t(1)
     walk: dict = field(default_factory=lambda: {"T0": 0.0, "T1": 0.0})  # the walk per node / t(1), per class
     chain_walk: float = 0.0  # a chain's walk per node at T > 0 (the block rule) / t(1)
-    plain: float = 1.0  # a plain round (forward, sampling, bookkeeping) / t(1); below 1 where
-    # the tree's masks and walk make the scored t(1) dearer than a plain step
-    overhead: float = 0.0  # a speculative round's time beyond its forwards, draws and walk / t(1)
+    # per temperature class (a T=0 round takes argmaxes where a T=1 round samples and runs the
+    # block rule): a plain round (forward, sampling, bookkeeping) / t(1), below 1 where the
+    # tree's masks and walk make the scored t(1) dearer than a plain step; and a speculative
+    # round's time beyond its forwards, draws and walk / t(1)
+    plain: dict = field(default_factory=lambda: {"T0": 1.0, "T1": 1.0})
+    overhead: dict = field(default_factory=lambda: {"T0": 0.0, "T1": 0.0})
     # chain[n] = t(a root and a chain of n tokens) / t(1), n = 0 .. AUTO_MAX_DEPTH: a chain is
     # scored under the causal pattern, a tree under a mask built per round; () prices chains as trees
     chain: tuple[float, ...] = ()
@@ -60,7 +64,7 @@ class Costs:
             low, high = int(n), min(int(n) + 1, len(self.verify) - 1)
             scoring = self.verify[low] + (n - low) * (self.verify[high] - self.verify[low])
         forwards = scoring + depth * self.level_draft
-        return (forwards + self.per_node(cls, nodes == depth) * nodes + self.overhead) / self.plain
+        return (forwards + self.per_node(cls, nodes == depth) * nodes + self.overhead[cls]) / self.plain[cls]
 
     def per_node(self, cls: str, chain: bool = False) -> float:
         """What each node adds beyond its scoring: its walk under `cls` (a chain's is the block
@@ -88,16 +92,19 @@ class Costs:
         return {
             "verify": list(self.verify), "draft": self.draft, "t1": self.t1, "measured": self.measured,
             "node_draft": self.node_draft, "walk": dict(self.walk), "chain_walk": self.chain_walk,
-            "plain": self.plain, "overhead": self.overhead, "chain": list(self.chain),
+            "plain": dict(self.plain), "overhead": dict(self.overhead), "chain": list(self.chain),
         }  # fmt: skip
 
     @classmethod
     def from_json(cls, d: dict) -> Costs:
         verify = tuple(float(v) for v in d["verify"])
-        valid = all(v > 0 for v in verify) and float(d["draft"]) >= 0 and float(d["plain"]) > 0
+        if not all(isinstance(d[f], dict) for f in ("walk", "plain", "overhead")):
+            raise ValueError("not a cost record of this version: one value where each class has its own")
+        per_class = ({k: float(d[f][k]) for k in TEMPERATURES} for f in ("walk", "plain", "overhead"))
+        walk, plain, overhead = per_class
+        valid = all(v > 0 for v in (*verify, *plain.values())) and float(d["draft"]) >= 0
         if len(verify) != AUTO_MAX_NODES + 1 or not valid:
             raise ValueError("not a cost record of this version")
-        walk = {k: float(d["walk"][k]) for k in ("T0", "T1")}
         return cls(
             verify,
             float(d["draft"]),
@@ -106,8 +113,8 @@ class Costs:
             float(d["node_draft"]),
             walk,
             float(d["chain_walk"]),
-            float(d["plain"]),
-            float(d["overhead"]),
+            plain,
+            overhead,
             tuple(float(v) for v in d["chain"]),
         )
 
@@ -264,8 +271,12 @@ class RoundCosts:
     node_draft: float = 0.0
     walk: dict = field(default_factory=lambda: {"T0": 0.0, "T1": 0.0})
     chain_walk: float = 0.0
-    plain: float = 1.0
-    overhead: float = 0.0
+    plain: dict = field(default_factory=lambda: {"T0": 1.0, "T1": 1.0})
+    overhead: dict = field(default_factory=lambda: {"T0": 0.0, "T1": 0.0})
+
+    def chain_node_walk(self, cls: str) -> float:
+        """A chain's walk per node under `cls`, as `Costs.per_node` prices it."""
+        return min(self.chain_walk, self.walk["T0"]) if cls == "T0" else self.chain_walk
 
 
 def _scoring(s, table: list[float]) -> float:
@@ -279,39 +290,43 @@ def _median_run(stats: list):
 
 
 def time_rounds(timer: RoundTimer, verify: list[float], chain_scoring: list[float]) -> RoundCosts:
-    """A round's costs from short generations at T=1: plain decoding and chains of 1 and 4
-    levels, COST_RUNS runs each after one that pays for allocations, interleaved so that a slow
-    stretch of a shared machine slows each alike (`time_chains`); then a tree's per-node costs
-    (`time_tree_nodes`)."""
+    """A round's costs from short generations: plain decoding and a chain of 1 level at each
+    temperature class, a chain of 4 levels at T=1, COST_RUNS runs each after one that pays for
+    allocations, interleaved so that a slow stretch of a shared machine slows each alike
+    (`time_chains`); then a tree's per-node costs (`time_tree_nodes`) and each class's fixed
+    cost of a round (`time_overheads`)."""
     trees = {"plain": None, "short": TreeConfig(width=1, depth=1), "chain": TreeConfig(width=1, depth=4)}
-    runs: dict[str, list] = {k: [] for k in trees}
+    kinds = [(k, cls) for cls in TEMPERATURES for k in trees if cls == "T1" or k != "chain"]
+    runs: dict[tuple, list] = {kind: [] for kind in kinds}
     for r in range(COST_RUNS + 1):
-        for k, tree in trees.items():
-            s = timer.generate(tree, 1.0, warm=not r)
+        for k, cls in kinds:
+            s = timer.generate(trees[k], TEMPERATURES[cls], warm=not r)
             if r:
-                runs[k].append(s)
+                runs[k, cls].append(s)
     # a plain round skips the tree's masks and walk, so it may cost less than the scored t(1)
-    plains = [timer.per_round(s, s.total_seconds - s.prefill_seconds) for s in runs["plain"]]
-    out = RoundCosts(plain=max(MIN_PLAIN_ROUND, statistics.median(plains)))
-    short, chain = _median_run(runs["short"]), _median_run(runs["chain"])
-    if short.draft_forwards and chain.draft_forwards:
-        time_chains(timer, out, runs["short"], plains, short, chain, verify, chain_scoring)
-        time_tree_nodes(timer, out, short, verify)
+    plains = {
+        cls: [timer.per_round(s, s.total_seconds - s.prefill_seconds) for s in runs["plain", cls]]
+        for cls in TEMPERATURES
+    }
+    out = RoundCosts(plain={cls: max(MIN_PLAIN_ROUND, statistics.median(p)) for cls, p in plains.items()})
+    shorts = {cls: _median_run(runs["short", cls]) for cls in TEMPERATURES}
+    chain = _median_run(runs["chain", "T1"])
+    if all(s.draft_forwards for s in shorts.values()) and chain.draft_forwards:
+        time_chains(timer, out, shorts["T1"], chain, verify, chain_scoring)
+        time_tree_nodes(timer, out, shorts, verify)
+        for cls in TEMPERATURES:
+            time_overhead(timer, out, cls, runs["short", cls], plains[cls], verify)
     return out
 
 
-def time_chains(
-    timer: RoundTimer, out: RoundCosts, shorts, plains, short, chain, verify, chain_scoring
-) -> None:
-    """From chains of 1 and 4 levels (`short`, `chain`: their median runs; `shorts`: every run
-    of the chain of 1, `plains` the plain round of each run beside it), into `out`: c, what a
-    further level adds to the draft's time; a chain's walk per node (the block rule at T>0)
-    from its verification time; and `overhead`, the rest of a depth-1 round (the first level's
-    catch-up on the accepted tokens beyond c, both caches' bookkeeping)."""
+def time_chains(timer: RoundTimer, out: RoundCosts, short, chain, verify, chain_scoring) -> None:
+    """From chains of 1 and 4 levels at T=1 (`short`, `chain`: their median runs), into `out`:
+    c, what a further level adds to the draft's time; and a chain's walk per node (the block
+    rule) from its verification time."""
     per_round = timer.per_round
     levels = max(2.0, chain.draft_forwards / chain.target_steps)
     further = per_round(chain, chain.draft_seconds) - per_round(short, short.draft_seconds)
-    out.draft = c = max(0.0, further / (levels - 1))
+    out.draft = max(0.0, further / (levels - 1))
     # the walk's per-node cost is the slope of verification beyond scoring from the chain of 1
     # to the chain of 4; what a round spends there whatever its nodes (the target's sampling of
     # its root, the mask) is `overhead`'s
@@ -319,34 +334,45 @@ def time_chains(
     unwalked = per_round(short, short.verify_seconds) - _scoring(short, verify)  # a chain of 1's
     verified = per_round(chain, chain.verify_seconds) - _scoring(chain, chain_scoring)
     out.chain_walk = max(0.0, (verified - unwalked) / max(nodes - one, 1.0))
+
+
+def time_overhead(timer: RoundTimer, out: RoundCosts, cls: str, shorts, plains, verify) -> None:
+    """Into `out.overhead[cls]`: the rest of a depth-1 round at `cls` (the first level's
+    catch-up on the accepted tokens beyond c, both caches' bookkeeping, the root's sampling),
+    from every run of the chain of 1 at `cls` (`shorts`) and the plain round of each run beside
+    it (`plains`)."""
+    per_round, c = timer.per_round, out.draft
     # a chain of 1's round over the plain round run beside it, run by run (a slow stretch slows
     # both), times the plain round
     paired = [
         per_round(s, s.total_seconds - s.prefill_seconds - s.plan_seconds) / p for s, p in zip(shorts, plains)
     ]
-    whole = statistics.median(paired) * out.plain
+    whole = statistics.median(paired) * out.plain[cls]
+    short = _median_run(shorts)
     first = per_round(short, short.draft_seconds)  # a round's first level, catch-up included
     # a small difference of large times, but never below what the first level costs beyond a
     # further one, which the draft's own timer measures steadily
-    out.overhead = max(0.0, first - c, whole - _scoring(short, verify) - out.chain_walk - c)
+    walked = whole - _scoring(short, verify) - out.chain_node_walk(cls) - c
+    out.overhead[cls] = max(0.0, first - c, walked)
 
 
-def time_tree_nodes(timer: RoundTimer, out: RoundCosts, short, verify: list[float]) -> None:
+def time_tree_nodes(timer: RoundTimer, out: RoundCosts, shorts: dict, verify: list[float]) -> None:
     """Into `out`, from rounds of `COST_TREE` (children drawn without replacement) at T=1 and
     T=0: a round of d levels and n nodes drafts in d x c + (n - d) x node_draft and walks n
-    nodes in n x walk[class] (the traversal rule at T>0, its sampling included). `short`: the
-    chain of 1's median run (`time_chains`)."""
+    nodes in n x walk[class] (the traversal rule at T>0, its sampling included). `shorts`: the
+    chain of 1's median run at each class (`time_rounds`)."""
     per_round = timer.per_round
     shape = TreeConfig(strategy="sequoia", shape=COST_TREE, depth=2)
-    one = short.tree_nodes / short.target_steps
-    unwalked = per_round(short, short.verify_seconds) - _scoring(short, verify)
-    intercept = max(0.0, unwalked - out.chain_walk * one)  # a round's, whatever its nodes
-    first = per_round(short, short.draft_seconds)
+    first = per_round(shorts["T1"], shorts["T1"].draft_seconds)
     timer.generate(shape, 1.0, warm=True)  # allocations
-    for cls, temperature in (("T1", 1.0), ("T0", 0.0)):
+    for cls, temperature in TEMPERATURES.items():
         s = timer.generate(shape, temperature)
         if not (s.target_steps and s.draft_forwards and s.tree_nodes):
             continue
+        short = shorts[cls]
+        one = short.tree_nodes / short.target_steps
+        unwalked = per_round(short, short.verify_seconds) - _scoring(short, verify)
+        intercept = max(0.0, unwalked - out.chain_walk * one)  # a round's, whatever its nodes
         nodes, levels = s.tree_nodes / s.target_steps, s.draft_forwards / s.target_steps
         if cls == "T1" and nodes > levels:
             chained = first + (levels - 1) * out.draft  # a chain of as many levels

@@ -85,8 +85,8 @@ class Plan:
         why = (
             f"acceptance [{a}] ({self.source}); t(n)/t(1) {self.costs.verify[1]:.2f} (n=2) .. "
             f"{self.costs.verify[-1]:.2f} (n={len(self.costs.verify)}), c {self.costs.draft:.3f}, "
-            f"per node +{self.costs.per_node(self.cls):.3f}, per round +{self.costs.overhead:.3f}, "
-            f"plain round {self.costs.plain:.2f}"
+            f"per node +{self.costs.per_node(self.cls):.3f}, per round +{self.costs.overhead[self.cls]:.3f}, "
+            f"plain round {self.costs.plain[self.cls]:.2f}"
         )
         if self.tree is None:
             return f"auto: plain decoding, no shape beats it by {PLAN_MARGIN:.0%} ({why})"
@@ -146,7 +146,7 @@ class Planner:
             AUTO_MAX_NODES,
             AUTO_MAX_DEPTH,
             costs.verify_with_nodes(cls),
-            costs.level_draft / costs.plain,
+            costs.level_draft / costs.plain[cls],
         )
         # the DP prices every shape as a tree; chains, walked by the block rule, compete at
         # their own cost
