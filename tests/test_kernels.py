@@ -297,12 +297,15 @@ def test_built_answers_without_building(tmp_path):
         "import torch; from treespec.backends import kernels\n"
         "from treespec.backends.linear import Int4Projection\n"
         "p = Int4Projection.quantize(torch.randn(16, 64).bfloat16(), tiles=True)\n"
-        "print(kernels.built(), p.tiles is None)"
+        "print(kernels.built(), p.tiles is None)\n"
+        # asked per sampled row where the kernels are not built: no compiler run after the first
+        "import subprocess; subprocess.run = None; from treespec import sampling\n"
+        "print(kernels.built(), int(sampling.argmax(torch.tensor([[0.0, 2.0, 1.0]]))))"
     )
     env = {**os.environ, "TREESPEC_CACHE": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["False", "True"]
+    assert out.stdout.split() == ["False", "True", "False", "1"]
     assert not list(tmp_path.rglob("*.so"))
 
 

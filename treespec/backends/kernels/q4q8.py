@@ -35,6 +35,7 @@ scalar|aten caps it (ATEN_CPU_CAPABILITY=avx2 caps it at avx2, as on such a core
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -344,7 +345,13 @@ def _aten_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
 
 
 def _compiler() -> tuple[str | None, str]:
-    cxx = os.environ.get("CXX", "c++")
+    return _compiler_named(os.environ.get("CXX", "c++"))
+
+
+@functools.cache
+def _compiler_named(cxx: str) -> tuple[str | None, str]:
+    """(the compiler's path, its version line), or (None, why not): asked once a process (a
+    subprocess each time would cost a millisecond, and `built()` is asked per sampled row)."""
     path = shutil.which(cxx)
     if path is None:
         return None, f"no C++ compiler ({cxx!r} is not on PATH)"
@@ -358,7 +365,12 @@ def _compiler() -> tuple[str | None, str]:
 def _build_dir(key: str) -> Path:
     from treespec.config import default_cache_dir
 
-    base = default_cache_dir() / "kernels" / key
+    return _build_dir_in(default_cache_dir(), key)
+
+
+@functools.cache
+def _build_dir_in(cache: Path, key: str) -> Path:
+    base = cache / "kernels" / key
     try:
         base.mkdir(parents=True, exist_ok=True)
         probe = base / ".writable"
@@ -378,13 +390,18 @@ def _library() -> tuple[Path, Path, str]:
     cxx, version = _compiler()
     if cxx is None:
         raise RuntimeError(version)
-    parts = [*(f.read_text() for f in SOURCES), torch.__version__, version, " ".join(CFLAGS + LDFLAGS)]
-    parts += [platform.machine(), sys.version]
-    ident = "\n".join(parts)
-    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    key = _source_key(version)
     name = f"treespec_q4q8_{key}"
     where = _build_dir(key)
     return where / f"{name}.so", where, name
+
+
+@functools.cache
+def _source_key(version: str) -> str:
+    """The library's key: a digest of its sources, torch, the compiler `version` and flags."""
+    parts = [*(f.read_text() for f in SOURCES), torch.__version__, version, " ".join(CFLAGS + LDFLAGS)]
+    parts += [platform.machine(), sys.version]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def _load_compiled() -> None:
