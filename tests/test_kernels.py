@@ -380,3 +380,24 @@ def test_row_max_is_torch_max_with_its_first_index():
             assert torch.equal(indices, want_indices) and torch.equal(argmax(x), want_indices), (dtype, V)
             torch.testing.assert_close(values, want_values.float(), rtol=0, atol=0, equal_nan=True)
     assert row_max(torch.randn(2, 3, 50))[1].shape == (2, 3)
+
+
+def test_a_killed_build_never_blocks_the_next(tmp_path, monkeypatch):
+    """cpp_extension waits on its baton file (`lock`) while it exists, and a killed build leaves
+    it: `build.load` removes it once it holds the directory's own lock (which the system releases
+    when its holder dies), and builds."""
+    from torch.utils import cpp_extension
+
+    from treespec.backends.kernels import build
+
+    (tmp_path / "lock").write_text("")  # a killed build's baton
+    lib = tmp_path / "lib.so"
+
+    def fake_load(name, sources, build_directory, **kwargs):
+        assert not (Path(build_directory) / "lock").exists()
+        lib.write_bytes(b"")
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: None)
+    assert build.load(lib, tmp_path, "lib") >= 0 and (tmp_path / "built").exists()
+    assert build.load(lib, tmp_path, "lib") is None  # built before: loaded as it is

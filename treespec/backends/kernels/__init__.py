@@ -1,6 +1,7 @@
-"""Compiled CPU kernels (built on first use; see q4q8.py) whose cost grows slowly with the number
-of rows M (issue 58): int4 / int8 weights x int8 activations (q4q8.py), and int4 / int8 weights x
-bfloat16 activations as they are (bf16.py)."""
+"""Compiled CPU kernels (one library, built once per machine by build.py; q4q8.py decides when)
+whose cost grows slowly with the number of rows M (issue 58): int4 / int8 weights x int8
+activations (q4q8.py), int4 / int8 weights x bfloat16 activations as they are (bf16.py), attention
+whose rows are independent (attention.py) and a vectorised row maximum (reduce.py)."""
 
 from . import attention, bf16, reduce
 from .q4q8 import (

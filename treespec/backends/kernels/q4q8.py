@@ -35,21 +35,15 @@ scalar|aten caps it (ATEN_CPU_CAPABILITY=avx2 caps it at avx2, as on such a core
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import sys
 import threading
-import time
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
+
+from . import build
 
 QK = 32  # inputs per group
 TILE = 16  # output columns per tile
@@ -57,15 +51,6 @@ TILE_BYTES = 320  # per tile and group: 256 bytes of nibbles, 16 fp16 d, 16 fp16
 TILE8_BYTES = 544  # per tile and group, 8-bit weights: 512 bytes of q + 128, 16 fp16 d
 ISAS = ("scalar", "avx2", "avx512vnni")  # the compiled paths, by code (q4q8.cpp's Isa)
 ATEN = "aten"  # torch ops, no compiled code
-SOURCES = tuple(
-    Path(__file__).with_name(f) for f in ("isa.h", "q4q8.cpp", "bf16.cpp", "attention.cpp", "reduce.cpp")
-)
-# -fopenmp: at::parallel_for is OpenMP in torch's CPU builds (inline, so compiled here; the
-# extension then shares torch's libgomp); -ffp-contract=off: no fused multiply-adds but the written
-# ones, the same in every path
-CFLAGS = ["-O3", "-ffp-contract=off", "-Wno-psabi", "-fopenmp"]
-LDFLAGS = ["-fopenmp"]
-
 _lock = threading.Lock()
 _state: dict = {"tried": False, "compiled": False, "error": None, "dir": None, "build_s": None, "op": False}
 
@@ -344,94 +329,11 @@ def _aten_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
 # ------------------------------------------------------------------------------------- build, op
 
 
-def _compiler() -> tuple[str | None, str]:
-    return _compiler_named(os.environ.get("CXX", "c++"))
-
-
-@functools.cache
-def _compiler_named(cxx: str) -> tuple[str | None, str]:
-    """(the compiler's path, its version line), or (None, why not): asked once a process (a
-    subprocess each time would cost a millisecond, and `built()` is asked per sampled row)."""
-    path = shutil.which(cxx)
-    if path is None:
-        return None, f"no C++ compiler ({cxx!r} is not on PATH)"
-    try:
-        version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        return None, f"C++ compiler {cxx!r} does not run: {e}"
-    return path, version.splitlines()[0] if version else cxx
-
-
-def _build_dir(key: str) -> Path:
-    from treespec.config import default_cache_dir
-
-    return _build_dir_in(default_cache_dir(), key)
-
-
-@functools.cache
-def _build_dir_in(cache: Path, key: str) -> Path:
-    base = cache / "kernels" / key
-    try:
-        base.mkdir(parents=True, exist_ok=True)
-        probe = base / ".writable"
-        probe.touch()
-        return base
-    except OSError:  # a read-only cache: build in a temporary folder
-        import tempfile
-
-        tmp = Path(tempfile.gettempdir()) / f"treespec-kernels-{os.getuid()}" / key
-        tmp.mkdir(parents=True, exist_ok=True)
-        return tmp
-
-
-def _library() -> tuple[Path, Path, str]:
-    """(the library's path, its build directory, its name) for this source, torch, compiler and
-    flags; a RuntimeError without a compiler."""
-    cxx, version = _compiler()
-    if cxx is None:
-        raise RuntimeError(version)
-    key = _source_key(version)
-    name = f"treespec_q4q8_{key}"
-    where = _build_dir(key)
-    return where / f"{name}.so", where, name
-
-
-@functools.cache
-def _source_key(version: str) -> str:
-    """The library's key: a digest of its sources, torch, the compiler `version` and flags."""
-    parts = [*(f.read_text() for f in SOURCES), torch.__version__, version, " ".join(CFLAGS + LDFLAGS)]
-    parts += [platform.machine(), sys.version]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-
-
 def _load_compiled() -> None:
-    """Load q4q8.cpp's library, building it once per (source, torch, compiler, flags)."""
-    lib, where, name = _library()
-    done = where / "built"
+    """Load the kernels' library, building it once per (source, torch, compiler, flags)."""
+    lib, where, name = build.library()
     _state["dir"] = str(where)
-    if lib.exists() and done.exists():
-        torch.ops.load_library(str(lib))
-        return
-    if shutil.which("ninja") is None:  # cpp_extension runs `ninja` from PATH: the package's binary
-        try:
-            import ninja
-        except ImportError:
-            raise RuntimeError("building the kernels needs ninja (pip install ninja)") from None
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    from torch.utils import cpp_extension
-
-    start = time.perf_counter()
-    cpp_extension.load(
-        name=name,
-        sources=[str(f) for f in SOURCES if f.suffix == ".cpp"],
-        extra_cflags=CFLAGS,
-        extra_ldflags=LDFLAGS,
-        build_directory=str(where),
-        is_python_module=False,
-        verbose=bool(os.environ.get("TREESPEC_KERNELS_VERBOSE")),
-    )
-    _state["build_s"] = time.perf_counter() - start
-    done.write_text(f"{_state['build_s']:.1f} s\n")
+    _state["build_s"] = build.load(lib, where, name)
 
 
 def _fake(x, packed, bias, n, isa=-1):
@@ -513,7 +415,7 @@ def built() -> bool:
     if os.environ.get("TREESPEC_KERNEL_ISA", "").lower() == ATEN:
         return False
     try:
-        lib, where, _ = _library()
+        lib, where, _ = build.library()
     except RuntimeError:
         return False
     return lib.exists() and (where / "built").exists() and _ensure()
