@@ -19,6 +19,7 @@ pydantic = pytest.importorskip("pydantic")
 pytest.importorskip("fastapi")
 
 from treespec.constraints import GrammarVocabulary  # noqa: E402
+from treespec.serve.protocol import DONE, sse_events  # noqa: E402
 from treespec.serve.tools import CLOSE, ToolPlan, call_prefix, tool_plan, tool_stream  # noqa: E402
 from treespec.zoo import ZOO  # noqa: E402
 
@@ -186,25 +187,24 @@ def test_the_stream_is_reshaped_chunk_by_chunk_and_the_rest_passes_through():
     def event(delta=None, finish=None, logprobs=None, **extra):
         choice = {"index": 0, "delta": delta or {}, **({"finish_reason": finish} if finish else {})}
         choice.update({"logprobs": logprobs} if logprobs else {})
-        return "data: " + json.dumps({"id": "c", "choices": [choice], **extra}) + "\n\n"
+        return {"id": "c", "choices": [choice], **extra}
 
     text = call("search", '{"q": "x"}')
-    events = [
-        event({"role": "assistant", "content": ""}),
-        "data: " + json.dumps({"choices": [], "u": 1}) + "\n\n",
-    ]
+    events = [event({"role": "assistant", "content": ""}), {"choices": [], "u": 1}]
     events += [event({"content": text[i : i + 5]}, logprobs={"content": [i]}) for i in range(0, len(text), 5)]
-    events += [event(finish="stop", treespec={"steps": 1}), "data: [DONE]\n\n"]
+    events += [event(finish="stop", treespec={"steps": 1}), DONE]
 
     async def source():
         for e in events:
             yield e
 
     async def run():
-        return [e async for e in tool_stream(source(), tool_plan(TOOLS, "required").reader())]
+        reshaped = tool_stream(source(), tool_plan(TOOLS, "required").reader())
+        return [e async for e in sse_events(reshaped)]
 
     out = asyncio.run(run())
-    assert out[0] == events[1] and out[-1] == "data: [DONE]\n\n"
+    assert json.loads(out[0][6:]) == events[1] and out[-1] == "data: [DONE]\n\n"
+    assert all(e.startswith("data: ") and e.endswith("\n\n") for e in out)
     chunks = [json.loads(e[6:]) for e in out[1:-1]]
     logprobs = [c["choices"][0]["logprobs"]["content"][0] for c in chunks if "logprobs" in c["choices"][0]]
     assert logprobs == list(range(0, len(text), 5))  # each round's, once

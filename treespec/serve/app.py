@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import json
 import logging
 import os
 import threading
@@ -47,6 +46,7 @@ from .guard import Guard
 from .loop import EngineLoop, Job
 from .metrics import Metrics
 from .protocol import (
+    DONE,
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -407,7 +407,8 @@ class Server:
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
     async def stream(self, job: Job, chat: bool, include_usage: bool):
-        """SSE events of one request: `data: {chunk}` lines, then `data: [DONE]`."""
+        """The chunks of one request's stream, as dicts (OpenAI's chunk objects), then `DONE`;
+        `sse_events` writes them as server-sent events."""
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         text = TextStream(self.tokenizer, job.request.stop_strings)
@@ -415,7 +416,7 @@ class Server:
         # with logprobs, a round's text waits for its log-probabilities (they follow its tokens)
         pending, offset = None, 0
 
-        def chunk(delta: str | None = None, finish: str | None = None, logprobs=None, **extra) -> str:
+        def chunk(delta: str | None = None, finish: str | None = None, logprobs=None, **extra) -> dict:
             if chat:
                 d = ChatDelta(content=delta) if delta is not None else ChatDelta()
                 body = ChatCompletionChunk(
@@ -433,7 +434,7 @@ class Server:
                     choices=[CompletionChoice(text=delta or "", logprobs=logprobs, finish_reason=finish)],
                     **extra,
                 )
-            return sse(body.model_dump(exclude_none=True))
+            return body.model_dump(exclude_none=True)
 
         try:
             if chat:
@@ -443,7 +444,7 @@ class Server:
                     model=self.model_name,
                     choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))],
                 )
-                yield sse(first.model_dump(exclude_none=True))
+                yield first.model_dump(exclude_none=True)
             while True:
                 item = await job.queue.get()
                 if item[0] == "tokens":
@@ -459,7 +460,7 @@ class Server:
                     body = kind(
                         id=rid, created=created, model=self.model_name, choices=[], treespec_round=drawn
                     )
-                    yield sse(body.model_dump(exclude_none=True))
+                    yield body.model_dump(exclude_none=True)
                     continue
                 if item[0] == "logprobs":
                     (delta, ids), lp = pending, item[1]
@@ -473,7 +474,7 @@ class Server:
                 finished = True
                 out, error = item[1], item[2]
                 if error is not None:
-                    yield sse(error_body(error, "server_error", None, "engine_error"))
+                    yield error_body(error, "server_error", None, "engine_error")
                     break
                 ids = text.ids if out is None else out.token_ids  # None: cut at a shutdown
                 rest = text.finish(ids)
@@ -493,9 +494,9 @@ class Server:
                         body = CompletionResponse(
                             id=rid, created=created, model=self.model_name, choices=[], usage=usage
                         )
-                    yield sse(body.model_dump(exclude_none=True))
+                    yield body.model_dump(exclude_none=True)
                 break
-            yield "data: [DONE]\n\n"
+            yield DONE
         finally:
             self.jobs.discard(job)
             if not finished:  # the client went away (or the server is cancelling the stream)
@@ -513,10 +514,6 @@ def _call_soon(aloop: asyncio.AbstractEventLoop, fn) -> None:
         aloop.call_soon_threadsafe(fn)
     except RuntimeError:  # the loop is closed: nothing left to answer
         pass
-
-
-def sse(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
 def create_app(

@@ -19,6 +19,7 @@ treespec's own settings ride in extra body fields (the openai client's `extra_bo
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
@@ -287,3 +288,17 @@ def error_param(message: str, prompt_field: str = "prompt") -> str | None:
 def client_message(message: str) -> str:
     """A treespec message in the API's words (max_tokens, tree.width)."""
     return message.replace("max_new_tokens", "max_tokens").replace("TreeConfig.", "tree.")
+
+
+DONE = "[DONE]"  # a stream's last event
+
+
+async def sse_events(events):
+    """A stream's chunks (dicts, then `DONE`) as server-sent events."""
+    try:
+        async for event in events:
+            yield (
+                "data: [DONE]\n\n" if event is DONE else f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+            )
+    finally:
+        await events.aclose()

@@ -30,6 +30,7 @@ from .protocol import (
     ServeError,
     error_body,
     openai_finish_reason,
+    sse_events,
 )
 from .tools import tool_plan, tool_stream
 
@@ -99,7 +100,9 @@ async def completions(http: HTTPRequest):
     job = await srv.submit(request, arrival, body, "prompt")
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(srv.stream(job, False, include_usage), media_type="text/event-stream")
+        return StreamingResponse(
+            sse_events(srv.stream(job, False, include_usage)), media_type="text/event-stream"
+        )
     out, error = await srv.wait(job, http)
     if (failed := srv.failure(out, error)) is not None:
         return failed
@@ -140,7 +143,7 @@ async def chat_completions(http: HTTPRequest):
         events = srv.stream(job, True, include_usage)
         if tools is not None:
             events = tool_stream(events, tools.reader())
-        return StreamingResponse(events, media_type="text/event-stream")
+        return StreamingResponse(sse_events(events), media_type="text/event-stream")
     out, error = await srv.wait(job, http)
     if (failed := srv.failure(out, error)) is not None:
         return failed

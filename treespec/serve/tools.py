@@ -288,9 +288,9 @@ def _is_json(text: str) -> bool:
 
 
 async def tool_stream(events, reader: CallReader):
-    """The SSE events of a chat stream (`Server.stream`), its content read as `reader` reads
-    it: the role chunk, the content chunks and the finish chunk reshaped; rounds, usage,
-    errors and [DONE] as they are."""
+    """The chunks of a chat stream (`Server.stream`), its content read as `reader` reads it:
+    the role chunk, the content chunks and the finish chunk reshaped; rounds, usage, errors and
+    the end as they are."""
     try:
         async for event in events:
             for out in _reshape(event, reader):
@@ -299,14 +299,11 @@ async def tool_stream(events, reader: CallReader):
         await events.aclose()
 
 
-def _reshape(event: str, reader: CallReader) -> list[str]:
-    if not event.startswith("data: {"):
+def _reshape(event, reader: CallReader) -> list:
+    choices = event.get("choices") if isinstance(event, dict) else None
+    if not choices:  # a round's tree, usage, an error, the end
         return [event]
-    data = json.loads(event[len("data: ") :])
-    choices = data.get("choices")
-    if not choices:  # a round's tree, usage, an error
-        return [event]
-    choice, base = choices[0], {k: v for k, v in data.items() if k not in ("choices", "treespec")}
+    choice, base = choices[0], {k: v for k, v in event.items() if k not in ("choices", "treespec")}
     delta, logprobs, finish = choice.get("delta") or {}, choice.get("logprobs"), choice.get("finish_reason")
     if "role" in delta:
         deltas = reader.start()
@@ -315,15 +312,13 @@ def _reshape(event: str, reader: CallReader) -> list[str]:
     else:
         deltas = reader.feed(delta.get("content") or "")
 
-    def sse(d: dict, **extra) -> str:
-        body = {**base, "choices": [{"index": choice.get("index", 0), "delta": d, **extra}]}
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+    def chunk(d: dict, **extra) -> dict:
+        return {**base, "choices": [{"index": choice.get("index", 0), "delta": d, **extra}]}
 
-    out = [sse(d) for d in deltas]
+    out = [chunk(d) for d in deltas]
     if logprobs is not None:  # with the round's last delta (alone when the round gave none)
-        out[-1:] = [sse(deltas[-1] if deltas else reader.delta(), logprobs=logprobs)]
+        out[-1:] = [chunk(deltas[-1] if deltas else reader.delta(), logprobs=logprobs)]
     if finish is not None:
-        stats = {"treespec": data["treespec"]} if "treespec" in data else {}
-        body = {**base, "choices": [{"index": choice.get("index", 0), "delta": {}, "finish_reason": finish}]}
-        out.append(f"data: {json.dumps({**body, **stats}, ensure_ascii=False)}\n\n")
+        stats = {"treespec": event["treespec"]} if "treespec" in event else {}
+        out.append({**chunk({}, finish_reason=finish), **stats})
     return out
