@@ -1,7 +1,8 @@
 """Tool calls on `treespec serve` (treespec.serve.tools), on the bundled pycode pair: a named
 function's call streamed as OpenAI streams it (and reassembled by the openai client), "required"
-with several tools, "auto" (free text or one call, the grammar checked on its own as well),
-the call read back alike whatever the text's cuts, and the 400s that remain."""
+with several tools, "auto" (free text or one call, the grammar checked on its own as well; the
+call itself on the default pair, which makes one where the conversation shows calls), the call
+read back alike whatever the text's cuts, and the 400s that remain."""
 
 from __future__ import annotations
 
@@ -394,3 +395,56 @@ def test_a_dropped_tool_stream_frees_its_lane(server, client):
     while running(server) != 0:
         assert time.time() < deadline, "the lane was not freed"
         time.sleep(0.1)
+
+
+def weather_call(city: str, days: int) -> str:
+    return call("weather", json.dumps({"city": city, "days": days}))
+
+
+# three calls in the conversation: the default pair then answers the fourth question with a call
+FEW_SHOT = [
+    m
+    for city, days in (("London", 2), ("Rome", 5), ("Oslo", 1))
+    for m in (
+        {"role": "user", "content": f"What will the weather be in {city} for the next {days} days?"},
+        {"role": "assistant", "content": weather_call(city, days)},
+    )
+] + [{"role": "user", "content": "What will the weather be in Paris for the next 3 days?"}]
+
+
+@pytest.fixture(scope="module")
+def default_pair_client():
+    """The official client of an in-process app around the default pair (SmolLM2 and its head)."""
+    from fastapi.testclient import TestClient
+
+    from treespec import SpeculativeDecoder, TreeConfig
+    from treespec.serve.app import ServeSettings, create_app
+
+    with pytest.MonkeyPatch.context() as m:  # the real default, not the tests' pycode
+        m.delenv("TREESPEC_PAIR", raising=False)
+        m.setenv("HF_HUB_OFFLINE", "1")
+        dec = SpeculativeDecoder.from_pretrained(compile=False)
+    app = create_app(dec.engine(max_live=2), dec.tokenizer, "smollm2", ServeSettings(tree=TreeConfig(1, 1)))
+    with TestClient(app) as http:
+        yield openai.OpenAI(base_url="http://testserver/v1", api_key="x", max_retries=0, http_client=http)
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_auto_answers_with_a_call_where_the_model_makes_one(default_pair_client, tree):
+    """The other branch of "auto": a model that chooses to call gets `tool_calls`, whole and
+    streamed alike, its arguments valid (the pycode pair above always answers in text)."""
+    client = default_pair_client
+    for temperature, seed in ((0.0, 0), (1.0, 1)):
+        kw = dict(model="smollm2", messages=FEW_SHOT, tools=TOOLS[:1], tool_choice="auto", max_tokens=64,
+                  temperature=temperature, seed=seed, extra_body=TREES[tree])  # fmt: skip
+        r = client.chat.completions.create(**kw)
+        m, finish = r.choices[0].message, r.choices[0].finish_reason
+        assert finish == "tool_calls" and m.content is None, (m, finish)
+        (got_call,) = m.tool_calls
+        assert got_call.function.name == "weather" and valid("weather", got_call.function.arguments)
+        streamed = read_calls(client.chat.completions.create(**kw, stream=True))
+        assert streamed["finish"] == "tool_calls" and streamed["content"] is None
+        assert streamed["roles"] == ["assistant"]
+        assert [(c["name"], c["arguments"]) for c in streamed["calls"].values()] == [
+            ("weather", got_call.function.arguments)
+        ]
