@@ -18,7 +18,7 @@ COST_FEEDS = tuple(range(1, AUTO_MAX_NODES + 2))  # target feed sizes timed: eve
 COST_PREFIX = 128  # committed tokens before the timed feeds
 COST_ROUND_TOKENS = 32  # tokens of each short generation whose rounds are timed (shorter ones bias
 # the round's costs: 24 planned plain where chains of 1-2 ran 1.12-1.14x, AVX2 T=1)
-COST_RUNS = 2  # timed runs of plain decoding and of chains of 1 and 4 (medians)
+COST_RUNS = 2  # timed runs of plain decoding and of chains of 1 and 4 (medians; all but 4 at T=0 too)
 COST_WARM_TOKENS = 8  # tokens of the untimed generation before each tree's timed ones
 COST_WARM_ROUNDS = 1  # untimed rounds of the feeds before their timed ones
 TEMPERATURES = {"T1": 1.0, "T0": 0.0}  # a temperature of each class the rounds are timed at
@@ -294,7 +294,7 @@ def time_rounds(timer: RoundTimer, verify: list[float], chain_scoring: list[floa
     temperature class, a chain of 4 levels at T=1, COST_RUNS runs each after one that pays for
     allocations, interleaved so that a slow stretch of a shared machine slows each alike
     (`time_chains`); then a tree's per-node costs (`time_tree_nodes`) and each class's fixed
-    cost of a round (`time_overheads`)."""
+    cost of a round (`time_overhead`)."""
     trees = {"plain": None, "short": TreeConfig(width=1, depth=1), "chain": TreeConfig(width=1, depth=4)}
     kinds = [(k, cls) for cls in TEMPERATURES for k in trees if cls == "T1" or k != "chain"]
     runs: dict[tuple, list] = {kind: [] for kind in kinds}

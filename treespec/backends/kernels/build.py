@@ -28,6 +28,7 @@ LDFLAGS = ["-fopenmp"]
 
 
 def compiler() -> tuple[str | None, str]:
+    """`$CXX`'s (default c++) path and version line (`compiler_named`)."""
     return compiler_named(os.environ.get("CXX", "c++"))
 
 
@@ -46,6 +47,8 @@ def compiler_named(cxx: str) -> tuple[str | None, str]:
 
 
 def build_dir(key: str) -> Path:
+    """The directory of the library keyed `key` under the cache (a temporary one where the cache
+    is read-only)."""
     from treespec.config import default_cache_dir
 
     return build_dir_in(default_cache_dir(), key)
