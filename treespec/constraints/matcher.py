@@ -68,7 +68,8 @@ class TreeMatcher:
         if n == len(path) and not m.is_error():
             bitmask = m.compute_bitmask()
             mask, one = self.vocab.unpack(bitmask), self.vocab.single(bitmask)
-            if one is None and not bool(mask.any()):  # nothing may follow (a stopped grammar): only the end
+            # numpy's any: torch's takes 25 us on a row of 49,152, numpy's 2
+            if one is None and not mask.numpy().any():  # nothing may follow (a stopped grammar): only the end
                 mask[eos] = True
                 one = eos[0] if len(eos) == 1 else None
         elif m.is_stopped() and not m.is_error() and all(t in self.vocab.eos for t in path[n:]):
@@ -83,7 +84,9 @@ class TreeMatcher:
         return mask, one
 
     def masks(self, paths: Sequence[Sequence[int]]) -> torch.Tensor:
-        """[n, V] bool: `allowed` of each path."""
+        """[n, V] bool: `allowed` of each path (one path: a view of its mask, not a copy)."""
+        if len(paths) == 1:
+            return self.allowed(paths[0])[None]
         return torch.stack([self.allowed(p) for p in paths])
 
     def mask_logits(
@@ -98,7 +101,7 @@ class TreeMatcher:
         if allowed.shape[-1] < V:
             allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[-1]))
         allowed = allowed[:, :V]
-        out = logits.masked_fill(~allowed, float("-inf"))
+        out = torch.where(allowed, logits, float("-inf"))  # a third faster than masked_fill(~allowed)
         if draft:
             empty = ~torch.isfinite(out.amax(-1, keepdim=True))  # [n, 1]
             out = torch.where(empty & allowed, torch.zeros_like(out), out)
