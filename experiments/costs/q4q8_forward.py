@@ -47,6 +47,8 @@ CHOICES = {  # path -> (quantize, dtype, compile)
     "int4/float32": ("int4", torch.float32, False),
     "q4q8/float32": ("q4q8", torch.float32, False),
     "q4q8/float32/compiled": ("q4q8", torch.float32, True),
+    "q4q8/bfloat16": ("q4q8", torch.bfloat16, False),
+    "q4q8/bfloat16/compiled": ("q4q8", torch.bfloat16, True),
 }
 DEFAULT_CHOICES = "int4/bfloat16,q4q8/float32,q4q8/float32/compiled"
 SUMMARY = (1, 2, 4, 8, 16, 32)  # the sizes of the summary table

@@ -19,6 +19,9 @@ COST_PREFIX = 128  # committed tokens before the timed feeds
 COST_ROUND_TOKENS = 32  # tokens of each short generation whose rounds are timed (shorter ones bias
 # the round's costs: 24 planned plain where chains of 1-2 ran 1.12-1.14x, AVX2 T=1)
 COST_RUNS = 2  # timed runs of plain decoding and of chains of 1 and 4 (medians; all but 4 at T=0 too)
+# tokens of each generation of `COST_TREE` (its per-node costs, read per step): at 16 they measured
+# as at 32, within their spread (a chain of 4's walk did not: 0.00-0.03 t(1) at 32, 0.12-0.17 at 16)
+COST_TREE_TOKENS = 16
 COST_WARM_TOKENS = 8  # tokens of the untimed generation before each tree's timed ones
 COST_WARM_ROUNDS = 1  # untimed rounds of the feeds before their timed ones
 TEMPERATURES = {"T1": 1.0, "T0": 0.0}  # a temperature of each class the rounds are timed at
@@ -119,7 +122,7 @@ class Costs:
         )
 
 
-def measure_costs(target, draft=None, engine: Callable[[], object] | None = None, repeats: int = 3) -> Costs:
+def measure_costs(target, draft=None, engine: Callable[[], object] | None = None, repeats: int = 2) -> Costs:
     """This machine's costs for the runners `target` and `draft` (None: no draft model).
 
     1. `time_feeds`: t(n)/t(1) of the target for feeds of n = 1 .. AUTO_MAX_NODES + 1 tokens
@@ -247,10 +250,12 @@ class RoundTimer:
             if runner is not None:
                 runner.prefix_reuse = True
 
-    def generate(self, tree: TreeConfig | None, temperature: float, warm: bool = False):
-        """The stats of one short generation (`warm`: an untimed one of COST_WARM_TOKENS, which
-        pays for allocations and first calls)."""
-        tokens = min(COST_WARM_TOKENS, self.new_tokens) if warm else self.new_tokens
+    def generate(
+        self, tree: TreeConfig | None, temperature: float, warm: bool = False, tokens: int | None = None
+    ):
+        """The stats of one short generation of `tokens` (default `new_tokens`; `warm`: an
+        untimed one of COST_WARM_TOKENS, which pays for allocations and first calls)."""
+        tokens = min(COST_WARM_TOKENS if warm else tokens or self.new_tokens, self.new_tokens)
         i = self.engine.add(
             self.prompt, tokens, tree=tree,
             sampling=SamplingConfig(temperature=temperature), seed=0, ignore_eos=True,
@@ -366,7 +371,7 @@ def time_tree_nodes(timer: RoundTimer, out: RoundCosts, shorts: dict, verify: li
     first = per_round(shorts["T1"], shorts["T1"].draft_seconds)
     timer.generate(shape, 1.0, warm=True)  # allocations
     for cls, temperature in TEMPERATURES.items():
-        s = timer.generate(shape, temperature)
+        s = timer.generate(shape, temperature, tokens=COST_TREE_TOKENS)
         if not (s.target_steps and s.draft_forwards and s.tree_nodes):
             continue
         short = shorts[cls]
