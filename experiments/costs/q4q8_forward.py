@@ -2,18 +2,21 @@
 """The default SmolLM2 target's whole native forward with int4 and q4q8 weights (issue 58).
 
     nice -n 5 python experiments/costs/q4q8_forward.py [--reps 5] [--chats 8] [--threads 2]
-        [--choices int4/bfloat16,q4q8/float32,q4q8/float32/compiled] [--no-agreement]
+        [--choices int4/bfloat16,q4q8/float32,q4q8/float32/compiled] [--no-agreement | --no-costs]
+        [--agreement-choices q4q8/float32,q4q8/bfloat16,int4/bfloat16]
 
 1. Costs: after a held-out chat as prefix, the forward of a random tree of n nodes for
    n = 1..32, each path in turn per repeat (interleaved), medians; printed as t(n) in ms and
    t(n)/t(1) per path. Paths (`--choices`): int4/bfloat16 (torch's int4 kernel, aten's
    int4pack, or treespec's bf16 tiles where they run; int4/bfloat16/compiled its inductor
    forward), int4/float32, q4q8/float32 (the q4q8 kernel; its products take
-   float32 and return float32), and q4q8/float32/compiled (the inductor forward, compile=True,
-   its graphs from the store where cached, else compiled first: minutes).
+   float32 and return float32), q4q8/bfloat16 (the same products, bf16 around them), and the
+   /compiled paths (the inductor forward, compile=True, its graphs from the store where cached,
+   else compiled first: minutes).
 2. What int8 activations change: on `--chats` held-out chats, the continuation the float
    reference decodes greedily (`--new` tokens), teacher-forced through each model: how often
-   q4q8's argmax agrees with the reference's and the mean KL(reference || q4q8) per position.
+   each `--agreement-choices` path's argmax agrees with the reference's, and the mean
+   KL(reference || path) per position.
    References: the same weights dequantized, computing in float32 (q4q8's own weights, the
    file's Q4 blocks and its Q8_0 output layer: the file's model, only the activations' rounding
    differs), and the int4 runner in float32 (the default 4-bit target; its output layer int8).
@@ -109,8 +112,11 @@ def greedy(runner: NativeRunner, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def agreement(path, tokenizer, chats: int, new: int) -> dict:
-    q4q8 = NativeRunner.from_pretrained(path, quantize="q4q8")
+def agreement(path, tokenizer, chats: int, new: int, candidates: list[str]) -> dict:
+    """Each of `candidates` (eager paths of CHOICES) against each float32 reference."""
+    models = {
+        c: NativeRunner.from_pretrained(path, dtype=CHOICES[c][1], quantize=CHOICES[c][0]) for c in candidates
+    }
     references = {
         "dequantized q4q8 weights (float32)": dequantized(
             NativeRunner.from_pretrained(path, quantize="q4q8")
@@ -119,25 +125,28 @@ def agreement(path, tokenizer, chats: int, new: int) -> dict:
     }
     out = {}
     for name, ref in references.items():
-        agree = total = 0
-        kl = []
+        counts = {c: [0, 0, []] for c in candidates}  # agreeing, positions, KL per position
         for prompt in heldout_prompt_ids("smollm2", tokenizer, chats):
             cont = greedy(ref, prompt, new)
-            p, q = teacher_forced(ref, prompt, cont), teacher_forced(q4q8, prompt, cont)
-            agree += int((p.argmax(-1) == q.argmax(-1)).sum())
-            total += len(cont)
-            kl.append((p.exp() * (p - q)).sum(-1))
-        kl = torch.cat(kl)
-        out[name] = {
-            "greedy_agreement": agree / total,
-            "kl_mean": kl.mean().item(),
-            "kl_max": kl.max().item(),
-            "positions": total,
-        }
-        print(
-            f"q4q8 vs {name}: argmax agreement {agree / total:.4f}, "
-            f"KL mean {kl.mean():.2e}, max {kl.max():.2e}"
-        )
+            p = teacher_forced(ref, prompt, cont)
+            for c, model in models.items():
+                q = teacher_forced(model, prompt, cont)
+                counts[c][0] += int((p.argmax(-1) == q.argmax(-1)).sum())
+                counts[c][1] += len(cont)
+                counts[c][2].append((p.exp() * (p - q)).sum(-1))
+        for c, (agree, total, kl) in counts.items():
+            kl = torch.cat(kl)
+            key = name if c == "q4q8/float32" else f"{c} vs {name}"  # the first key: as before
+            out[key] = {
+                "greedy_agreement": agree / total,
+                "kl_mean": kl.mean().item(),
+                "kl_max": kl.max().item(),
+                "positions": total,
+            }
+            print(
+                f"{c} vs {name}: argmax agreement {agree / total:.4f}, "
+                f"KL mean {kl.mean():.2e}, max {kl.max():.2e}"
+            )
     return out
 
 
@@ -166,6 +175,10 @@ def main() -> None:
     ap.add_argument("--chats", type=int, default=8)
     ap.add_argument("--new", type=int, default=48, help="greedy tokens per chat for the agreement")
     ap.add_argument("--no-agreement", action="store_true", help="costs only")
+    ap.add_argument("--no-costs", action="store_true", help="agreement only (writes q4q8_agreement.json)")
+    ap.add_argument(
+        "--agreement-choices", default="q4q8/float32", help="eager paths compared with the references"
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: a shared machine's fair share)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -178,13 +191,15 @@ def main() -> None:
     tokenizer = load_tokenizer(args.model)
     print(kernels.describe())
     runners = {}
-    for c in args.choices.split(","):
+    for c in [] if args.no_costs else args.choices.split(","):
         q, d, compiled = CHOICES[c]
         runners[c] = NativeRunner.from_pretrained(args.model, dtype=d, quantize=q, compile=compiled)
     sizes = list(range(1, args.max_n + 1))
     prompt = heldout_prompt_ids("smollm2", tokenizer, 1)[0]
     costs = tree_costs(runners, prompt, sizes, args.reps)
-    print_costs(costs, sizes)
+    if runners:
+        print_costs(costs, sizes)
+    candidates = args.agreement_choices.split(",")
     result = {
         "what": "SmolLM2-135M's whole native forward, t(n) and t(n)/t(1) per path, and q4q8's greedy "
         "agreement and KL against float references",
@@ -195,10 +210,13 @@ def main() -> None:
         "prefix_tokens": len(prompt),
         "seconds": {c: {str(n): t for n, t in v.items()} for c, v in costs.items()},
         "ratio": {c: {str(n): t / v[1] for n, t in v.items()} for c, v in costs.items()},
-        "agreement": None if args.no_agreement else agreement(args.model, tokenizer, args.chats, args.new),
+        "agreement": None
+        if args.no_agreement
+        else agreement(args.model, tokenizer, args.chats, args.new, candidates),
         "note": "indicative on a shared machine (run under nice)",
     }
-    write_results("q4q8_forward_costs.json" if args.no_agreement else "q4q8_forward.json", result)
+    name = "q4q8_agreement.json" if args.no_costs else "q4q8_forward.json"
+    write_results("q4q8_forward_costs.json" if args.no_agreement else name, result)
 
 
 if __name__ == "__main__":
