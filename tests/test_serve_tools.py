@@ -21,7 +21,14 @@ pytest.importorskip("fastapi")
 
 from treespec.constraints import GrammarVocabulary  # noqa: E402
 from treespec.serve.protocol import DONE, sse_events  # noqa: E402
-from treespec.serve.tools import CLOSE, ToolPlan, call_prefix, tool_plan, tool_stream  # noqa: E402
+from treespec.serve.tools import (  # noqa: E402
+    CLOSE,
+    ToolPlan,
+    call_prefix,
+    special_markers,
+    tool_plan,
+    tool_stream,
+)
 from treespec.zoo import ZOO  # noqa: E402
 
 MODEL = "pycode"
@@ -130,6 +137,46 @@ def test_auto_grammar_takes_free_text_or_one_well_formed_call(vocab):
         assert takes(vocab, auto, text)[0] is False, text
         assert takes(vocab, required, text)[0] is False, text
     assert takes(vocab, required, "Sunny.")[0] is False
+
+
+@pytest.mark.parametrize("special", [False, True], ids=["added", "special"])
+def test_call_markers_that_are_tokens_of_their_own(special):
+    """Qwen 2.5's and Hermes' tokenizers hold "<tool_call>" and "</tool_call>" as added tokens,
+    which the grammar engine reads as special tokens, not as their text: the grammar names them
+    by id, so that the tokenizer's own tokens of a call (what such a model writes) are taken, and
+    the answer's text shows them (a special token's text is left out otherwise), read back as
+    the call. Without the markers' ids, "required" forced the marker's token and then rejected
+    it, and "auto" forbade it."""
+    from transformers import AutoTokenizer
+
+    from treespec.output import TextStream
+    from treespec.serve.tools import END_MARKER, MARKER
+
+    tok = AutoTokenizer.from_pretrained(ZOO / "pycode" / "target")
+    tok.add_tokens([MARKER, END_MARKER], special_tokens=special)
+    ids_of = dict(special_markers(tok))
+    assert set(ids_of) == {MARKER, END_MARKER} and min(ids_of.values()) >= 8192
+    v = GrammarVocabulary.of(tok, len(tok), (tok.eos_token_id,))
+    text = call("weather", '{"city": "Paris", "days": 3}')
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids[0] == ids_of[MARKER] and ids[-1] == ids_of[END_MARKER]  # one token each
+    for choice in ("required", "auto"):
+        for plan, works in ((tool_plan(TOOLS, choice, tok), True), (tool_plan(TOOLS, choice), False)):
+            m = v.matcher(plan.constraint())
+            first = v.unpack(m.compute_bitmask())
+            taken = m.try_consume_tokens(ids)
+            assert (taken == len(ids) and m.is_accepting()) is works, (choice, works)
+            if works:
+                assert first[ids_of[MARKER]]
+                shown = TextStream(tok, (), plan.shown).finish(ids)
+                assert shown == text
+                message, finish = plan.answer(shown, "stop")
+                assert finish == "tool_calls" and message.content is None
+                assert message.tool_calls[0]["function"]["arguments"] == '{"city": "Paris", "days": 3}'
+    assert TextStream(tok).finish(ids) == (
+        text if not special else text.replace(MARKER, "").replace(END_MARKER, "")
+    )
+    assert special_markers(AutoTokenizer.from_pretrained(ZOO / "pycode" / "target")) == ()
 
 
 def merged(deltas: list[dict]) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import functools
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -253,8 +253,9 @@ class TextStream:
     `stops` with OpenAI's meaning: the text ends before the first one). The concatenated
     stream equals the final text."""
 
-    def __init__(self, tokenizer, stops: Sequence[str] = ()):
+    def __init__(self, tokenizer, stops: Sequence[str] = (), shown: Mapping[int, str] | None = None):
         self.tokenizer, self.stops = tokenizer, tuple(stops)
+        self.shown_special = dict(shown or {})  # special tokens shown as this text (others: none)
         self._stops = stop_set(self.stops) if self.stops else None
         self.ids: list[int] = []
         self.shown = ""  # text released so far
@@ -289,7 +290,16 @@ class TextStream:
         return new
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        if not self.shown_special or not any(i in self.shown_special for i in ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        parts, piece = [], []
+        for i in ids:  # a shown special token ends a piece, and each piece decodes alone
+            if i in self.shown_special:
+                parts += [self.tokenizer.decode(piece, skip_special_tokens=True), self.shown_special[i]]
+                piece = []
+            else:
+                piece.append(i)
+        return "".join(parts) + self.tokenizer.decode(piece, skip_special_tokens=True)
 
 
 def first_stop(text: str, stops: Sequence[str]) -> int | None:

@@ -28,10 +28,14 @@ The prompt with tools: when the chat template renders `tools=` into a prompt tha
 "<tool_call>" format (Qwen 2.5, Hermes), the template's rendering; otherwise (SmolLM2's and
 the test pair's templates ignore tools; a template with another call format) `tools_text` in
 the system message (a "system: ..." line first when there is no chat template).
+
+Markers that the tokenizer holds as tokens of their own (Qwen 2.5, Hermes: `special_markers`)
+are those tokens in the grammar, named by id, and shown in the answer's text.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from dataclasses import dataclass
@@ -41,25 +45,34 @@ from ..constraints.spec import JSON_OPTIONS
 from .protocol import ChatResponseMessage, ServeError
 
 MARKER = "<tool_call>"
+END_MARKER = "</tool_call>"
 OPEN = MARKER + "\n"
-CLOSE = "}\n</tool_call>"  # the end of the call's object, then the closing tag
+CLOSE = "}\n" + END_MARKER  # the end of the call's object, then the closing tag
 
 
 @dataclass(frozen=True)
 class ToolPlan:
     """The calls a chat body allows: `functions` ({"name", "parameters", ...} each);
-    `named`: the output is the arguments of functions[0] alone; `free_text`: "auto"."""
+    `named`: the output is the arguments of functions[0] alone; `free_text`: "auto";
+    `special`: the call markers that are special tokens of the tokenizer (`special_markers`)."""
 
     functions: tuple[dict, ...]
     named: bool = False
     free_text: bool = False
+    special: tuple[tuple[str, int], ...] = ()
 
     def constraint(self) -> Constraint:
         """The constraint of the output; ValueError for parameters that are not a schema."""
         if self.named:
             fn = self.functions[0]
             return JsonSchema(fn.get("parameters") or {"type": "object"}, fn["name"])
-        return Grammar(tool_grammar(self.functions, self.free_text))
+        return Grammar(tool_grammar(self.functions, self.free_text, dict(self.special)))
+
+    @property
+    def shown(self) -> dict[int, str]:
+        """The special tokens the answer's text shows (a call's markers): {id: text}, for
+        `treespec.output.TextStream`; the text of other special tokens is left out."""
+        return {} if self.named else {i: text for text, i in self.special}
 
     def prompt(self, srv, body):
         """The prompt of a chat body with the tools in it (`srv`: the app's Server)."""
@@ -96,9 +109,17 @@ class ToolPlan:
         return ChatResponseMessage(content=content, tool_calls=calls), finish
 
 
-def tool_plan(tools, tool_choice) -> ToolPlan | None:
+def tool_plan(tools, tool_choice, tokenizer=None) -> ToolPlan | None:
     """The calls a chat body allows; None: none ("none", or no tools). ServeError 400 for
-    tools that are not functions, and a tool_choice that names none of them."""
+    tools that are not functions, and a tool_choice that names none of them. `tokenizer`: the
+    served model's, whose special call markers the calls use (`special_markers`)."""
+    plan = _plan(tools, tool_choice)
+    if plan is None or tokenizer is None:
+        return plan
+    return dataclasses.replace(plan, special=special_markers(tokenizer))
+
+
+def _plan(tools, tool_choice) -> ToolPlan | None:
     if tool_choice == "none":
         return None
     if not tools:
@@ -151,9 +172,30 @@ def call_prefix(name: str) -> str:
     return OPEN + '{"name": ' + json.dumps(name) + ', "arguments": '
 
 
-def tool_grammar(functions, free_text: bool) -> str:
+def special_markers(tokenizer) -> tuple[tuple[str, int], ...]:
+    """The call markers ("<tool_call>", "</tool_call>") that `tokenizer` holds as added tokens
+    of their own (Qwen 2.5's and Hermes' do), with their ids. The tokenizer writes a marker in
+    any text as that one token, and the grammar engine reads an added token as a special one,
+    never as the marker's text: the grammar names it by id (`tool_grammar`)."""
+    get = getattr(tokenizer, "get_added_vocab", None)
+    added = get() if callable(get) else {}
+    return tuple((text, added[text]) for text in (MARKER, END_MARKER) if text in added)
+
+
+def tool_grammar(functions, free_text: bool, special: dict[str, int] | None = None) -> str:
     """The Lark grammar of one call of one of `functions` (or, `free_text`, of any text that
-    does not start with the call marker after optional whitespace)."""
+    does not start with the call marker after optional whitespace). A marker in `special`
+    (text -> id) is that special token (`<[id]>`), not its spelling in text."""
+    special = special or {}
+
+    def text(s: str) -> str:
+        """`s` as Lark items: string literals, and special tokens for the markers in it."""
+        for marker, i in special.items():
+            if marker in s:
+                before, after = s.split(marker, 1)
+                return " ".join(x for x in (text(before), f"<[{i}]>", text(after)) if x)
+        return json.dumps(s) if s else ""  # a JSON string is a Lark string literal
+
     branches = (["TEXT"] if free_text else []) + [f"call_{i}" for i in range(len(functions))]
     lines = ["start: " + " | ".join(branches)]
     if free_text:
@@ -163,8 +205,7 @@ def tool_grammar(functions, free_text: bool) -> str:
         if not isinstance(schema, dict):
             raise ValueError(f"{fn['name']}'s parameters must be a JSON schema object, got {schema!r}")
         schema = {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
-        lark_string = json.dumps(call_prefix(fn["name"]))  # a Lark string literal
-        lines.append(f"call_{i}: {lark_string} %json {json.dumps(schema)} {json.dumps(CLOSE)}")
+        lines.append(f"call_{i}: {text(call_prefix(fn['name']))} %json {json.dumps(schema)} {text(CLOSE)}")
     return "\n".join(lines) + "\n"
 
 
