@@ -125,6 +125,42 @@ def test_greedy_speculative_equals_greedy_plain_under_the_constraint(dec):
             assert spec.stats.forced_accepted > 0  # keys, quotes and braces drafted for free
 
 
+def test_a_greedy_request_the_plan_leaves_undrafted_drafts_by_prompt_lookup(dec, monkeypatch):
+    """Where the automatic tree's plan is below FORCED_ONLY_SPEEDUP, a greedy constrained
+    request drafts a chain by prompt lookup (no draft forward) above its forced tokens, and a
+    sampled one its forced tokens alone; greedy output equals greedy plain token for token."""
+    monkeypatch.setattr("treespec.engine.FORCED_ONLY_SPEEDUP", float("inf"))  # every plan is below it
+    prompt = 'record = {"name": "Ann", "age": 7, "tags": ["a"]}\nrecord = '
+    for schema in SCHEMAS:
+        c, greedy = JsonSchema(schema), SamplingConfig(temperature=0)
+        plain = dec.generate(prompt, 64, tree=None, sampling=greedy, constraint=c)
+        spec = dec.generate(prompt, 64, tree=TreeConfig(), sampling=greedy, constraint=c)
+        assert "a chain of 4 by lookup" in spec.plan and spec.verification == "block"
+        assert spec.token_ids == plain.token_ids and spec.stats.draft_forwards == 0
+        assert spec.stats.accepted_tokens > spec.stats.forced_accepted  # lookup's own tokens too
+        sampled = dec.generate(
+            prompt, 64, tree=TreeConfig(), sampling=SamplingConfig(temperature=1), constraint=c
+        )
+        assert "forced tokens alone" in sampled.plan and sampled.stats.draft_forwards == 0
+        assert sampled.finish_reason == "length" or valid(sampled.text, schema)
+
+
+def test_lookup_proposes_no_token_the_grammar_forbids(dec):
+    """A model-free drafter under a constraint cuts each path before the first token its
+    grammar forbids: such a node would never be reached."""
+    from treespec.constraints import GrammarVocabulary, TreeMatcher
+    from treespec.drafters import PromptLookupDrafter
+
+    tok = dec.tokenizer
+    context = tok("x = 123\ny = 456\nx =")["input_ids"]
+    lookup = PromptLookupDrafter(1)
+    assert [tok.decode(t) for t in lookup.propose(context, 4).tree.tokens[1:]] == [" 1", "23", "\n", "y"]
+    vocab = GrammarVocabulary.of(tok, dec.vocab_size, dec.eos_token_ids)
+    for regex, kept in ((r" [0-9]+", [" 1", "23"]), (r"[a-z]+", []), (r"(.|\n)*", [" 1", "23", "\n", "y"])):
+        lookup.constrain(TreeMatcher(vocab, Regex(regex)))
+        assert [tok.decode(t) for t in lookup.propose(context, 4).tree.tokens[1:]] == kept, regex
+
+
 def test_batch_has_a_matcher_per_request_and_equals_solo(dec):
     constraints = [JsonSchema(SCHEMAS[0]), None, Choice(("yes", "no")), JsonSchema(SCHEMAS[1])]
     greedy = SamplingConfig(temperature=0)

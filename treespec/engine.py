@@ -28,7 +28,14 @@ from collections.abc import Sequence
 
 from .backends.base import Runner, score_many
 from .config import TreeConfig, check_positive_int
-from .constraints import FORCED_EXTRA, FORCED_ONLY_SPEEDUP, GrammarVocabulary, TreeMatcher, drafted_walk
+from .constraints import (
+    FORCED_EXTRA,
+    FORCED_ONLY_SPEEDUP,
+    LOOKUP_DEPTH,
+    GrammarVocabulary,
+    TreeMatcher,
+    drafted_walk,
+)
 from .drafters import DrafterFactory, check_draft, propose_many
 from .engine_state import EngineStatus, RequestState, check_request
 from .output import GenerationOutput, OutputBuilder, StopMatcher, TokenLogprobs
@@ -421,11 +428,13 @@ class Engine:
             matcher = TreeMatcher(self._grammar_vocab, request.constraint)
         return RequestState(self._next_id, request, tree, rule, rng, builder, rounds=rounds, matcher=matcher)
 
-    def _rule(self, tree: TreeConfig | None, request: Request) -> str:
-        """The verification rule of `request` drafting `tree` (an automatic tree is resolved
-        when its plan is made). Plain decoding verifies no draft, so every rule is the same
-        there: it walks a lone root by the cheapest ("token")."""
-        return choose_rule(self.drafter.siblings(tree, request.verification), request.verification)
+    def _rule(self, tree: TreeConfig | None, request: Request, drafter: DrafterFactory | None = None) -> str:
+        """The verification rule of `request` drafting `tree` with `drafter`'s kind (default:
+        the engine's; an automatic tree is resolved when its plan is made). Plain decoding
+        verifies no draft, so every rule is the same there: it walks a lone root by the
+        cheapest ("token")."""
+        siblings = (drafter or self.drafter).siblings(tree, request.verification)
+        return choose_rule(siblings, request.verification)
 
     def _plan(self, request: Request) -> Plan:
         """An automatic tree's plan for `request`: plain decoding where there is nothing to
@@ -440,9 +449,20 @@ class Engine:
         iid = rule_fits(Siblings.IID, request.verification)  # i.i.d. trees run the token rule only
         plan = self.planner.plan(request.sampling, chain_only=chain, iid=iid)
         if request.constraint is not None and plan.tree is not None and plan.speedup < FORCED_ONLY_SPEEDUP:
-            why = f"a constraint's forced tokens alone beat the best shape's {plan.speedup:.2f}x"
-            return Plan(None, (), 1.0, 1.0, None, why)
+            if not request.sampling.greedy:
+                why = f"a constraint's forced tokens alone beat the best shape's {plan.speedup:.2f}x"
+                return Plan(None, (), 1.0, 1.0, None, why, plan.cls)
+            best = f"{plan.speedup:.2f}x"
+            why = f"prompt lookup cut by the grammar, and forced tokens, beat the best shape's {best}"
+            lookup = TreeConfig(width=1, depth=LOOKUP_DEPTH)
+            return Plan(lookup, (), 1.0, 1.0, None, why, plan.cls, drafter="lookup")
         return plan
+
+    def _factory(self, r: RequestState) -> DrafterFactory:
+        """The drafters of `r`: its plan's own kind (a constrained request's prompt lookup), else
+        the engine's."""
+        kind = None if r.plan is None else r.plan.drafter
+        return self.drafter if kind is None else DrafterFactory(kind, self.vocab_size)
 
     def _admit(self) -> None:
         """Give waiting requests lanes, in order, while lanes and `max_kv_tokens` allow; each
@@ -462,12 +482,12 @@ class Engine:
                     t_plan = time.perf_counter()
                     r.plan = self._plan(r.request)
                     r.tree = r.plan.tree
-                    r.rule = self._rule(r.tree, r.request)  # a planned chain: block; plain: token
+                    r.rule = self._rule(r.tree, r.request, self._factory(r))  # a chain: block; plain: token
                     r.stats.plan_seconds = time.perf_counter() - t_plan
                 # 0 unless prefix_reuse; with a head drafter, no more than the positions whose
                 # features it still holds (the target recomputes the rest, features included)
                 limit = self.drafter.reusable(self.drafts[r.lane], r.context) if self.taps else None
-                draft = self.drafter.needs_draft_model and not self.taps and r.tree is not None
+                draft = self._factory(r).needs_draft_model and not self.taps and r.tree is not None
                 self.loader.begin(r, limit, draft and self.drafts[r.lane] is not None)
             except Exception as e:  # noqa: BLE001 - its plan failed (the costs' measurement): it ends alone
                 self._fail(r, e)
@@ -494,7 +514,7 @@ class Engine:
         t = time.perf_counter()
         try:
             if r.tree is not None:
-                r.drafter = self.drafter.make(r.tree, self.drafts[r.lane])
+                r.drafter = self._factory(r).make(r.tree, self.drafts[r.lane])
                 r.drafter.constrain(r.matcher)
                 r.depth_policy = depth_policy(r.tree, r.plan)
                 with self.loader.loaded(r):

@@ -57,6 +57,14 @@ class Drafter(ABC):
         """Draft under `matcher` (None: unconstrained) from the next round on."""
         self.constraint = matcher
 
+    def allowed_paths(self, paths: Sequence[Sequence[int]]) -> list[Sequence[int]]:
+        """Deterministic paths (below the last committed token), each cut before the first
+        token the constraint forbids (a node the constrained target never reaches); the empty
+        ones left out."""
+        if self.constraint is not None:
+            paths = [p[: self.constraint.taken(p)] for p in paths]
+        return [p for p in paths if p]
+
     @abstractmethod
     def start(self, prompt: Sequence[int], sampling: SamplingConfig, rng: Rng) -> None:
         """Begin a new sequence whose committed tokens are `prompt`."""

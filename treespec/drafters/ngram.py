@@ -2,7 +2,8 @@
 
 Both propose deterministic tokens (q one-hot), so they are lossless at any temperature and
 cost no draft forward. When nothing matches they propose an empty tree, and the round is one
-plain target step.
+plain target step. Under a constraint each path stops before the first token its grammar
+forbids (`Drafter.allowed_paths`).
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ class NgramDrafter(Drafter):
             if not beams:
                 break
         paths = [p for _, p in sorted(beams + done, key=lambda c: -c[0]) if p]
-        return DraftTree.from_paths(context[-1], paths)
+        return DraftTree.from_paths(context[-1], self.allowed_paths(paths))
 
 
 class PromptLookupDrafter(Drafter):
@@ -139,4 +140,4 @@ class PromptLookupDrafter(Drafter):
         return []
 
     def propose(self, context: Sequence[int], depth: int) -> DraftTree:
-        return DraftTree.from_paths(context[-1], self.lookup(context, depth))
+        return DraftTree.from_paths(context[-1], self.allowed_paths(self.lookup(context, depth)))

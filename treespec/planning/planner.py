@@ -65,6 +65,9 @@ class Plan:
     cls: str = "T1"  # the temperature class planned for ("T0": greedy)
     level_nodes: tuple[float, ...] = ()  # an i.i.d. tree: its expected distinct nodes at each level
     start: int = 0  # a planned chain: the depth its requests start at (cut deeper or shallower)
+    # a drafter kind of the request's own (`config.DRAFTER_KINDS`) instead of the decoder's,
+    # drafting `tree` as given (a constrained request's prompt lookup); None: the decoder's
+    drafter: str | None = None
 
     @property
     def iid(self) -> bool:
@@ -75,7 +78,10 @@ class Plan:
 
     def describe(self) -> str:
         if self.costs is None:
-            return f"auto: plain decoding ({self.source})"
+            what = (
+                "plain decoding" if self.tree is None else f"a chain of {self.tree.depth} by {self.drafter}"
+            )
+            return f"auto: {what} ({self.source})"
         if self.iid:
             a = "by level " + ", ".join(f"{v[0]:.2f}" for v in self.acceptance)
         else:

@@ -97,9 +97,9 @@ class RoundPolicy:
 
 
 def depth_policy(tree: TreeConfig, plan: Plan | None = None) -> DepthPolicy:
-    """A request's own depth policy: `AutoDepth` for a planned (automatic) tree, else the
-    `DepthPolicy` of `tree`."""
-    return DepthPolicy(tree) if plan is None else AutoDepth(plan)
+    """A request's own depth policy: `AutoDepth` for a shape planned from costs (an automatic
+    tree), else the `DepthPolicy` of `tree`."""
+    return DepthPolicy(tree) if plan is None or plan.costs is None else AutoDepth(plan)
 
 
 class DepthPolicy:
