@@ -168,7 +168,7 @@ def test_call_markers_that_are_tokens_of_their_own(special):
             assert (taken == len(ids) and m.is_accepting()) is works, (choice, works)
             if works:
                 assert first[ids_of[MARKER]]
-                shown = TextStream(tok, (), plan.shown).finish(ids)
+                shown = TextStream(tok, (), plan.special_text).finish(ids)
                 assert shown == text
                 message, finish = plan.answer(shown, "stop")
                 assert finish == "tool_calls" and message.content is None

@@ -253,9 +253,9 @@ class TextStream:
     `stops` with OpenAI's meaning: the text ends before the first one). The concatenated
     stream equals the final text."""
 
-    def __init__(self, tokenizer, stops: Sequence[str] = (), shown: Mapping[int, str] | None = None):
+    def __init__(self, tokenizer, stops: Sequence[str] = (), special_text: Mapping[int, str] | None = None):
         self.tokenizer, self.stops = tokenizer, tuple(stops)
-        self.shown_special = dict(shown or {})  # special tokens shown as this text (others: none)
+        self.special_text = dict(special_text or {})  # special tokens shown as this text (others: none)
         self._stops = stop_set(self.stops) if self.stops else None
         self.ids: list[int] = []
         self.shown = ""  # text released so far
@@ -290,12 +290,12 @@ class TextStream:
         return new
 
     def _decode(self, ids: list[int]) -> str:
-        if not self.shown_special or not any(i in self.shown_special for i in ids):
+        if not self.special_text or not any(i in self.special_text for i in ids):
             return self.tokenizer.decode(ids, skip_special_tokens=True)
         parts, piece = [], []
-        for i in ids:  # a shown special token ends a piece, and each piece decodes alone
-            if i in self.shown_special:
-                parts += [self.tokenizer.decode(piece, skip_special_tokens=True), self.shown_special[i]]
+        for i in ids:  # such a special token ends a piece, and each piece decodes alone
+            if i in self.special_text:
+                parts += [self.tokenizer.decode(piece, skip_special_tokens=True), self.special_text[i]]
                 piece = []
             else:
                 piece.append(i)

@@ -406,13 +406,15 @@ class Server:
         prompt, completion = len(job.request.prompt), len(token_ids)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
-    async def stream(self, job: Job, chat: bool, include_usage: bool, shown: dict[int, str] | None = None):
+    async def stream(
+        self, job: Job, chat: bool, include_usage: bool, special_text: dict[int, str] | None = None
+    ):
         """The chunks of one request's stream, as dicts (OpenAI's chunk objects), then `DONE`;
-        `sse_events` writes them as server-sent events. `shown`: special tokens its text shows
-        (`TextStream`)."""
+        `sse_events` writes them as server-sent events. `special_text`: the special tokens its
+        text shows, and as what (`TextStream`)."""
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
-        text = TextStream(self.tokenizer, job.request.stop_strings, shown)
+        text = TextStream(self.tokenizer, job.request.stop_strings, special_text)
         finished = False
         # with logprobs, a round's text waits for its log-probabilities (they follow its tokens)
         pending, offset = None, 0

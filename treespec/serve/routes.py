@@ -130,7 +130,7 @@ async def chat_completions(http: HTTPRequest):
     body = srv.parse(await http.body(), ChatCompletionRequest)
     srv.check_common(body)
     tools = tool_plan(body.tools, body.tool_choice, srv.tokenizer)
-    shown = None if tools is None else tools.shown
+    special_text = None if tools is None else tools.special_text
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
 
     def prepare():
@@ -141,14 +141,14 @@ async def chat_completions(http: HTTPRequest):
     job = await srv.submit(request, arrival, body, "messages")
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = srv.stream(job, True, include_usage, shown)
+        events = srv.stream(job, True, include_usage, special_text)
         if tools is not None:
             events = tool_stream(events, tools.reader())
         return StreamingResponse(sse_events(events), media_type="text/event-stream")
     out, error = await srv.wait(job, http)
     if (failed := srv.failure(out, error)) is not None:
         return failed
-    text = TextStream(srv.tokenizer, request.stop_strings, shown).finish(out.token_ids)
+    text = TextStream(srv.tokenizer, request.stop_strings, special_text).finish(out.token_ids)
     finish = openai_finish_reason(out.finish_reason)
     message = ChatResponseMessage(content=text)
     if tools is not None:

@@ -69,7 +69,7 @@ class ToolPlan:
         return Grammar(tool_grammar(self.functions, self.free_text, dict(self.special)))
 
     @property
-    def shown(self) -> dict[int, str]:
+    def special_text(self) -> dict[int, str]:
         """The special tokens the answer's text shows (a call's markers): {id: text}, for
         `treespec.output.TextStream`; the text of other special tokens is left out."""
         return {} if self.named else {i: text for text, i in self.special}
