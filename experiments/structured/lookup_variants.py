@@ -9,8 +9,10 @@ speed.py and two JSON story prompts, which copy little. Reports median tokens/s 
 repeats (the whole call, and decoding alone) and tokens/step, per task set and temperature.
 
     nice -n 5 python experiments/structured/lookup_variants.py [--repeats 2] [--temperatures 0 1]
+        [--modes "forced only" "lookup, chain of 4"]
 
-Writes experiments/results/structured_lookup_variants.json. Numbers are indicative on a shared machine.
+Writes experiments/results/structured_lookup_variants.json. Numbers are indicative on a shared
+machine.
 """
 
 from __future__ import annotations
@@ -78,12 +80,15 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--out", default=str(ROOT / "experiments/results/structured_lookup_variants.json"))
+    ap.add_argument("--modes", nargs="+", default=None, help="only these (names' prefixes), and plain")
     args = ap.parse_args()
     dec = SpeculativeDecoder.from_pretrained()
     forward = "compiled" if getattr(dec.target_runner, "compiled", None) is not None else "eager"
     print("target forward:", forward, flush=True)
     own = dec.drafter
     table = modes(own)
+    if args.modes:
+        table = {m: v for m, v in table.items() if m == "plain" or any(m.startswith(p) for p in args.modes)}
     schema, messages = tasks("extraction")[0]
     dec.generate(messages, 8, constraint=JsonSchema(schema))  # warm up (and plan the tree)
     summary = {}
