@@ -449,10 +449,10 @@ class Engine:
         iid = rule_fits(Siblings.IID, request.verification)  # i.i.d. trees run the token rule only
         plan = self.planner.plan(request.sampling, chain_only=chain, iid=iid)
         if request.constraint is not None and plan.tree is not None and plan.speedup < FORCED_ONLY_SPEEDUP:
-            if not request.sampling.greedy:
-                why = f"a constraint's forced tokens alone beat the best shape's {plan.speedup:.2f}x"
-                return Plan(None, (), 1.0, 1.0, None, why, plan.cls)
             best = f"{plan.speedup:.2f}x"
+            if not request.sampling.greedy:
+                why = f"a constraint's forced tokens alone beat the best shape's {best}"
+                return Plan(None, (), 1.0, 1.0, None, why, plan.cls)
             why = f"prompt lookup cut by the grammar, and forced tokens, beat the best shape's {best}"
             lookup = TreeConfig(width=1, depth=LOOKUP_DEPTH)
             return Plan(lookup, (), 1.0, 1.0, None, why, plan.cls, drafter="lookup")
