@@ -458,10 +458,10 @@ class Engine:
             return Plan(lookup, (), 1.0, 1.0, None, why, plan.cls, drafter="lookup")
         return plan
 
-    def _factory(self, r: RequestState) -> DrafterFactory:
-        """The drafters of `r`: its plan's own kind (a constrained request's prompt lookup), else
-        the engine's."""
-        kind = None if r.plan is None else r.plan.drafter
+    def _factory(self, plan: Plan | None) -> DrafterFactory:
+        """The drafters of a request with `plan`: the plan's own kind (a constrained request's
+        prompt lookup), else the engine's."""
+        kind = None if plan is None else plan.drafter
         return self.drafter if kind is None else DrafterFactory(kind, self.vocab_size)
 
     def _admit(self) -> None:
@@ -475,19 +475,19 @@ class Engine:
             self.waiting.pop(0)
             r.lane = next(i for i in range(self.max_live) if i not in self.live)
             self.live[r.lane] = r
-            r.status, r.context, r.loading = "live", list(r.request.prompt), True
+            r.status, r.context, r.loading, r.drafters = "live", list(r.request.prompt), True, self.drafter
             r.started = time.perf_counter()
             try:
                 if r.tree is not None and r.tree.auto:
                     t_plan = time.perf_counter()
                     r.plan = self._plan(r.request)
-                    r.tree = r.plan.tree
-                    r.rule = self._rule(r.tree, r.request, self._factory(r))  # a chain: block; plain: token
+                    r.tree, r.drafters = r.plan.tree, self._factory(r.plan)
+                    r.rule = self._rule(r.tree, r.request, r.drafters)  # a chain: block; plain: token
                     r.stats.plan_seconds = time.perf_counter() - t_plan
                 # 0 unless prefix_reuse; with a head drafter, no more than the positions whose
                 # features it still holds (the target recomputes the rest, features included)
                 limit = self.drafter.reusable(self.drafts[r.lane], r.context) if self.taps else None
-                draft = self._factory(r).needs_draft_model and not self.taps and r.tree is not None
+                draft = r.drafters.needs_draft_model and not self.taps and r.tree is not None
                 self.loader.begin(r, limit, draft and self.drafts[r.lane] is not None)
             except Exception as e:  # noqa: BLE001 - its plan failed (the costs' measurement): it ends alone
                 self._fail(r, e)
@@ -514,7 +514,7 @@ class Engine:
         t = time.perf_counter()
         try:
             if r.tree is not None:
-                r.drafter = self._factory(r).make(r.tree, self.drafts[r.lane])
+                r.drafter = r.drafters.make(r.tree, self.drafts[r.lane])
                 r.drafter.constrain(r.matcher)
                 r.depth_policy = depth_policy(r.tree, r.plan)
                 with self.loader.loaded(r):

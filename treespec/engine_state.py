@@ -34,6 +34,7 @@ class RequestState:
     status: Status = "waiting"
     stats: GenerationStats = field(default_factory=GenerationStats)
     lane: int | None = None  # index of its target (and draft) lane while live
+    drafters: DrafterFactory | None = None  # makes its drafter: its plan's kind, else the engine's
     drafter: Drafter | None = None
     depth_policy: DepthPolicy | None = None  # decides each round's draft depth (TreeConfig.adaptive)
     rounds: list[RoundTrace] | None = None  # one entry per round when request.trace

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from .q4q8 import built, compiled
+from .q4q8 import runs
 
 
 def available(build: bool = True) -> bool:
-    """Whether `row_attention` runs here (compiled kernels, an AVX512 core, the path not capped
-    below AVX512). `build=False`: only if the kernels are `built()` already."""
-    ready = compiled() if build else built()
-    return ready and bool(torch.ops.treespec.row_attention_available())
+    """Whether `row_attention` runs here (an AVX512 core; `q4q8.runs`)."""
+    return runs("row_attention_available", build)
 
 
 def row_attention(

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from .q4q8 import QK, TILE, built, compiled
+from .q4q8 import QK, TILE, runs
 
 
 def available(build: bool = True) -> bool:
-    """Whether the bf16 tile kernels run here (compiled kernels, an AVX512-BF16 core, the path
-    not capped below AVX512). `build=False`: only if the kernels are `built()` already."""
-    ready = compiled() if build else built()
-    return ready and bool(torch.ops.treespec.bf16_available())
+    """Whether the bf16 tile kernels run here (an AVX512-BF16 core; `q4q8.runs`)."""
+    return runs("bf16_available", build)
 
 
 def _tiles(t: torch.Tensor, n: int) -> torch.Tensor:

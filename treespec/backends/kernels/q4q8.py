@@ -421,6 +421,15 @@ def built() -> bool:
     return lib.exists() and (where / "built").exists() and _ensure()
 
 
+def runs(check: str, build: bool = True) -> bool:
+    """Whether a compiled kernel runs here: the library compiled (`build=False`: only if it is
+    `built()` already, so that nothing waits for the compiler) and its own CPU check,
+    `torch.ops.treespec.<check>()`, true (the core's ISA, the path not capped below it by
+    TREESPEC_KERNEL_ISA or ATEN_CPU_CAPABILITY)."""
+    ready = compiled() if build else built()
+    return ready and bool(getattr(torch.ops.treespec, check)())
+
+
 def unavailable_reason() -> str | None:
     """Why the compiled kernels are not used (None when they are)."""
     return None if _ensure() else _state["error"]

@@ -5,12 +5,9 @@ kernels built (`q4q8.built`: never built for it); `sampling.row_max` falls back 
 
 from __future__ import annotations
 
-import torch
-
-from .q4q8 import built
+from .q4q8 import runs
 
 
 def available() -> bool:
-    """Whether `row_max` runs here without building anything (the kernels built, an AVX512
-    core, the path not capped below AVX512)."""
-    return built() and bool(torch.ops.treespec.row_max_available())
+    """Whether `row_max` runs here without building anything (an AVX512 core; `q4q8.runs`)."""
+    return runs("row_max_available", build=False)
