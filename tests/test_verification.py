@@ -157,6 +157,7 @@ def test_enumeration_detects_a_broken_rule(monkeypatch, rule):
     monkeypatch.setattr(
         verify_mod, "weighted_residual", lambda m, q: residual(m, q) * m.sum(-1, keepdim=True)
     )
+    monkeypatch.setattr(verify_mod, "weighted_mass", lambda mass, left: mass)  # block's stopping masses
     target, draft = pair()
     tree = TreeConfig(1, 2) if rule == "block" else sequoia(TreeShape((-1, 0, 0, 1)))
     decoder = SpeculativeDecoder(TableRunner(target), TableRunner(draft))

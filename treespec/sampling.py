@@ -206,6 +206,14 @@ def weighted_residual(m: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(reach > EPS, left / reach.clamp_min(EPS), m)
 
 
+def weighted_mass(mass: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
+    """The mass of `weighted_residual(m, q)` from two numbers per row: `mass` = sum(m) and
+    `left` = sum(max(m - q, 0)); S / (1 - w + S) as there (w where the rejection could not
+    happen). Block verification needs only these for the nodes it does not stop at."""
+    reach = 1 - mass + left
+    return torch.where(reach > EPS, left / reach.clamp_min(EPS), mass)
+
+
 def remove_token(q: torch.Tensor, x: int, drawn: torch.Tensor | None = None) -> torch.Tensor:
     """q with token x removed, renormalised: the next draw of a without-replacement sequence.
 

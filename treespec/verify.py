@@ -72,6 +72,7 @@ from .sampling import (
     residual,
     row_max,
     tree_token_counts,
+    weighted_mass,
     weighted_residual,
 )
 
@@ -210,47 +211,50 @@ def _verify_block(
     draft: DraftTree, p: torch.Tensor, rng: Rng, trace: list[ProposalTrace] | None = None
 ) -> Walk:
     """Block verification of a chain root -> ... -> leaf, vectorised over the chain on the
-    device; the coins run from the leaf back to the root."""
+    device; the coins run from the leaf back to the root. Only the stopping masses are needed
+    for every node (`weighted_residual`'s, S / reach): a deterministic proposal's is
+    w (sum p - p(x)) from two numbers (max(w p - one-hot, 0) is w p off x and 0 at x), a
+    drawn one's a pass over its q; the measure itself only where the walk stops."""
     chain = _chain(draft)
     n = len(chain) - 1
-    rows = p[chain]  # [n + 1, V] p after each chain node
+    # [n + 1, V] p after each chain node (nodes are in topological order: a chain ending at node n is 0..n)
+    rows = p[: n + 1] if chain[-1] == n else p[chain]
     if n == 0:
         return Walk((0,), rng.categorical(rows[0])[0], "bonus", _walk_trace(trace, "p at leaf 0"))
     groups = [draft.groups_at(u)[0] for u in chain[:-1]]
     xs = [draft.tree.tokens[c] for c in chain[1:]]
-    x = torch.tensor(xs, device=p.device)
-    q = torch.stack([_q(g, x_i, rows) for g, x_i in zip(groups, xs)])  # [n, V] what each x_i was drawn from
-    ratio = rows[:-1].gather(1, x[:, None])[:, 0] / q.gather(1, x[:, None])[:, 0]
+    drawn = [i for i, g in enumerate(groups) if g.q is not None]
+    q = torch.stack([groups[i].q.to(rows.device, rows.dtype) for i in drawn]) if drawn else None  # [k, V]
+    px = rows[:-1].gather(1, torch.tensor(xs, device=p.device)[:, None])[:, 0]  # [n] p_i(x_{i+1})
+    qx = torch.ones_like(px)
+    if drawn:
+        qx[drawn] = q.gather(1, torch.tensor([xs[i] for i in drawn], device=p.device)[:, None])[:, 0]
+    ratio = px / qx
     log_w = torch.cat([ratio.new_zeros(1), ratio.log().cumsum(0)])
     w = (log_w - log_w.cummax(0).values).exp()  # [n + 1]: w_i = min(1, w_{i-1} ratio_i), w_0 = 1
-    left = weighted_residual(
-        w[:-1, None] * rows[:-1], q
-    )  # [n, V] measure left at node i when x_{i+1} is rejected
-    stop = torch.cat([ratio.new_ones(1), left[1:].sum(-1), w[-1:]])  # node 0 always stops: its mass is 1
+    mass = rows[:-1].sum(-1)  # [n] sum p_i (1 up to rounding)
+    left = w[:-1] * (mass - px)  # [n] sum max(w_i p_i - q_i, 0), deterministic q_i
+    if drawn:
+        left[drawn] = (w[drawn, None] * rows[drawn] - q).clamp(min=0).sum(-1)
+    stops = weighted_mass(w[:-1] * mass, left)  # [n] the measure left at node i when x_{i+1} is rejected
+    stop = torch.cat([ratio.new_ones(1), stops[1:], w[-1:]])  # node 0 always stops: its mass is 1
     i = rng.first_success(stop.flip(0))
     tau = n - (i if i is not None else n)
     if trace is not None:  # the proposal at chain[k] (k >= 1) with its node's stopping coin
-        px, qx = rows[:-1].gather(1, x[:, None])[:, 0].tolist(), q.gather(1, x[:, None])[:, 0].tolist()
-        for k, (g, x_k, pk, qk, coin) in enumerate(zip(groups, xs, px, qx, stop[1:].tolist()), start=1):
-            trace.append(
-                ProposalTrace(
-                    chain[k],
-                    chain[k - 1],
-                    x_k,
-                    g.draw.value,
-                    pk,
-                    qk,
-                    coin,
-                    "accepted" if k <= tau else "rejected",
-                )
-            )
+        for k, (g, x_k, pk, qk, coin) in enumerate(
+            zip(groups, xs, px.tolist(), qx.tolist(), stop[1:].tolist()), start=1
+        ):
+            outcome = "accepted" if k <= tau else "rejected"
+            trace.append(ProposalTrace(chain[k], chain[k - 1], x_k, g.draw.value, pk, qk, coin, outcome))
     if tau == n:
         return Walk(
             tuple(chain), rng.categorical(rows[n])[0], "bonus", _walk_trace(trace, f"p at leaf {chain[n]}")
         )
+    g = groups[tau]
+    q_tau = one_hot(xs[tau], rows[tau]) if g.q is None else q[drawn.index(tau)]
     return Walk(
         tuple(chain[: tau + 1]),
-        rng.categorical(left[tau])[0],
+        rng.categorical(weighted_residual(w[tau] * rows[tau], q_tau))[0],
         "correction",
         _walk_trace(trace, f"weighted residual at node {chain[tau]}"),
     )
@@ -324,11 +328,6 @@ def _chain(draft: DraftTree) -> list[int]:
     while draft.tree.children(chain[-1]):
         chain.append(draft.tree.children(chain[-1])[0])
     return chain
-
-
-def _q(group: ProposalGroup, x: int, like: torch.Tensor) -> torch.Tensor:
-    """The distribution `x` was drawn from in a one-proposal group (one-hot if deterministic)."""
-    return one_hot(x, like[0]) if group.q is None else group.q.to(like.device, like.dtype)
 
 
 def _check_inputs(draft: DraftTree, logits: torch.Tensor) -> None:
