@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from treespec import NgramDrafter, PromptLookupDrafter, SamplingConfig, SpeculativeDecoder, TreeConfig
+from treespec.drafters import DrafterFactory
 from treespec.proposal import Draw
 
 from .conftest import tiny_llama
@@ -64,6 +67,15 @@ def test_prompt_lookup_prefers_long_matches_and_branches_on_recent_ones():
     draft = d.propose(ctx, 3)
     assert all(g.draw is Draw.DETERMINISTIC for g in draft.groups)
     assert d.lookup([1, 2, 3], 2) == []
+
+
+def test_a_factory_gives_its_options_to_each_drafter():
+    ctx = [5, 1, 2, 9, 3, 2]  # the last token, 2, follows 1 earlier; no earlier "3 2"
+    assert DrafterFactory("lookup").make(TreeConfig(1, 2), None).lookup(ctx, 2) == [[9, 3]]
+    longer = DrafterFactory("lookup", options={"min_ngram": 2}).make(TreeConfig(1, 2), None)
+    assert longer.lookup(ctx, 2) == [] and longer.width == 1
+    with pytest.raises(ValueError, match="options are for the 'ngram' and 'lookup' kinds"):
+        DrafterFactory("model", options={"min_ngram": 2})
 
 
 def test_model_free_drafters_match_hf_greedy():

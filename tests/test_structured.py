@@ -126,22 +126,24 @@ def test_greedy_speculative_equals_greedy_plain_under_the_constraint(dec):
 
 
 def test_a_greedy_request_the_plan_leaves_undrafted_drafts_by_prompt_lookup(dec, monkeypatch):
-    """Where the automatic tree's plan is below FORCED_ONLY_SPEEDUP, a greedy constrained
-    request drafts a chain by prompt lookup (no draft forward) above its forced tokens, and a
-    sampled one its forced tokens alone; greedy output equals greedy plain token for token."""
-    monkeypatch.setattr("treespec.engine.FORCED_ONLY_SPEEDUP", float("inf"))  # every plan is below it
+    """Where the automatic tree's plan is below DRAFTER_MIN_SPEEDUP, a constrained request
+    drafts a chain by prompt lookup (no draft forward) above its forced tokens, from matches of
+    one token greedy and of two sampled; greedy output equals greedy plain token for token."""
+    monkeypatch.setattr("treespec.engine.DRAFTER_MIN_SPEEDUP", float("inf"))  # every plan is below it
     prompt = 'record = {"name": "Ann", "age": 7, "tags": ["a"]}\nrecord = '
     for schema in SCHEMAS:
         c, greedy = JsonSchema(schema), SamplingConfig(temperature=0)
         plain = dec.generate(prompt, 64, tree=None, sampling=greedy, constraint=c)
         spec = dec.generate(prompt, 64, tree=TreeConfig(), sampling=greedy, constraint=c)
-        assert "a chain of 4 by lookup" in spec.plan and spec.verification == "block"
+        assert "a chain of 4 by lookup" in spec.plan and "(1+ token matches)" in spec.plan
+        assert spec.verification == "block"
         assert spec.token_ids == plain.token_ids and spec.stats.draft_forwards == 0
         assert spec.stats.accepted_tokens > spec.stats.forced_accepted  # lookup's own tokens too
         sampled = dec.generate(
             prompt, 64, tree=TreeConfig(), sampling=SamplingConfig(temperature=1), constraint=c
         )
-        assert "forced tokens alone" in sampled.plan and sampled.stats.draft_forwards == 0
+        assert "a chain of 4 by lookup" in sampled.plan and "(2+ token matches)" in sampled.plan
+        assert sampled.verification == "block" and sampled.stats.draft_forwards == 0
         assert sampled.finish_reason == "length" or valid(sampled.text, schema)
 
 

@@ -29,9 +29,10 @@ from collections.abc import Sequence
 from .backends.base import Runner, score_many
 from .config import TreeConfig, check_positive_int
 from .constraints import (
+    DRAFTER_MIN_SPEEDUP,
     FORCED_EXTRA,
-    FORCED_ONLY_SPEEDUP,
     LOOKUP_DEPTH,
+    LOOKUP_MIN_MATCH,
     GrammarVocabulary,
     TreeMatcher,
     drafted_walk,
@@ -448,21 +449,20 @@ class Engine:
         chain = self.drafter.siblings(request.tree, request.verification) is not Siblings.DISTINCT
         iid = rule_fits(Siblings.IID, request.verification)  # i.i.d. trees run the token rule only
         plan = self.planner.plan(request.sampling, chain_only=chain, iid=iid)
-        if request.constraint is not None and plan.tree is not None and plan.speedup < FORCED_ONLY_SPEEDUP:
-            best = f"{plan.speedup:.2f}x"
-            if not request.sampling.greedy:
-                why = f"a constraint's forced tokens alone beat the best shape's {best}"
-                return Plan(None, (), 1.0, 1.0, None, why, plan.cls)
-            why = f"prompt lookup cut by the grammar, and forced tokens, beat the best shape's {best}"
-            lookup = TreeConfig(width=1, depth=LOOKUP_DEPTH)
-            return Plan(lookup, (), 1.0, 1.0, None, why, plan.cls, drafter="lookup")
+        if request.constraint is not None and plan.speedup < DRAFTER_MIN_SPEEDUP:  # plain decoding: 1.0
+            match = LOOKUP_MIN_MATCH[plan.cls]
+            why = f"prompt lookup ({match}+ token matches) cut by the grammar, and forced tokens, beat "
+            why += "plain decoding" if plan.tree is None else f"the best shape's {plan.speedup:.2f}x"
+            lookup, options = TreeConfig(width=1, depth=LOOKUP_DEPTH), (("min_ngram", match),)
+            return Plan(lookup, (), 1.0, 1.0, None, why, plan.cls, drafter="lookup", drafter_options=options)
         return plan
 
     def _factory(self, plan: Plan | None) -> DrafterFactory:
         """The drafters of a request with `plan`: the plan's own kind (a constrained request's
         prompt lookup), else the engine's."""
-        kind = None if plan is None else plan.drafter
-        return self.drafter if kind is None else DrafterFactory(kind, self.vocab_size)
+        if plan is None or plan.drafter is None:
+            return self.drafter
+        return DrafterFactory(plan.drafter, self.vocab_size, options=dict(plan.drafter_options))
 
     def _admit(self) -> None:
         """Give waiting requests lanes, in order, while lanes and `max_kv_tokens` allow; each

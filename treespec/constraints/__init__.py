@@ -5,13 +5,21 @@ engine's view of a tokenizer (llguidance) and `matcher` a request's grammar stat
 """
 
 from .grammar import GrammarVocabulary
-from .matcher import FORCED_EXTRA, FORCED_ONLY_SPEEDUP, LOOKUP_DEPTH, TreeMatcher, drafted_walk
+from .matcher import (
+    DRAFTER_MIN_SPEEDUP,
+    FORCED_EXTRA,
+    LOOKUP_DEPTH,
+    LOOKUP_MIN_MATCH,
+    TreeMatcher,
+    drafted_walk,
+)
 from .spec import Choice, Constraint, Grammar, JsonObject, JsonSchema, Regex, constraint_from
 
 __all__ = [
     "FORCED_EXTRA",
-    "FORCED_ONLY_SPEEDUP",
+    "DRAFTER_MIN_SPEEDUP",
     "LOOKUP_DEPTH",
+    "LOOKUP_MIN_MATCH",
     "drafted_walk",
     "Choice",
     "Constraint",

@@ -31,19 +31,23 @@ from .spec import Constraint
 Path = tuple[int, ...]
 FORCED_EXTRA = 16  # forced tokens may extend a tree this far below its configured depth
 # an automatic tree whose plan expects less than this speedup over plain decoding does not draft
-# with its drafter for a constrained request, which then gains from its forced tokens (and, when
-# greedy, from prompt lookup): on JSON-schema extraction with the default pair on a 2-core Zen 4
-# (experiments/structured/speed.py, T=0), forced tokens alone gave 1.33-1.35x constrained plain
-# decoding, and a chain of 1 planned at 1.22x plus forced tokens 1.20x
-FORCED_ONLY_SPEEDUP = 1.4
-# there, a greedy constrained request drafts a chain of this many tokens by prompt lookup, cut by
-# its grammar (no draft forward), below which its forced tokens follow
+# with its drafter for a constrained request, which drafts by prompt lookup instead (below): on
+# JSON-schema extraction with the default pair on a 2-core Zen 4 (experiments/structured/speed.py,
+# T=0), forced tokens alone gave 1.33-1.35x constrained plain decoding, and a chain of 1 planned
+# at 1.22x plus forced tokens 1.20x
+DRAFTER_MIN_SPEEDUP = 1.4
+# there, a constrained request drafts a chain of this many tokens by prompt lookup, cut by its
+# grammar (no draft forward), below which its forced tokens follow
 # (experiments/structured/lookup_variants.py --repeats 4, compiled, over constrained plain
-# decoding): extraction 1.62x against 1.31x for forced tokens alone (chains of 2, 3 and 8: 1.57x,
-# 1.61x, 1.45x), JSON stories, which copy little, 1.15x against 1.08x. Sampled, such chains gained
-# on extraction (1.27-1.38x against 1.26x) and lost on stories (0.77-0.96x against 1.08x), so a
-# sampled request takes its forced tokens alone
+# decoding, T=0): extraction 1.51-1.62x against 1.31x for forced tokens alone (chains of 2, 3
+# and 8: 1.53-1.57x, 1.50-1.61x, 1.42-1.45x over two runs), JSON stories, which copy little,
+# 1.12-1.15x against 1.05-1.08x
 LOOKUP_DEPTH = 4
+# the shortest match a lookup chain starts from, per temperature class: sampled, chains from
+# 1-token matches lost on the stories (0.88x against 1.06x for forced tokens alone), chains from
+# 2-token matches gained on extraction (1.43x against 1.31x, 12 repeats) and decoded the stories
+# as fast as forced tokens alone (220.2 against 218.8 tok/s)
+LOOKUP_MIN_MATCH = {"T0": 1, "T1": 2}
 
 
 class TreeMatcher:

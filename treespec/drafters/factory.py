@@ -9,6 +9,8 @@ that drafter draws siblings (`siblings`, decided by `treespec.rules`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from ..backends.base import Runner
 from ..config import DRAFTER_KINDS, SHAPED_DRAFTERS, TreeConfig
 from ..rules import Siblings, siblings_of
@@ -25,11 +27,21 @@ class DrafterFactory:
     the length of q (the target's rows); `support`: q puts mass only on ids below it."""
 
     def __init__(
-        self, kind: str | Drafter = "model", vocab_size: int | None = None, support: int | None = None
+        self,
+        kind: str | Drafter = "model",
+        vocab_size: int | None = None,
+        support: int | None = None,
+        options: Mapping[str, int] | None = None,
     ):
+        """`options`: settings of a model-free kind's drafters, as their constructors name them
+        ("lookup": `PromptLookupDrafter`'s min_ngram, max_ngram; "ngram": `NgramDrafter`'s
+        window); the width always comes from the request's tree."""
         if not isinstance(kind, Drafter) and kind not in DRAFTER_KINDS:
             raise ValueError(f"drafter must be one of {', '.join(DRAFTER_KINDS)} or a Drafter, got {kind!r}")
+        if options and kind not in ("ngram", "lookup"):
+            raise ValueError(f"drafter options are for the 'ngram' and 'lookup' kinds, not {kind!r}")
         self.kind, self.vocab_size, self.support = kind, vocab_size, support
+        self.options = dict(options or {})
 
     @property
     def custom(self) -> bool:
@@ -95,9 +107,9 @@ class DrafterFactory:
         if self.custom:
             return self.kind
         if self.kind == "ngram":
-            return NgramDrafter(tree.width)
+            return NgramDrafter(tree.width, **self.options)
         if self.kind == "lookup":
-            return PromptLookupDrafter(tree.width)
+            return PromptLookupDrafter(tree.width, **self.options)
         if self.kind == "head":
             return HeadDrafter(draft, tree, vocab_size=self.vocab_size)
         model = ModelDrafter(draft, tree, vocab_size=self.vocab_size, support=self.support)

@@ -68,6 +68,7 @@ class Plan:
     # a drafter kind of the request's own (`config.DRAFTER_KINDS`) instead of the decoder's,
     # drafting `tree` as given (a constrained request's prompt lookup); None: the decoder's
     drafter: str | None = None
+    drafter_options: tuple[tuple[str, int], ...] = ()  # that drafter's settings (`DrafterFactory`)
 
     @property
     def iid(self) -> bool:
