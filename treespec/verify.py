@@ -223,19 +223,22 @@ def _verify_block(
         return Walk((0,), rng.categorical(rows[0])[0], "bonus", _walk_trace(trace, "p at leaf 0"))
     groups = [draft.groups_at(u)[0] for u in chain[:-1]]
     xs = [draft.tree.tokens[c] for c in chain[1:]]
-    drawn = [i for i, g in enumerate(groups) if g.q is not None]
-    q = torch.stack([groups[i].q.to(rows.device, rows.dtype) for i in drawn]) if drawn else None  # [k, V]
+    q = [None if g.q is None else g.q.to(rows.device, rows.dtype) for g in groups]  # [V] each, or one-hot
+    drawn = [i for i, q_i in enumerate(q) if q_i is not None]
     px = rows[:-1].gather(1, torch.tensor(xs, device=p.device)[:, None])[:, 0]  # [n] p_i(x_{i+1})
     qx = torch.ones_like(px)
     if drawn:
-        qx[drawn] = q.gather(1, torch.tensor([xs[i] for i in drawn], device=p.device)[:, None])[:, 0]
+        qx[drawn] = torch.stack([q[i][xs[i]] for i in drawn])
     ratio = px / qx
     log_w = torch.cat([ratio.new_zeros(1), ratio.log().cumsum(0)])
     w = (log_w - log_w.cummax(0).values).exp()  # [n + 1]: w_i = min(1, w_{i-1} ratio_i), w_0 = 1
     mass = rows[:-1].sum(-1)  # [n] sum p_i (1 up to rounding)
     left = w[:-1] * (mass - px)  # [n] sum max(w_i p_i - q_i, 0), deterministic q_i
-    if drawn:
-        left[drawn] = (w[drawn, None] * rows[drawn] - q).clamp(min=0).sum(-1)
+    if drawn:  # in one [V] buffer: a [k, V] temporary costs page faults on a CPU
+        buf = torch.empty_like(rows[0])
+        left[drawn] = torch.stack(
+            [torch.mul(rows[i], w[i], out=buf).sub_(q[i]).clamp_(min=0).sum() for i in drawn]
+        )
     stops = weighted_mass(w[:-1] * mass, left)  # [n] the measure left at node i when x_{i+1} is rejected
     stop = torch.cat([ratio.new_ones(1), stops[1:], w[-1:]])  # node 0 always stops: its mass is 1
     i = rng.first_success(stop.flip(0))
@@ -250,8 +253,7 @@ def _verify_block(
         return Walk(
             tuple(chain), rng.categorical(rows[n])[0], "bonus", _walk_trace(trace, f"p at leaf {chain[n]}")
         )
-    g = groups[tau]
-    q_tau = one_hot(xs[tau], rows[tau]) if g.q is None else q[drawn.index(tau)]
+    q_tau = one_hot(xs[tau], rows[tau]) if q[tau] is None else q[tau]
     return Walk(
         tuple(chain[: tau + 1]),
         rng.categorical(weighted_residual(w[tau] * rows[tau], q_tau))[0],
