@@ -135,14 +135,14 @@ def test_a_greedy_request_the_plan_leaves_undrafted_drafts_by_prompt_lookup(dec,
         c, greedy = JsonSchema(schema), SamplingConfig(temperature=0)
         plain = dec.generate(prompt, 64, tree=None, sampling=greedy, constraint=c)
         spec = dec.generate(prompt, 64, tree=TreeConfig(), sampling=greedy, constraint=c)
-        assert "a chain of 4 by lookup" in spec.plan and "(1+ token matches)" in spec.plan
+        assert "a chain of 4 by lookup" in spec.plan and "from 1-token matches" in spec.plan
         assert spec.verification == "block"
         assert spec.token_ids == plain.token_ids and spec.stats.draft_forwards == 0
         assert spec.stats.accepted_tokens > spec.stats.forced_accepted  # lookup's own tokens too
         sampled = dec.generate(
             prompt, 64, tree=TreeConfig(), sampling=SamplingConfig(temperature=1), constraint=c
         )
-        assert "a chain of 4 by lookup" in sampled.plan and "(2+ token matches)" in sampled.plan
+        assert "a chain of 4 by lookup" in sampled.plan and "from 2-token matches" in sampled.plan
         assert sampled.verification == "block" and sampled.stats.draft_forwards == 0
         assert sampled.finish_reason == "length" or valid(sampled.text, schema)
 

@@ -451,8 +451,8 @@ class Engine:
         plan = self.planner.plan(request.sampling, chain_only=chain, iid=iid)
         if request.constraint is not None and plan.speedup < DRAFTER_MIN_SPEEDUP:  # plain decoding: 1.0
             match = LOOKUP_MIN_MATCH[plan.cls]
-            why = f"prompt lookup ({match}+ token matches) cut by the grammar, and forced tokens, beat "
-            why += "plain decoding" if plan.tree is None else f"the best shape's {plan.speedup:.2f}x"
+            best = "plain decoding" if plan.tree is None else f"the best shape's {plan.speedup:.2f}x"
+            why = f"lookup from {match}-token matches, cut by the grammar, with forced tokens, beats {best}"
             lookup, options = TreeConfig(width=1, depth=LOOKUP_DEPTH), (("min_ngram", match),)
             return Plan(lookup, (), 1.0, 1.0, None, why, plan.cls, drafter="lookup", drafter_options=options)
         return plan
