@@ -159,13 +159,16 @@ def test_compiled_quantized_runner_equals_the_eager_one(quantize):
 
 def test_each_weight_format_compiles_the_products_measured_faster():
     """int4: one dynamic graph for every feed (no static one), inductor's C++ template for
-    every product untimed; bf16: oneDNN's packed products in both, nothing tuned; float32 and
-    int8: a tuned graph per small feed size and untuned products for longer feeds. Nothing
-    compiles here."""
+    every product untimed; q4q8: one dynamic graph for every feed too, its kernel's products
+    (a 1-token graph of its own fused bf16 steps apart from the tree graph's, and greedy
+    speculative output left greedy plain output); bf16: oneDNN's packed products in both,
+    nothing tuned; float32 and int8: a tuned graph per small feed size and untuned products
+    for longer feeds. Nothing compiles here."""
     model = build("gqa_tied")
     auto, packed, templates = CompiledForward.AUTOTUNED, CompiledForward.PACKED, CompiledForward.TEMPLATES
     for quantize, dtype, static, dynamic, static_max in (
         ("int4", torch.float32, templates, templates, 0),
+        ("q4q8", torch.bfloat16, packed, packed, 0),
         (None, torch.bfloat16, packed, packed, 1),
         (None, torch.float32, auto, packed, COMPILE_STATIC_MAX),
         ("int8", torch.bfloat16, auto, packed, COMPILE_STATIC_MAX),
