@@ -80,7 +80,10 @@ def test_int4_runs_the_files_own_blocks(qtype, tmp_path):
     # "auto" runs the blocks where this CPU multiplies int4 faster than the dtype, else the
     # dequantised weights; a checkpoint without blocks is never quantized
     for faster in (True, False):
-        with patch.object(cpu, "int4_matmul_is_faster", lambda dtype, dense=None: faster):
+        with (
+            patch.object(cpu, "int4_matmul_is_faster", lambda dtype, dense=None: faster),
+            patch.object(cpu, "q4q8_matmul_is_faster", lambda dtype: False),
+        ):
             got = load_runner(out, torch.float32, torch.device("cpu"), quantize="auto").quantize
             assert got == ("int4" if faster else None)
             dense = tmp_path / "dense"
@@ -101,6 +104,7 @@ def test_auto_weights_run_a_files_blocks_in_the_dtype_that_multiplies_them_faste
 
     with (
         patch.object(cpu, "int4_matmul_is_faster", avx2_like),
+        patch.object(cpu, "q4q8_matmul_is_faster", lambda dtype: False),
         patch("treespec.loading.weights.auto_dtype", lambda device, role="target": fp32),
     ):
         assert resolve_weights("auto", "auto", out, cpu_) == (bf16, "int4")
@@ -114,8 +118,43 @@ def test_auto_weights_run_a_files_blocks_in_the_dtype_that_multiplies_them_faste
         dense = tmp_path / "dense"
         tiny().save_pretrained(dense)
         assert resolve_weights("auto", "auto", dense, cpu_) == (fp32, None)  # no blocks
-    with patch.object(cpu, "int4_matmul_is_faster", lambda dtype, dense=None: dtype == fp32):
+    with (
+        patch.object(cpu, "int4_matmul_is_faster", lambda dtype, dense=None: dtype == fp32),
+        patch.object(cpu, "q4q8_matmul_is_faster", lambda dtype: False),
+    ):
         assert resolve_weights(fp32, "auto", out, cpu_) == (fp32, "int4")
+
+
+def test_auto_weights_take_q4q8_in_int4s_place_where_its_built_kernels_multiply_faster(tmp_path):
+    """`resolve_weights`: "q4q8" where "auto" would run the file's blocks as int4 and q4q8's
+    products measure faster in that dtype; never where "auto" keeps dense weights or a format
+    was given. `compile=True` (the one-time step) builds the kernels before the choice, so that
+    the graphs it builds are the ones later runs load; otherwise nothing waits for a compiler."""
+    from treespec.backends.kernels import q4q8
+
+    write_gguf(tiny(), tmp_path / "m.gguf", Q.Q4_1, tokenizer=False)
+    out, cpu_ = convert(tmp_path / "m.gguf", tmp_path / "cache"), torch.device("cpu")
+    fp32, bf16 = torch.float32, torch.bfloat16
+    built = []
+    for int4_faster in (True, False):
+        for q4q8_faster in (True, False):
+            with (
+                patch.object(cpu, "int4_matmul_is_faster", lambda dtype, dense=None, f=int4_faster: f),
+                patch.object(cpu, "q4q8_matmul_is_faster", lambda dtype, f=q4q8_faster: f),
+                patch.object(q4q8, "compiled", lambda: built.append(1) or True),
+            ):
+                want = ("q4q8" if q4q8_faster else "int4") if int4_faster else None
+                assert resolve_weights(bf16, "auto", out, cpu_) == (bf16, want)
+                assert built == []  # a run that does not compile never builds the kernels
+                assert resolve_weights(bf16, "auto", out, cpu_, compile=True) == (bf16, want)
+                assert built == ([1] if int4_faster else [])
+                built.clear()
+                assert resolve_weights(bf16, "int4", out, cpu_) == (bf16, "int4")
+                assert resolve_weights(fp32, None, out, cpu_) == (fp32, None)
+    # the measurement itself: False where q4q8 cannot compute, or its kernels are not built
+    assert cpu.q4q8_matmul_is_faster(torch.float64) is False
+    with patch.object(q4q8, "built", lambda: False):
+        assert cpu.q4q8_matmul_is_faster(bf16) is False
 
 
 def test_int4_measurement_streams_distinct_weights_and_gives_up_on_slow_kernels():

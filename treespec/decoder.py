@@ -135,19 +135,21 @@ class SpeculativeDecoder:
         (`compiled` says which; docs/performance.md); `compile=False` always the eager one.
         `quantize` / `draft_quantize` ("int8", "int4", "q4q8"; native backend): weight-only int8 or int4
         for the target / the draft (a draft model or a feature head). A quantized draft is still
-        lossless; `draft_quantize="auto"` (the default) runs a feature head's products as int4
-        where int4 measures faster than dense here (`loading.resolve_quantize`; a draft
-        model is quantized by "auto" only as a target would be). A quantized target is
-        another model, and the output is distributed exactly as that quantized model's. "int4"
+        lossless; `draft_quantize="auto"` (the default) runs a feature head's products as q4q8
+        where its target runs q4q8, else as int4 where int4 measures faster than dense here
+        (`loading.resolve_quantize`; a draft model is quantized by "auto" only as a target
+        would be). A quantized target is another model, and the output is distributed exactly
+        as that quantized model's. "int4"
         runs a GGUF target's own Q4_0 / Q4_1 blocks as they are: the file's model, as llama.cpp
         runs it. "q4q8" (CPU, float32 / bfloat16) multiplies by the same 4-bit weights (every
         projection and the output layer) with the activations rounded to int8 per row and
         group of 32 (`treespec.backends.kernels`): products whose cost grows slowly with the
         tree's size, and another model again than int4's. `quantize="auto"` (the default)
         picks "int4" for such a GGUF target where this CPU multiplies int4 faster than dense
-        (measured once per process; with `dtype="auto"` in bf16 where that is faster than the
-        auto dtype, as on AVX2-only cores), else None: the file's weights dequantized into
-        `dtype` (`loading.resolve_weights`); never "q4q8". Loading is
+        (measured once per machine; with `dtype="auto"` in bf16 where that is faster than the
+        auto dtype, as on AVX2-only cores), "q4q8" in its place where the kernels are built
+        already (or `compile=True` builds them) and q4q8 multiplies faster than int4, else None:
+        the file's weights dequantized into `dtype` (`loading.resolve_weights`). Loading is
         `treespec.loading.load_models`'s.
         `tp`: tensor parallelism, the target split over this many processes launched by torchrun
         (`treespec.parallel`, docs/parallel.md; native backend). None: over every process

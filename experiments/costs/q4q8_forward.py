@@ -3,7 +3,7 @@
 
     nice -n 5 python experiments/costs/q4q8_forward.py [--reps 5] [--chats 8] [--threads 2]
         [--choices int4/bfloat16,q4q8/float32,q4q8/float32/compiled] [--no-agreement | --no-costs]
-        [--agreement-choices q4q8/float32,q4q8/bfloat16,int4/bfloat16]
+        [--agreement-choices q4q8/float32,q4q8/bfloat16,int4/bfloat16] [--tag TAG]
 
 1. Costs: after a held-out chat as prefix, the forward of a random tree of n nodes for
    n = 1..32, each path in turn per repeat (interleaved), medians; printed as t(n) in ms and
@@ -20,9 +20,9 @@
    References: the same weights dequantized, computing in float32 (q4q8's own weights, the
    file's Q4 blocks and its Q8_0 output layer: the file's model, only the activations' rounding
    differs), and the int4 runner in float32 (the default 4-bit target; its output layer int8).
-Writes results/q4q8_forward.json. On a shared machine the times are indicative only; --threads 1
-(the default) there, as OpenMP's spinning threads on a busy core make every multithreaded
-product many times slower.
+Writes results/q4q8_forward[_costs | _agreement][_TAG].json. On a shared machine the times are
+indicative only; --threads 1 (the default) there, as OpenMP's spinning threads on a busy core
+make every multithreaded product many times slower.
 """
 
 from __future__ import annotations
@@ -180,6 +180,7 @@ def main() -> None:
         "--agreement-choices", default="q4q8/float32", help="eager paths compared with the references"
     )
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: a shared machine's fair share)")
+    ap.add_argument("--tag", default="", help="a suffix for the results file's name")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from treespec.loading import load_tokenizer
@@ -215,8 +216,10 @@ def main() -> None:
         else agreement(args.model, tokenizer, args.chats, args.new, candidates),
         "note": "indicative on a shared machine (run under nice)",
     }
-    name = "q4q8_agreement.json" if args.no_costs else "q4q8_forward.json"
-    write_results("q4q8_forward_costs.json" if args.no_agreement else name, result)
+    name = (
+        "q4q8_agreement" if args.no_costs else "q4q8_forward_costs" if args.no_agreement else "q4q8_forward"
+    )
+    write_results(f"{name}{'_' + args.tag if args.tag else ''}.json", result)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """What this machine's processor offers, for choosing dtypes and weight formats: bf16 matrix
 instructions read from /proc/cpuinfo, and one-off measurements of whether bf16 products beat
-fp32 here and whether int4 products beat the dtype's own (taken once per machine, kept on
-disk); and the machine's key, for what is measured or compiled once per machine
-(`machine_key`)."""
+fp32 here, whether int4 products beat the dtype's own and whether q4q8 products beat int4's
+(taken once per machine, kept on disk); and the machine's key, for what is measured or compiled
+once per machine (`machine_key`)."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import logging
@@ -160,24 +161,60 @@ def int4_matmul_is_faster(dtype: torch.dtype, dense: torch.dtype | None = None, 
     return remembered(f"int4 products in {dtype} under {margin} of dense {dense}'s", measure)
 
 
+def q4q8_matmul_is_faster(dtype: torch.dtype, margin: float = 0.95) -> bool:
+    """Whether q4q8 products (`linear.Q4Q8Projection`) with inputs in `dtype` take under `margin`
+    of int4's (`linear.Int4Projection`, through `kernels.bf16`'s tiles where they run) on this
+    CPU, summed over a decode step's product and a 4-node tree's: 1 and 4 rows of 1 x 1024 @
+    1024 x 2048, weights streamed as `int4_matmul_is_faster` streams them. The compiled kernels
+    must be built already (`kernels.built`): nothing here waits for a compiler. Once per
+    machine and dtype (`remembered`); False where q4q8 cannot compute in `dtype`."""
+    from .kernels import q4q8
+    from .linear import Q4Q8_DTYPES
+
+    if dtype not in Q4Q8_DTYPES or not q4q8.built():
+        return False
+
+    def measure() -> bool:
+        int4 = sum(_streamed_seconds("int4", dtype, rows) for rows in (1, 4))
+        return sum(_streamed_seconds("q4q8", dtype, rows) for rows in (1, 4)) < margin * int4
+
+    return remembered(f"q4q8 products in {dtype} under {margin} of int4's", measure)
+
+
 @functools.cache
-def _streamed_seconds(kind: str, dtype: torch.dtype, stop_above: float = float("inf")) -> float:
-    """A sweep of one-row products over `STREAMED_COPIES` copies of one 2048 x 1024 weight,
-    `kind` "dense" or "int4", computing in `dtype`: the median of 7 after a warm-up."""
-    from .linear import Int4Projection, Projection
+def _streamed_seconds(
+    kind: str, dtype: torch.dtype, rows: int = 1, stop_above: float = float("inf")
+) -> float:
+    """A sweep of products of `rows` rows over `STREAMED_COPIES` copies of one 2048 x 1024
+    weight, `kind` "dense", "int4" or "q4q8", computing in `dtype`: the median of 7 after a
+    warm-up."""
+    from .linear import Int4Projection, Projection, Q4Q8Projection
 
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(2048, 1024, generator=g).to(dtype)
-    x = torch.randn(1, 1024, generator=g).to(dtype)
-    product = Projection(weight) if kind == "dense" else Int4Projection.quantize(weight)
+    x = torch.randn(rows, 1024, generator=g).to(dtype)
+    if kind == "dense":
+        product = Projection(weight)
+    elif kind == "int4":
+        product = Int4Projection.quantize(weight, tiles=True)
+    else:
+        product = Q4Q8Projection.quantize(weight)
     products = []
     for _ in range(STREAMED_COPIES):  # the same numbers at distinct addresses
-        c = copy.copy(product)
-        for name, value in vars(product).items():
-            if isinstance(value, torch.Tensor):
-                setattr(c, name, value.clone())  # oneDNN's packed layout clones as itself
-        products.append(c)
+        products.append(_copy(product))
     return median_seconds(lambda: [p(x) for p in products], 7, warmup=1, stop_above=stop_above)
+
+
+def _copy(product):
+    """`product` with its own copy of every tensor it holds (oneDNN's packed layout clones as
+    itself; a q4q8 product's tiles are a frozen `PackedTiles`)."""
+    c = copy.copy(product)
+    for name, value in vars(product).items():
+        if isinstance(value, torch.Tensor):
+            setattr(c, name, value.clone())
+        elif dataclasses.is_dataclass(value) and isinstance(getattr(value, "data", None), torch.Tensor):
+            setattr(c, name, dataclasses.replace(value, data=value.data.clone()))
+    return c
 
 
 def machine_key() -> dict:

@@ -55,7 +55,7 @@ def load_models(
         }  # fmt: skip
         prepare_ranks(target, draft, settings)
     # "auto" measures this machine's products: rank 0's measurement decides for every rank
-    target_dtype, quantize = resolve_weights(dtype, quantize, target, device, backend, group)
+    target_dtype, quantize = resolve_weights(dtype, quantize, target, device, backend, group, compile)
     draft_role_dtype = resolve_dtype(dtype if draft_dtype is None else draft_dtype, device, "draft")
     dtypes = parallel.agree((target_dtype, draft_role_dtype))
     target_runner = load_runner(target, dtypes[0], device, backend, compile, quantize, group)

@@ -74,11 +74,10 @@ def quantize_setting(value: str | None) -> str | None:
 
 
 def resolve_weights(
-    dtype, quantize, path, device: torch.device, backend: str = "auto", tp=None
+    dtype, quantize, path, device: torch.device, backend: str = "auto", tp=None, compile: bool | str = False
 ) -> tuple[torch.dtype, str | None]:
     """The target's dtype and weights format, from what was asked ("auto" for either, or a
-    dtype and None / "int8" / "int4" / "q4q8"). "auto" never picks "q4q8": its int8
-    activations make another model than the file's, so it is asked for by name.
+    dtype and None / "int8" / "int4" / "q4q8").
 
     `quantize="auto"` is "int4" where the checkpoint at `path` (`checkpoint`, asked only
     then: a bad dtype fails first) carries a GGUF file's own 4-bit blocks (the file's model
@@ -88,12 +87,19 @@ def resolve_weights(
     where the auto dtype is float32: torch's int4 kernel is fast with bf16 inputs on AVX512
     and AVX2 cores and slow with float32 ones, so an AVX2-only core, whose dense products
     stay float32, runs the file's blocks fastest in bf16. Else None: the file's weights
-    dequantized into the dtype."""
+    dequantized into the dtype.
+
+    In place of that int4, "q4q8" (the same blocks times activations rounded to int8: another
+    model, as llama.cpp's Q4 x Q8 is, docs/performance.md) where its compiled kernels are built
+    here already (or `compile=True`, the one-time step that builds them, asks now) and its
+    products measure faster than int4's in that dtype (`backends.cpu.q4q8_matmul_is_faster`):
+    a first run never waits for a compiler, and the step that builds the graphs builds them
+    for the weights later runs choose."""
     resolved = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, device, "target")
     if quantize != "auto":
         return resolved, quantize
     from ..backends.checkpoint import BLOCKS_FILE
-    from ..backends.cpu import int4_matmul_is_faster
+    from ..backends.cpu import int4_matmul_is_faster, q4q8_matmul_is_faster
 
     if not (tp is None and device.type == "cpu" and backend != "hf"):
         return resolved, None
@@ -101,10 +107,16 @@ def resolve_weights(
     if not (isinstance(local, Path) and (local / BLOCKS_FILE).is_file()):
         return resolved, None
     if int4_matmul_is_faster(resolved):
-        return resolved, "int4"
-    if dtype == "auto" and resolved != torch.bfloat16 and int4_matmul_is_faster(torch.bfloat16, resolved):
-        return torch.bfloat16, "int4"
-    return resolved, None
+        chosen = resolved
+    elif dtype == "auto" and resolved != torch.bfloat16 and int4_matmul_is_faster(torch.bfloat16, resolved):
+        chosen = torch.bfloat16
+    else:
+        return resolved, None
+    if compile is True:
+        from ..backends.kernels import q4q8
+
+        q4q8.compiled()  # the one-time step builds the kernels anyway: its graphs are q4q8's if faster
+    return chosen, "q4q8" if q4q8_matmul_is_faster(chosen) else "int4"
 
 
 def resolve_quantize(
