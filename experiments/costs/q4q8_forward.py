@@ -3,7 +3,7 @@
 
     nice -n 5 python experiments/costs/q4q8_forward.py [--reps 5] [--chats 8] [--threads 2]
         [--choices int4/bfloat16,q4q8/float32,q4q8/float32/compiled] [--no-agreement | --no-costs]
-        [--agreement-choices q4q8/float32,q4q8/bfloat16,int4/bfloat16] [--tag TAG]
+        [--agreement-choices q4q8/float32,q4q8/bfloat16,int4/bfloat16,llama.cpp] [--tag TAG]
 
 1. Costs: after a held-out chat as prefix, the forward of a random tree of n nodes for
    n = 1..32, each path in turn per repeat (interleaved), medians; printed as t(n) in ms and
@@ -112,10 +112,35 @@ def greedy(runner: NativeRunner, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def agreement(path, tokenizer, chats: int, new: int, candidates: list[str]) -> dict:
-    """Each of `candidates` (eager paths of CHOICES) against each float32 reference."""
+class LlamaCpp:
+    """llama.cpp's own forward of the default GGUF file, through llama-cpp-python (importable:
+    `pip install llama-cpp-python`, or its source on PYTHONPATH with LLAMA_CPP_LIB_PATH naming a
+    build's libllama.so): the log-probabilities `teacher_forced` gives, for the agreement table."""
+
+    def __init__(self, threads: int):
+        import llama_cpp
+
+        from treespec.loading.gguf import smollm2_gguf
+
+        self.model = llama_cpp.Llama(
+            model_path=str(smollm2_gguf()), logits_all=True, n_ctx=4096, n_threads=threads, verbose=False
+        )
+
+    def teacher_forced(self, prompt: list[int], cont: list[int]) -> torch.Tensor:
+        self.model.reset()
+        self.model.eval(prompt + cont[:-1])
+        rows = self.model.scores[len(prompt) - 1 : len(prompt) - 1 + len(cont)]  # [len(cont), V]
+        return torch.from_numpy(rows.copy()).float().log_softmax(-1)
+
+
+def agreement(path, tokenizer, chats: int, new: int, candidates: list[str], threads: int = 1) -> dict:
+    """Each of `candidates` (eager paths of CHOICES, or "llama.cpp": `LlamaCpp`) against each
+    float32 reference."""
     models = {
-        c: NativeRunner.from_pretrained(path, dtype=CHOICES[c][1], quantize=CHOICES[c][0]) for c in candidates
+        c: LlamaCpp(threads)
+        if c == "llama.cpp"
+        else NativeRunner.from_pretrained(path, dtype=CHOICES[c][1], quantize=CHOICES[c][0])
+        for c in candidates
     }
     references = {
         "dequantized q4q8 weights (float32)": dequantized(
@@ -130,7 +155,11 @@ def agreement(path, tokenizer, chats: int, new: int, candidates: list[str]) -> d
             cont = greedy(ref, prompt, new)
             p = teacher_forced(ref, prompt, cont)
             for c, model in models.items():
-                q = teacher_forced(model, prompt, cont)
+                q = (
+                    model.teacher_forced(prompt, cont)
+                    if c == "llama.cpp"
+                    else teacher_forced(model, prompt, cont)
+                )
                 counts[c][0] += int((p.argmax(-1) == q.argmax(-1)).sum())
                 counts[c][1] += len(cont)
                 counts[c][2].append((p.exp() * (p - q)).sum(-1))
@@ -177,7 +206,9 @@ def main() -> None:
     ap.add_argument("--no-agreement", action="store_true", help="costs only")
     ap.add_argument("--no-costs", action="store_true", help="agreement only (writes q4q8_agreement.json)")
     ap.add_argument(
-        "--agreement-choices", default="q4q8/float32", help="eager paths compared with the references"
+        "--agreement-choices",
+        default="q4q8/float32",
+        help="eager paths compared with the references, and llama.cpp (its forward of the default GGUF file)",
     )
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: a shared machine's fair share)")
     ap.add_argument("--tag", default="", help="a suffix for the results file's name")
@@ -185,6 +216,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from treespec.loading import load_tokenizer
 
+    if args.model is not None and "llama.cpp" in args.agreement_choices.split(","):
+        ap.error("llama.cpp's agreement reads the default GGUF file: drop --model")
     if args.model is None:
         from treespec.loading.gguf import convert, smollm2_gguf
 
@@ -213,7 +246,7 @@ def main() -> None:
         "ratio": {c: {str(n): t / v[1] for n, t in v.items()} for c, v in costs.items()},
         "agreement": None
         if args.no_agreement
-        else agreement(args.model, tokenizer, args.chats, args.new, candidates),
+        else agreement(args.model, tokenizer, args.chats, args.new, candidates, args.threads),
         "note": "indicative on a shared machine (run under nice)",
     }
     name = (
