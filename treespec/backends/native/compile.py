@@ -230,8 +230,8 @@ class CompiledForward:
     step; with float32 or int8 weights also a chain's verification and small trees, each with
     products tuned for its row count) and one for larger feeds up to COMPILE_MAX_TOKENS (the
     row count dynamic; with int4 or q4q8 weights, where the graph comes from the store, that one
-    graph serves every feed: `static_max` 0); all take the attended span and the cache capacity as
-    dynamic sizes, so none recompiles as the sequence or the cache grows. Which products each
+    graph serves every feed: `static_max` 0); all take the attended span and the cache capacity
+    as dynamic sizes, so none recompiles as the sequence or the cache grows. Which products each
     graph gets depends on the weights (`products`). Inductor freezes the weights into the
     graphs, packs them for the products it picked and fuses the norms, RoPE, SiLU gate and
     residual adds into a few C++ kernels.
@@ -337,10 +337,9 @@ class CompiledForward:
         one dynamic graph for every feed, taking it untimed (TEMPLATES). q4q8: the kernel's
         products at every row count, in one dynamic graph for every feed too (two graphs fuse
         their bf16 steps apart, and a tree node would not score as its path alone). bf16
-        weights: oneDNN's
-        packed products, so nothing to tune per size. float32 and int8: a tuned graph per small
-        feed size, and oneDNN's / torch's products for longer feeds (a float template tuned at
-        one row count loses at others)."""
+        weights: oneDNN's packed products, so nothing to tune per size. float32 and int8: a
+        tuned graph per small feed size, and oneDNN's / torch's products for longer feeds (a
+        float template tuned at one row count loses at others)."""
         if quantize == "int4":
             return cls.TEMPLATES, cls.TEMPLATES, 0
         if quantize == "q4q8":  # the products are the kernel's at every row count: nothing to tune
