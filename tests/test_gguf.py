@@ -170,6 +170,19 @@ def test_int4_measurement_streams_distinct_weights_and_gives_up_on_slow_kernels(
     assert isinstance(cpu.int4_matmul_is_faster(torch.bfloat16, torch.float32), bool)
 
 
+def test_q4q8_measurement_streams_distinct_copies_of_its_tiles():
+    """The q4q8 side of `q4q8_matmul_is_faster` reads distinct copies of one weight, as the int4
+    side does: a copy's tiles (a frozen `PackedTiles`) are its own memory, with the same numbers."""
+    from treespec.backends.linear import Q4Q8Projection
+
+    product = Q4Q8Projection.quantize(torch.randn(32, 64))
+    copied = cpu._copy(product)
+    assert copied.packed.data.data_ptr() != product.packed.data.data_ptr()
+    assert torch.equal(copied.packed.data, product.packed.data) and copied.packed.n == product.packed.n
+    x = torch.randn(3, 64)
+    assert torch.equal(copied(x), product(x))
+
+
 def test_int4_quantizes_weights_without_blocks(tmp_path):
     model = tiny()
     write_gguf(model, tmp_path / "m.gguf", Q.Q8_0, tokenizer=False)
