@@ -28,6 +28,7 @@ make every multithreaded product many times slower.
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import statistics
 import sys
@@ -112,7 +113,7 @@ def greedy(runner: NativeRunner, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-class LlamaCpp:
+class LlamaCppForward:
     """llama.cpp's own forward of the default GGUF file, through llama-cpp-python (importable:
     `pip install llama-cpp-python`, or its source on PYTHONPATH with LLAMA_CPP_LIB_PATH naming a
     build's libllama.so): the log-probabilities `teacher_forced` gives, for the agreement table."""
@@ -134,12 +135,14 @@ class LlamaCpp:
 
 
 def agreement(path, tokenizer, chats: int, new: int, candidates: list[str], threads: int = 1) -> dict:
-    """Each of `candidates` (eager paths of CHOICES, or "llama.cpp": `LlamaCpp`) against each
-    float32 reference."""
-    models = {
-        c: LlamaCpp(threads)
+    """Each of `candidates` (eager paths of CHOICES, or "llama.cpp": `LlamaCppForward`) against
+    each float32 reference."""
+    models = {  # each candidate's teacher-forced log-probabilities, (prompt, cont) -> [len(cont), V]
+        c: LlamaCppForward(threads).teacher_forced
         if c == "llama.cpp"
-        else NativeRunner.from_pretrained(path, dtype=CHOICES[c][1], quantize=CHOICES[c][0])
+        else functools.partial(
+            teacher_forced, NativeRunner.from_pretrained(path, dtype=CHOICES[c][1], quantize=CHOICES[c][0])
+        )
         for c in candidates
     }
     references = {
@@ -154,12 +157,8 @@ def agreement(path, tokenizer, chats: int, new: int, candidates: list[str], thre
         for prompt in heldout_prompt_ids("smollm2", tokenizer, chats):
             cont = greedy(ref, prompt, new)
             p = teacher_forced(ref, prompt, cont)
-            for c, model in models.items():
-                q = (
-                    model.teacher_forced(prompt, cont)
-                    if c == "llama.cpp"
-                    else teacher_forced(model, prompt, cont)
-                )
+            for c, forced in models.items():
+                q = forced(prompt, cont)
                 counts[c][0] += int((p.argmax(-1) == q.argmax(-1)).sum())
                 counts[c][1] += len(cont)
                 counts[c][2].append((p.exp() * (p - q)).sum(-1))
