@@ -139,9 +139,10 @@ STREAMED_COPIES = 16  # the weights int4_matmul_is_faster reads in turn: 16 x 8 
 
 
 def int4_matmul_is_faster(dtype: torch.dtype, dense: torch.dtype | None = None, margin: float = 0.9) -> bool:
-    """Whether int4 products computing in `dtype` (`linear.Int4Projection`) of one row take
-    under `margin` of the dense ones in `dense` (default: `dtype`; `linear.Projection`, packed
-    where oneDNN can) on this CPU: the decode step's product, 1 x 1024 @ 1024 x 2048, over
+    """Whether int4 products computing in `dtype` (`linear.Int4Projection`, through
+    `kernels.bf16`'s tiles where they run, as a runner's are) of one row take under `margin`
+    of the dense ones in `dense` (default: `dtype`; `linear.Projection`, packed where oneDNN
+    can) on this CPU: the decode step's product, 1 x 1024 @ 1024 x 2048, over
     `STREAMED_COPIES` distinct weights in turn, as a forward reads its layers' weights from
     memory (one weight, left in the cache, would favour the dense product); medians of 7
     sweeps. torch's int4 kernel is fast with bf16 inputs and far slower than dense with
