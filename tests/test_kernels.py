@@ -1,6 +1,6 @@
 """treespec/backends/kernels: the int4-weight x int8-activation product (issue 58).
 
-Every path this machine runs (avx512vnni, avx2, scalar: compiled; aten: torch ops) against a
+Every path this machine runs (amx, avx512vnni, avx2, scalar: compiled; aten: torch ops) against a
 float64 reference of the same quantized math; a row's result never depends on the other rows
 of the call (bitwise); the compiled paths agree bit for bit; GGUF's own quantizers and blocks;
 the custom op under torch.compile. Without a C++ compiler the compiled paths skip."""
@@ -39,7 +39,7 @@ def compiled_paths():
     return _compiled_paths()
 
 
-ALL_PATHS = ["avx512vnni", "avx2", "scalar", "aten"]
+ALL_PATHS = ["amx", "avx512vnni", "avx2", "scalar", "aten"]
 
 
 def path_or_skip(isa: str, compiled_paths_: list[str] | None = None) -> None:

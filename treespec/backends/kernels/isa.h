@@ -25,15 +25,16 @@ namespace treespec_kernels {
 constexpr int64_t QK = 32;  // inputs per group
 constexpr int64_t TN = 16;  // output columns per tile
 
-enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512VNNI = 2 };
+enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512VNNI = 2, AMX = 3 };
 
-// TREESPEC_KERNEL_ISA=avx512vnni|avx2|scalar caps the path; ATEN_CPU_CAPABILITY=avx2|default
+// TREESPEC_KERNEL_ISA=amx|avx512vnni|avx2|scalar caps the path; ATEN_CPU_CAPABILITY=avx2|default
 // (torch's own switch, tests/test_cpu_kinds.py) caps it as on such a core.
 inline int64_t cap_from_env() {
-  int64_t cap = AVX512VNNI;
+  int64_t cap = AMX;
   if (const char* e = std::getenv("TREESPEC_KERNEL_ISA")) {
     const std::string v(e);
-    if (v == "avx2") cap = AVX2;
+    if (v == "avx512vnni") cap = AVX512VNNI;
+    else if (v == "avx2") cap = AVX2;
     else if (v == "scalar" || v == "aten") cap = SCALAR;
   }
   if (const char* e = std::getenv("ATEN_CPU_CAPABILITY")) {
@@ -52,7 +53,7 @@ inline bool avx512_runs(bool bf16) {
   __builtin_cpu_init();
   const bool base = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  return base && (!bf16 || __builtin_cpu_supports("avx512bf16")) && cap_from_env() == AVX512VNNI;
+  return base && (!bf16 || __builtin_cpu_supports("avx512bf16")) && cap_from_env() >= AVX512VNNI;
 #else
   (void)bf16;
   return false;

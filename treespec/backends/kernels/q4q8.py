@@ -20,7 +20,8 @@ Q8_0 x Q8_0. `q4q8_linear` takes either packing.
 
 The weights are repacked once (`pack_q4`, `quantize_q4_1`, `from_gguf_blocks`) into tiles of 16
 output columns whose 4-bit values are unpacked once per call and fed to every row (VPDPBUSD on
-AVX512-VNNI cores, vpmaddubsw on AVX2 ones, plain C++ elsewhere), parallel over output tiles only.
+AVX512-VNNI cores, AMX-INT8 tiles there for calls of 10 rows or more where the core has AMX,
+vpmaddubsw on AVX2 ones, plain C++ elsewhere), parallel over output tiles only.
 Integer dot products are exact and the float steps are the same everywhere, so the compiled paths
 agree bit for bit and **a row's result never depends on the other rows of the call**.
 
@@ -29,8 +30,8 @@ torch.utils.cpp_extension (needs a C++ compiler and the `ninja` package) into
 $TREESPEC_CACHE/kernels/<hash>, and registered as custom ops, `torch.ops.treespec.q4q8_linear`
 and the others (with fake implementations: torch.compile graphs call them directly). Without a
 compiler q4q8_linear and q8q8_linear run as torch ops ("aten": the same numbers up to rare double
-roundings, slowly). `describe()` says which path runs; TREESPEC_KERNEL_ISA=avx512vnni|avx2|
-scalar|aten caps it (ATEN_CPU_CAPABILITY=avx2 caps it at avx2, as on such a core).
+roundings, slowly). `describe()` says which path runs; TREESPEC_KERNEL_ISA=amx|avx512vnni|
+avx2|scalar|aten caps it (ATEN_CPU_CAPABILITY=avx2 caps it at avx2, as on such a core).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ QK = 32  # inputs per group
 TILE = 16  # output columns per tile
 TILE_BYTES = 320  # per tile and group: 256 bytes of nibbles, 16 fp16 d, 16 fp16 m
 TILE8_BYTES = 544  # per tile and group, 8-bit weights: 512 bytes of q + 128, 16 fp16 d
-ISAS = ("scalar", "avx2", "avx512vnni")  # the compiled paths, by code (q4q8.cpp's Isa)
+ISAS = ("scalar", "avx2", "avx512vnni", "amx")  # the compiled paths, by code (isa.h's Isa)
 ATEN = "aten"  # torch ops, no compiled code
 _lock = threading.Lock()
 _state: dict = {"tried": False, "compiled": False, "error": None, "dir": None, "build_s": None, "op": False}
@@ -457,6 +458,7 @@ def describe() -> str:
         return f"q4q8 products: aten (torch ops, slow; no compiled kernel: {_state['error']})"
     isa = default_isa()
     how = {
+        "amx": "AMX-INT8 tiles (TDPBSUD) for calls of many rows, AVX512-VNNI VPDPBUSD for few",
         "avx512vnni": "AVX512-VNNI, VPDPBUSD over 16 columns",
         "avx2": "AVX2, vpmaddubsw over 8 columns",
         "scalar": "portable C++",
