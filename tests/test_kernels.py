@@ -172,6 +172,24 @@ def test_shapes_dtypes_and_the_default_path():
         kernels.pack_q4(torch.zeros(4, 40, dtype=torch.uint8), torch.ones(4, 1), torch.ones(4, 1))
 
 
+def test_prefetching_changes_no_bit(compiled_paths):
+    """Which blocks prefetch the weights (measured per machine) is a speed setting only."""
+    before = torch.ops.treespec.q4q8_prefetch_rows(-1)
+    assert before in (1, kernels.q4q8.PREFETCH_ROWS)
+    try:
+        for kind in ("q4_1", "q8_0"):
+            packed = weights(300, 576, seed=3, kind=kind)
+            x = activations(12, 576, seed=4)
+            for isa in compiled_paths:
+                ys = []
+                for rows in (1, 64):
+                    assert torch.ops.treespec.q4q8_prefetch_rows(rows) == rows
+                    ys.append([kernels.q4q8_linear(x[:m], packed, isa=isa) for m in (1, 5, 12)])
+                assert all(torch.equal(a, b) for a, b in zip(*ys)), (kind, isa)
+    finally:
+        torch.ops.treespec.q4q8_prefetch_rows(before)
+
+
 def test_packing_round_trips():
     gen = torch.Generator().manual_seed(3)
     for n, k in [(1, 32), (17, 64), (48, 96)]:

@@ -21,6 +21,7 @@
 // 128 * sum(q_a), exactly); [512, 544): d (fp16).
 #include <c10/util/Half.h>
 
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -48,7 +49,17 @@ struct Args {
   const float* bias;  // [N] or nullptr
   float* y;           // [M, N]
   int64_t M, N, K, G, T;
+  int64_t prefetch_rows;  // blocks of at least this many rows prefetch the weights (q4q8_prefetch_rows)
 };
+
+// Blocks of at least this many rows prefetch the weights they stream (`prefetch_ahead`): 5 unless
+// told (q4q8_prefetch_rows, which the Python side sets from a measurement once per machine).
+std::atomic<int64_t> prefetch_min_rows{5};
+
+int64_t q4q8_prefetch_rows(int64_t rows) {
+  if (rows >= 1) prefetch_min_rows.store(rows);
+  return prefetch_min_rows.load();
+}
 
 inline int32_t load4(const int8_t* p) {
   int32_t v;
@@ -186,8 +197,8 @@ TS_AVX2 void quantize_avx2(const float* x, int64_t M, int64_t K, int8_t* qa, flo
 
 // Where the product is compute-bound (a first block of >= 5 rows), the weights streamed from memory
 // come sooner with a software prefetch 8 tile-groups ahead (-12% at M = 8 and 16 over a SmolLM2
-// forward's weights on Zen 4; no gain on the AVX2 path); a single row is memory-bound and slower
-// with it.
+// forward's weights on Zen 4; no gain on the AVX2 path); there a single row is memory-bound and
+// slower with it, on a Xeon with AMX 22% faster (q4q8_prefetch_rows: measured per machine).
 template <int64_t BYTES = TILE_BYTES>
 inline void prefetch_ahead(const uint8_t* wg) {
   for (int c = 0; c < BYTES / 64; ++c) _mm_prefetch(reinterpret_cast<const char*>(wg + 8 * BYTES + 64 * c), _MM_HINT_T0);
@@ -365,7 +376,7 @@ TS_AVX512 inline void block_avx512(const Args& a, int64_t t, int64_t r0) {
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < a.G; ++g) {
     const uint8_t* wg = wt + g * TILE_BYTES;
-    if (R >= 5 && r0 == 0) prefetch_ahead(wg);
+    if (R >= a.prefetch_rows && r0 == 0) prefetch_ahead(wg);
     __m512i dot[R][A];
     for (int i = 0; i < R; ++i)
       for (int k = 0; k < A; ++k) dot[i][k] = _mm512_setzero_si512();
@@ -401,7 +412,7 @@ TS_AVX512 inline void block8_avx512(const Args& a, int64_t t, int64_t r0) {
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < a.G; ++g) {
     const uint8_t* wg = wt + g * TILE8_BYTES;
-    if (R >= 5 && r0 == 0) prefetch_ahead<TILE8_BYTES>(wg);
+    if (R >= a.prefetch_rows && r0 == 0) prefetch_ahead<TILE8_BYTES>(wg);
     __m512i dot[R][A];
     for (int i = 0; i < R; ++i)
       for (int k = 0; k < A; ++k) dot[i][k] = _mm512_setzero_si512();
@@ -573,7 +584,7 @@ TS_AMX inline void block_amx(const Args& a, int64_t t, int64_t r0) {
   if (pairs > 1) unpack_pair<BITS>(wt, 1, a.G, buf[1], b[1]);
   TS_AMX_ISSUE(0, 1, 0, b[0]);
   for (int64_t k = 0; k < pairs; ++k) {
-    if (R >= 5 && r0 == 0) prefetch_ahead<TB>(wt + 2 * k * TB);
+    if (R >= a.prefetch_rows && r0 == 0) prefetch_ahead<TB>(wt + 2 * k * TB);
     if (k + 2 < pairs) unpack_pair<BITS>(wt, k + 2, a.G, buf[(k + 2) % 3], b[(k + 2) % 3]);
     if (k % 2 == 0) {
       if (k + 1 < pairs) TS_AMX_ISSUE(2, 3, k + 1, b[(k + 1) % 3]);
@@ -691,7 +702,8 @@ at::Tensor quantized_linear(const char* op, int bits, const at::Tensor& x, const
   });
 
   Args a{qa.data(), sa.data(), Sa.data(), ia.data(), packed.data_ptr<uint8_t>(),
-         b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, n, K, G, T};
+         b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, n, K, G, T,
+         prefetch_min_rows.load()};
   // Split over output tiles only; each output is computed by one thread in one fixed order.
   // Grain: a chunk of at least ~128k multiply-adds (rows counted up to 16), or threads do not pay.
   const int64_t per_tile = G * QK * TN * std::min<int64_t>(M, 16);
@@ -723,6 +735,7 @@ TORCH_LIBRARY_FRAGMENT(treespec, m) {
   m.def("q4q8_linear(Tensor x, Tensor packed, Tensor? bias, int n, int isa=-1) -> Tensor");
   m.def("q8q8_linear(Tensor x, Tensor packed, Tensor? bias, int n, int isa=-1) -> Tensor");
   m.def("q4q8_isa(int isa=-1) -> int", &q4q8_isa);
+  m.def("q4q8_prefetch_rows(int rows=-1) -> int", &q4q8_prefetch_rows);
 }
 
 TORCH_LIBRARY_IMPL(treespec, CPU, m) {

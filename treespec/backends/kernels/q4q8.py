@@ -399,7 +399,53 @@ def _ensure() -> bool:
         else:
             _register_python_ops()
         _state["op"] = True
+        if _state["compiled"]:
+            _choose_prefetch()
         return _state["compiled"]
+
+
+PREFETCH_ROWS = 5  # q4q8.cpp's default: blocks of at least 5 rows prefetch the weights they stream
+
+
+def _choose_prefetch() -> None:
+    """Whether blocks of any size prefetch the weights they stream, or only those of
+    `PREFETCH_ROWS` rows and more: a single row's product is 22% faster with it on a Xeon with
+    AMX, slower on Zen 4. Measured once per machine (`cpu.remembered`), then set in the library
+    (`torch.ops.treespec.q4q8_prefetch_rows`), which eager and compiled forwards read alike."""
+    from ..cpu import remembered
+
+    rows = 1 if remembered("q4q8 single rows prefetch the weights", _prefetch_pays) else PREFETCH_ROWS
+    torch.ops.treespec.q4q8_prefetch_rows(rows)
+
+
+STREAMED_WEIGHTS = 64  # _prefetch_pays's copies of a 2048 x 1024 weight: 70 MB, as a forward's
+
+
+def _prefetch_pays(margin: float = 0.95, repeats: int = 7) -> bool:
+    """Whether one row's products over `STREAMED_WEIGHTS` distinct 4-bit weights, read in turn as
+    a forward reads its layers', take under `margin` of the time with every block prefetching:
+    medians of `repeats` sweeps each, interleaved."""
+    import time
+
+    g = torch.Generator().manual_seed(0)
+    first = quantize_q4_1(torch.randn(2048, 1024, generator=g))
+    weights = [PackedQ4(first.data.clone(), first.n, first.k) for _ in range(STREAMED_WEIGHTS)]
+    x = torch.randn(1, 1024, generator=g)
+    op, before = torch.ops.treespec.q4q8_linear, torch.ops.treespec.q4q8_prefetch_rows(-1)
+    times: dict[int, list[float]] = {1: [], PREFETCH_ROWS: []}
+    try:
+        for r in range(repeats + 1):
+            for rows, seconds in times.items():
+                torch.ops.treespec.q4q8_prefetch_rows(rows)
+                start = time.perf_counter()
+                for w in weights:
+                    op(x, w.data, None, w.n, -1)
+                if r:  # the first sweep pays for allocations
+                    seconds.append(time.perf_counter() - start)
+    finally:
+        torch.ops.treespec.q4q8_prefetch_rows(before)
+    median = {rows: sorted(t)[len(t) // 2] for rows, t in times.items()}
+    return median[1] < margin * median[PREFETCH_ROWS]
 
 
 def compiled() -> bool:
