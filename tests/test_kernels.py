@@ -148,6 +148,10 @@ def test_the_compiled_paths_agree_bit_for_bit(compiled_paths, kind):
         first = ys[compiled_paths[0]]
         for isa, y in ys.items():
             assert torch.equal(y, first), (isa, compiled_paths[0], n, k, m)
+        xb = x.bfloat16()  # read as it is by each path: exactly its float32 values' product
+        for isa in compiled_paths:
+            y = kernels.q4q8_linear(xb, packed, bias, isa=isa)
+            assert torch.equal(y, kernels.q4q8_linear(xb.float(), packed, bias, isa=isa)), (isa, n, k, m)
         # torch ops: each fma as a float64 sum rounded once more; equal but for rare double roundings
         aten = kernels.q4q8_linear(x, packed, bias, isa=kernels.ATEN)
         torch.testing.assert_close(aten, first, rtol=1e-6, atol=1e-6)

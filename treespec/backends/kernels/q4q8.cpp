@@ -75,11 +75,14 @@ inline float half_at(const uint8_t* p) {
 
 // ---------------------------------------------------------------- scalar (any CPU)
 
-void quantize_scalar(const float* x, int64_t M, int64_t K, int8_t* qa, float* sa, float* Sa, int32_t* ia) {
+// x float or c10::BFloat16 (read as float, exactly), rows of K
+template <typename T>
+void quantize_scalar(const T* x, int64_t M, int64_t K, int8_t* qa, float* sa, float* Sa, int32_t* ia) {
   const int64_t G = K / QK;
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t g = 0; g < G; ++g) {
-      const float* v = x + r * K + g * QK;
+      float v[QK];
+      for (int i = 0; i < QK; ++i) v[i] = static_cast<float>(x[r * K + g * QK + i]);
       float amax = 0.0f;
       for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(v[i]));
       const float s = amax / 127.0f;
@@ -160,14 +163,20 @@ TS_AVX2 inline __m256i round8(__m256 x, __m256 id) {
   return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_set1_ps(127.0f), _mm256_max_ps(_mm256_set1_ps(-127.0f), t)));
 }
 
-TS_AVX2 void quantize_avx2(const float* x, int64_t M, int64_t K, int8_t* qa, float* sa, float* Sa, int32_t* ia) {
+TS_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+TS_AVX2 inline __m256 load8(const c10::BFloat16* p) {  // bf16 -> float32: the bits shifted up, exact
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <typename T>
+TS_AVX2 void quantize_avx2(const T* x, int64_t M, int64_t K, int8_t* qa, float* sa, float* Sa, int32_t* ia) {
   const int64_t G = K / QK;
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t g = 0; g < G; ++g) {
-      const float* v = x + r * K + g * QK;
-      __m256 x0 = _mm256_loadu_ps(v), x1 = _mm256_loadu_ps(v + 8), x2 = _mm256_loadu_ps(v + 16),
-             x3 = _mm256_loadu_ps(v + 24);
+      const T* v = x + r * K + g * QK;
+      __m256 x0 = load8(v), x1 = load8(v + 8), x2 = load8(v + 16), x3 = load8(v + 24);
       __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, x0), _mm256_andnot_ps(sign, x1)),
                                _mm256_max_ps(_mm256_andnot_ps(sign, x2), _mm256_andnot_ps(sign, x3)));
       __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -331,12 +340,19 @@ TS_AVX512 inline __m512i round16(__m512 x, __m512 id) {
   return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_set1_ps(127.0f), _mm512_max_ps(_mm512_set1_ps(-127.0f), t)));
 }
 
-TS_AVX512 void quantize_avx512(const float* x, int64_t M, int64_t K, int8_t* qa, float* sa, float* Sa, int32_t* ia) {
+TS_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+TS_AVX512 inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> float32: the bits shifted up, exact
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <typename T>
+TS_AVX512 void quantize_avx512(const T* x, int64_t M, int64_t K, int8_t* qa, float* sa, float* Sa, int32_t* ia) {
   const int64_t G = K / QK;
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t g = 0; g < G; ++g) {
-      const float* v = x + r * K + g * QK;
-      const __m512 x0 = _mm512_loadu_ps(v), x1 = _mm512_loadu_ps(v + 16);
+      const T* v = x + r * K + g * QK;
+      const __m512 x0 = load16(v), x1 = load16(v + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
       const float s = amax / 127.0f;
       const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -673,8 +689,10 @@ at::Tensor quantized_linear(const char* op, int bits, const at::Tensor& x, const
               op, ": packed weights must be contiguous uint8 of ", T * G * tile_bytes, " bytes for n = ", n,
               ", K = ", K, "; got ", packed.numel());
   isa = q4q8_isa(isa);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const int64_t M = xf.numel() / K;
+  // bfloat16 rows are read as they are (each value exactly a float32); other dtypes converted first
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const at::Tensor xc = bf16 ? x.contiguous() : x.to(at::kFloat).contiguous();
+  const int64_t M = xc.numel() / K;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   at::Tensor y = at::empty(shape, x.options().dtype(at::kFloat));
@@ -687,19 +705,24 @@ at::Tensor quantized_linear(const char* op, int bits, const at::Tensor& x, const
   std::vector<int8_t> qa(M * K);
   std::vector<float> sa(M * G), Sa(M * G);
   std::vector<int32_t> ia(M * G);
-  const float* xp = xf.data_ptr<float>();
   // rows are quantized alone (any split of them gives the same bytes)
-  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t r0, int64_t r1) {
-    const float* xr = xp + r0 * K;
-    int8_t* q = qa.data() + r0 * K;
-    float *s = sa.data() + r0 * G, *S = Sa.data() + r0 * G;
-    int32_t* i = ia.data() + r0 * G;
+  auto quantize = [&](const auto* xp) {
+    at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t r0, int64_t r1) {
+      const auto* xr = xp + r0 * K;
+      int8_t* q = qa.data() + r0 * K;
+      float *s = sa.data() + r0 * G, *S = Sa.data() + r0 * G;
+      int32_t* i = ia.data() + r0 * G;
 #if TS_X86
-    if (isa >= AVX512VNNI) return quantize_avx512(xr, r1 - r0, K, q, s, S, i);
-    if (isa == AVX2) return quantize_avx2(xr, r1 - r0, K, q, s, S, i);
+      if (isa >= AVX512VNNI) return quantize_avx512(xr, r1 - r0, K, q, s, S, i);
+      if (isa == AVX2) return quantize_avx2(xr, r1 - r0, K, q, s, S, i);
 #endif
-    quantize_scalar(xr, r1 - r0, K, q, s, S, i);
-  });
+      quantize_scalar(xr, r1 - r0, K, q, s, S, i);
+    });
+  };
+  if (bf16)
+    quantize(xc.data_ptr<at::BFloat16>());
+  else
+    quantize(xc.data_ptr<float>());
 
   Args a{qa.data(), sa.data(), Sa.data(), ia.data(), packed.data_ptr<uint8_t>(),
          b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, n, K, G, T,
