@@ -421,7 +421,7 @@ def _choose_prefetch() -> None:
 STREAMED_WEIGHTS = 64  # _prefetch_pays's copies of a 2048 x 1024 weight: 70 MB, as a forward's
 
 
-def _prefetch_pays(margin: float = 0.95, repeats: int = 7) -> bool:
+def _prefetch_pays(margin: float = 0.95, repeats: int = 15) -> bool:
     """Whether one row's products over `STREAMED_WEIGHTS` distinct 4-bit weights, read in turn as
     a forward reads its layers', take under `margin` of the time with every block prefetching:
     medians of `repeats` sweeps each, interleaved."""
