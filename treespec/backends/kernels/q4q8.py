@@ -424,9 +424,13 @@ STREAMED_WEIGHTS = 64  # _prefetch_pays's copies of a 2048 x 1024 weight: 70 MB,
 def _prefetch_pays(margin: float = 0.95, repeats: int = 15) -> bool:
     """Whether one row's products over `STREAMED_WEIGHTS` distinct 4-bit weights, read in turn as
     a forward reads its layers', take under `margin` of the time with every block prefetching:
-    medians of `repeats` sweeps each, interleaved."""
+    medians of `repeats` sweeps each, interleaved, on the AVX512-VNNI path whatever the
+    environment caps (False where the CPU has none: no other path prefetches)."""
     import time
 
+    vnni = ISAS.index("avx512vnni")  # the path whose blocks prefetch (AMX's start at 10 rows)
+    if not torch.ops.treespec.q4q8_isa(-2) >> vnni & 1:
+        return False
     g = torch.Generator().manual_seed(0)
     first = quantize_q4_1(torch.randn(2048, 1024, generator=g))
     weights = [PackedQ4(first.data.clone(), first.n, first.k) for _ in range(STREAMED_WEIGHTS)]
@@ -439,7 +443,7 @@ def _prefetch_pays(margin: float = 0.95, repeats: int = 15) -> bool:
                 torch.ops.treespec.q4q8_prefetch_rows(rows)
                 start = time.perf_counter()
                 for w in weights:
-                    op(x, w.data, None, w.n, -1)
+                    op(x, w.data, None, w.n, vnni)
                 if r:  # the first sweep pays for allocations
                     seconds.append(time.perf_counter() - start)
     finally:
