@@ -87,69 +87,78 @@ TS_ATTN inline __m512 sum16(const __m512* a) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
 }
 
-// Row t, kv head c: its g query heads over the row's visible keys, one head at a time (C = D / 16
-// chunks of the head dim, rounded up, kept in registers)
-template <int C>
-TS_ATTN void row_head(const AttnArgs& a, int64_t t, int64_t c, std::vector<int32_t>& keys, std::vector<float>& e) {
-  const int64_t g = a.Hq / a.Hkv, kvsize = a.kv_bf16 ? 2 : 4;
+// GB query heads h0 .. h0 + GB - 1 of row t over its M visible keys `keys` of kv head (kc, vc),
+// together: each key's and value's chunks are loaded (and widened from bf16) once for the GB
+// heads, then each head takes exactly the steps it took alone (C = D / 16 chunks of the head dim,
+// rounded up, kept in registers); `e`: GB rows of Mp floats
+template <int C, int GB>
+TS_ATTN void heads_together(const AttnArgs& a, int64_t t, int64_t h0, const char* kc, const char* vc,
+                            const int32_t* keys, int64_t M, float* e) {
+  const int64_t kvsize = a.kv_bf16 ? 2 : 4, Mp = (M + 15) / 16 * 16;
   __mmask16 lanes[C];  // the head dim's lanes in each chunk of 16 (the last may be short)
   for (int u = 0; u < C; ++u)
     lanes[u] = a.D - 16 * u >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (a.D - 16 * u)) - 1);
-  keys.clear();
-  const bool* m = a.mask + t * a.S;
-  for (int64_t j = 0; j < a.S; ++j)
-    if (m[j]) keys.push_back(static_cast<int32_t>(j));
-  const int64_t M = static_cast<int64_t>(keys.size()), Mp = (M + 15) / 16 * 16;
-  e.resize(Mp);
-  const int64_t b = a.lanes ? a.lanes[t] : 0;
-  const char* kc = a.k + (b * a.k_lane + c * a.k_head) * kvsize;
-  const char* vc = a.v + (b * a.v_lane + c * a.v_head) * kvsize;
-  for (int64_t h = c * g; h < (c + 1) * g; ++h) {
-    __m512 q[C];
-    const char* qp = a.q + (t * a.q_row + h * a.q_head) * (a.q_bf16 ? 2 : 4);
-    for (int u = 0; u < C; ++u) q[u] = load16(qp + 16 * u * (a.q_bf16 ? 2 : 4), a.q_bf16, lanes[u]);
-    // scores: per key, 16 lanes over D; the lanes of 16 keys at a time summed by `sum16`
-    for (int64_t i0 = 0; i0 < M; i0 += 16) {
-      const int64_t cnt = std::min<int64_t>(16, M - i0);
-      __m512 part[16];
-      for (int64_t l = 0; l < 16; ++l) {
-        if (l >= cnt) {
-          part[l] = _mm512_setzero_ps();
-          continue;
-        }
-        const char* kp = kc + keys[i0 + l] * a.k_slot * kvsize;
-        __m512 s = _mm512_mul_ps(q[0], load16(kp, a.kv_bf16, lanes[0]));
-        for (int u = 1; u < C; ++u) s = _mm512_fmadd_ps(q[u], load16(kp + 16 * u * kvsize, a.kv_bf16, lanes[u]), s);
-        part[l] = s;
+  __m512 q[GB][C];
+  for (int hh = 0; hh < GB; ++hh) {
+    const char* qp = a.q + (t * a.q_row + (h0 + hh) * a.q_head) * (a.q_bf16 ? 2 : 4);
+    for (int u = 0; u < C; ++u) q[hh][u] = load16(qp + 16 * u * (a.q_bf16 ? 2 : 4), a.q_bf16, lanes[u]);
+  }
+  // scores: per key and head, 16 lanes over D; the lanes of 16 keys at a time summed by `sum16`
+  for (int64_t i0 = 0; i0 < M; i0 += 16) {
+    const int64_t cnt = std::min<int64_t>(16, M - i0);
+    __m512 part[GB][16];
+    for (int64_t l = 0; l < 16; ++l) {
+      if (l >= cnt) {
+        for (int hh = 0; hh < GB; ++hh) part[hh][l] = _mm512_setzero_ps();
+        continue;
       }
-      _mm512_storeu_ps(e.data() + i0, _mm512_mul_ps(sum16(part), _mm512_set1_ps(a.scale)));
+      const char* kp = kc + keys[i0 + l] * a.k_slot * kvsize;
+      __m512 kf = load16(kp, a.kv_bf16, lanes[0]);
+      for (int hh = 0; hh < GB; ++hh) part[hh][l] = _mm512_mul_ps(q[hh][0], kf);
+      for (int u = 1; u < C; ++u) {
+        kf = load16(kp + 16 * u * kvsize, a.kv_bf16, lanes[u]);
+        for (int hh = 0; hh < GB; ++hh) part[hh][l] = _mm512_fmadd_ps(q[hh][u], kf, part[hh][l]);
+      }
     }
-    // softmax weights, unnormalised, and their sum Z (lanes past the last key: exact zeros)
+    for (int hh = 0; hh < GB; ++hh)
+      _mm512_storeu_ps(e + hh * Mp + i0, _mm512_mul_ps(sum16(part[hh]), _mm512_set1_ps(a.scale)));
+  }
+  // softmax weights, unnormalised, and their sum Z (lanes past the last key: exact zeros)
+  __m512 Z[GB];
+  for (int hh = 0; hh < GB; ++hh) {
+    float* eh = e + hh * Mp;
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int64_t i = 0; i < Mp; i += 16) {
       const __mmask16 live = M - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (M - i)) - 1);
-      mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, e.data() + i));
+      mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, eh + i));
     }
     const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
     __m512 z = _mm512_setzero_ps();
     for (int64_t i = 0; i < Mp; i += 16) {
       const __mmask16 live = M - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (M - i)) - 1);
-      const __m512 w = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(e.data() + i), top)));
-      _mm512_storeu_ps(e.data() + i, w);
+      const __m512 w = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(eh + i), top)));
+      _mm512_storeu_ps(eh + i, w);
       z = _mm512_add_ps(z, w);
     }
-    const __m512 Z = _mm512_set1_ps(_mm512_reduce_add_ps(z));
-    // the weighted values, key by key in order
-    __m512 acc[C];
-    for (int u = 0; u < C; ++u) acc[u] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < M; ++i) {
-      const char* vp = vc + keys[i] * a.v_slot * kvsize;
-      const __m512 w = _mm512_set1_ps(e[i]);
-      for (int u = 0; u < C; ++u) acc[u] = _mm512_fmadd_ps(w, load16(vp + 16 * u * kvsize, a.kv_bf16, lanes[u]), acc[u]);
-    }
-    const int64_t o = (t * a.Hq + h) * a.D;
+    Z[hh] = _mm512_set1_ps(_mm512_reduce_add_ps(z));
+  }
+  // the weighted values, key by key in order
+  __m512 acc[GB][C];
+  for (int hh = 0; hh < GB; ++hh)
+    for (int u = 0; u < C; ++u) acc[hh][u] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < M; ++i) {
+    const char* vp = vc + keys[i] * a.v_slot * kvsize;
+    __m512 w[GB];
+    for (int hh = 0; hh < GB; ++hh) w[hh] = _mm512_set1_ps(e[hh * Mp + i]);
     for (int u = 0; u < C; ++u) {
-      const __m512 r = _mm512_div_ps(acc[u], Z);
+      const __m512 vf = load16(vp + 16 * u * kvsize, a.kv_bf16, lanes[u]);
+      for (int hh = 0; hh < GB; ++hh) acc[hh][u] = _mm512_fmadd_ps(w[hh], vf, acc[hh][u]);
+    }
+  }
+  for (int hh = 0; hh < GB; ++hh) {
+    const int64_t o = (t * a.Hq + h0 + hh) * a.D;
+    for (int u = 0; u < C; ++u) {
+      const __m512 r = _mm512_div_ps(acc[hh][u], Z[hh]);
       if (a.q_bf16) {
         alignas(64) float f[16];
         _mm512_store_ps(f, r);
@@ -158,6 +167,31 @@ TS_ATTN void row_head(const AttnArgs& a, int64_t t, int64_t c, std::vector<int32
       } else {
         _mm512_mask_storeu_ps(reinterpret_cast<float*>(a.out) + o + 16 * u, lanes[u], r);
       }
+    }
+  }
+}
+
+constexpr int GB_MAX = 4;  // query heads taken together (a kv head's g heads in groups of at most 4)
+
+// Row t, kv head c: its g query heads over the row's visible keys, in groups of up to GB_MAX
+template <int C>
+TS_ATTN void row_head(const AttnArgs& a, int64_t t, int64_t c, std::vector<int32_t>& keys, std::vector<float>& e) {
+  const int64_t g = a.Hq / a.Hkv, kvsize = a.kv_bf16 ? 2 : 4;
+  keys.clear();
+  const bool* m = a.mask + t * a.S;
+  for (int64_t j = 0; j < a.S; ++j)
+    if (m[j]) keys.push_back(static_cast<int32_t>(j));
+  const int64_t M = static_cast<int64_t>(keys.size()), Mp = (M + 15) / 16 * 16;
+  e.resize(GB_MAX * Mp);
+  const int64_t b = a.lanes ? a.lanes[t] : 0;
+  const char* kc = a.k + (b * a.k_lane + c * a.k_head) * kvsize;
+  const char* vc = a.v + (b * a.v_lane + c * a.v_head) * kvsize;
+  for (int64_t h = c * g; h < (c + 1) * g; h += GB_MAX) {
+    switch (std::min<int64_t>(GB_MAX, (c + 1) * g - h)) {
+      case 4: heads_together<C, 4>(a, t, h, kc, vc, keys.data(), M, e.data()); break;
+      case 3: heads_together<C, 3>(a, t, h, kc, vc, keys.data(), M, e.data()); break;
+      case 2: heads_together<C, 2>(a, t, h, kc, vc, keys.data(), M, e.data()); break;
+      default: heads_together<C, 1>(a, t, h, kc, vc, keys.data(), M, e.data()); break;
     }
   }
 }
