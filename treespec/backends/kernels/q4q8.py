@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -426,8 +427,6 @@ def _prefetch_pays(margin: float = 0.95, repeats: int = 15) -> bool:
     a forward reads its layers', take under `margin` of the time with every block prefetching:
     medians of `repeats` sweeps each, interleaved, on the AVX512-VNNI path whatever the
     environment caps (False where the CPU has none: no other path prefetches)."""
-    import time
-
     vnni = ISAS.index("avx512vnni")  # the path whose blocks prefetch (AMX's start at 10 rows)
     if not torch.ops.treespec.q4q8_isa(-2) >> vnni & 1:
         return False
