@@ -381,6 +381,32 @@ TS_AVX512 inline void store_avx512(const Args& a, const __m512* acc, int64_t t, 
   }
 }
 
+// Group g's float steps for R rows from r0 of one tile (its bytes for the group at wg), given the
+// rows' exact int32 dots `di`: acc = fma(float(dot), d s, acc), then fma(m, S, acc) (4 bits), or
+// the dot less 128 * sum(q_a) first (8 bits). Every AVX512 path (VPDPBUSD's, AMX's) takes these.
+template <int R>
+TS_AVX512 inline void group_steps_q4(const Args& a, const uint8_t* wg, int64_t r0, int64_t g, const __m512i* di,
+                                     __m512* acc) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 256)));
+  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 288)));
+  for (int i = 0; i < R; ++i) {
+    const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(a.sa[(r0 + i) * a.G + g]));
+    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(di[i]), ds, acc[i]);
+    acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.Sa[(r0 + i) * a.G + g]), acc[i]);
+  }
+}
+
+template <int R>
+TS_AVX512 inline void group_steps_q8(const Args& a, const uint8_t* wg, int64_t r0, int64_t g, const __m512i* di,
+                                     __m512* acc) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 512)));
+  for (int i = 0; i < R; ++i) {
+    const __m512i dot = _mm512_sub_epi32(di[i], _mm512_set1_epi32(128 * a.ia[(r0 + i) * a.G + g]));
+    const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(a.sa[(r0 + i) * a.G + g]));
+    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), ds, acc[i]);
+  }
+}
+
 // R rows x 16 columns (tile t): VPDPBUSD (u8 weights x s8 activations, 4 per lane), int32 per
 // group; two int32 accumulators per row when R is small (shorter dependency chains).
 template <int R>
@@ -407,14 +433,9 @@ TS_AVX512 inline void block_avx512(const Args& a, int64_t t, int64_t r0) {
         dot[i][A - 1] = _mm512_dpbusd_epi32(dot[i][A - 1], hi, _mm512_set1_epi32(load4(xa + 4)));
       }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 256)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 288)));
-    for (int i = 0; i < R; ++i) {
-      const __m512i di = A == 2 ? _mm512_add_epi32(dot[i][0], dot[i][A - 1]) : dot[i][0];
-      const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(a.sa[(r0 + i) * a.G + g]));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(di), ds, acc[i]);
-      acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.Sa[(r0 + i) * a.G + g]), acc[i]);
-    }
+    __m512i di[R];
+    for (int i = 0; i < R; ++i) di[i] = A == 2 ? _mm512_add_epi32(dot[i][0], dot[i][A - 1]) : dot[i][0];
+    group_steps_q4<R>(a, wg, r0, g, di, acc);
   }
   store_avx512<R>(a, acc, t, r0);
 }
@@ -440,13 +461,9 @@ TS_AVX512 inline void block8_avx512(const Args& a, int64_t t, int64_t r0) {
         dot[i][p % A] = _mm512_dpbusd_epi32(dot[i][p % A], w, _mm512_set1_epi32(load4(xa)));
       }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 512)));
-    for (int i = 0; i < R; ++i) {
-      __m512i di = A == 2 ? _mm512_add_epi32(dot[i][0], dot[i][A - 1]) : dot[i][0];
-      di = _mm512_sub_epi32(di, _mm512_set1_epi32(128 * a.ia[(r0 + i) * a.G + g]));
-      const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(a.sa[(r0 + i) * a.G + g]));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(di), ds, acc[i]);
-    }
+    __m512i di[R];
+    for (int i = 0; i < R; ++i) di[i] = A == 2 ? _mm512_add_epi32(dot[i][0], dot[i][A - 1]) : dot[i][0];
+    group_steps_q8<R>(a, wg, r0, g, di, acc);
   }
   store_avx512<R>(a, acc, t, r0);
 }
@@ -469,7 +486,7 @@ TS_AVX512 void tiles_avx512(const Args& a, int64_t t0, int64_t t1) {
 // Where the CPU has AMX-INT8 and a call has at least AMX_MIN_ROWS rows: blocks of up to 16 rows,
 // one TDPBSUD per block, tile and group (A: the rows' 32 int8 activations, B: the group's 8 rows
 // of 64 weight bytes, VNNI order, as the packing stores them; C: [rows, 16] int32, the same exact
-// dots as VPDPBUSD's), then the same float steps per row as the AVX512 path: the same bits.
+// dots as VPDPBUSD's), then the AVX512 path's float steps (`group_steps_q4` / `_q8`): the same bits.
 #define TS_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c,amx-tile,amx-int8")))
 
 constexpr int64_t AMX_MAX_ROWS = 16;
@@ -556,35 +573,24 @@ TS_AMX inline void unpack_pair(const uint8_t* wt, int64_t k, int64_t G, uint8_t 
     if (2 * (k) + 1 < a.G) _tile_stored(CB, (out)[1], TN * 4); \
   } while (0)
 
-// Pair k's float steps into acc, its dots in `dots` [2][R][16]
+// Pair k's float steps into acc (`group_steps_q4` / `_q8`), its dots in `pair` [2][R][16]
 template <int R, int BITS>
-TS_AMX inline void finish_pair(const Args& a, const uint8_t* wt, int64_t r0, int64_t k, const int32_t (*pair)[R][TN], __m512* acc) {
+TS_AMX inline void finish_pair(const Args& a, const uint8_t* wt, int64_t r0, int64_t k, const int32_t (*pair)[R][TN],
+                               __m512* acc) {
   constexpr int64_t TB = BITS == 4 ? TILE_BYTES : TILE8_BYTES;
   for (int64_t gh = 2 * k; gh < std::min(2 * k + 2, a.G); ++gh) {
-    const uint8_t* wg = wt + gh * TB;
-    const int32_t(*dots)[TN] = pair[gh - 2 * k];
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + (BITS == 4 ? 256 : 512))));
-    if (BITS == 4) {
-      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 288)));
-      for (int i = 0; i < R; ++i) {
-        const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(a.sa[(r0 + i) * a.G + gh]));
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dots[i])), ds, acc[i]);
-        acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.Sa[(r0 + i) * a.G + gh]), acc[i]);
-      }
-    } else {
-      for (int i = 0; i < R; ++i) {
-        const __m512i di = _mm512_sub_epi32(_mm512_load_si512(dots[i]), _mm512_set1_epi32(128 * a.ia[(r0 + i) * a.G + gh]));
-        const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(a.sa[(r0 + i) * a.G + gh]));
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(di), ds, acc[i]);
-      }
-    }
+    __m512i di[R];
+    for (int i = 0; i < R; ++i) di[i] = _mm512_load_si512(pair[gh - 2 * k][i]);
+    if (BITS == 4)
+      group_steps_q4<R>(a, wt + gh * TB, r0, gh, di, acc);
+    else
+      group_steps_q8<R>(a, wt + gh * TB, r0, gh, di, acc);
   }
 }
 
 // R rows x tile t, groups in pairs, software-pipelined so that no step waits on the one before:
 // in round k, pair k + 2's weights are unpacked, pair k + 1's tile products issued, pair k's
-// dots stored and pair k - 1's float steps run (the same steps, in the same order, as
-// block_avx512's).
+// dots stored and pair k - 1's float steps run.
 template <int R, int BITS>
 TS_AMX inline void block_amx(const Args& a, int64_t t, int64_t r0) {
   constexpr int64_t TB = BITS == 4 ? TILE_BYTES : TILE8_BYTES;
