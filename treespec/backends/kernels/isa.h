@@ -60,16 +60,23 @@ inline bool avx512_runs(bool bf16) {
 #endif
 }
 
-// Tile t's rows 0..a.M-1 in as few blocks of at most 8 as there can be, as even as can be (17
-// rows: 6, 6, 5), each through Block<rows>::run(a, t, first row): a block unpacks the tile once,
-// and a block of few rows waits on its dot-product chains.
+// M rows in as few blocks of at most `most` as there can be, as even as can be (17 rows in blocks of
+// at most 8: 6, 6, 5); block b has rows(b) of them
+struct EvenBlocks {
+  int64_t count, base, more;
+  EvenBlocks(int64_t M, int64_t most)
+      : count((M + most - 1) / most), base(count ? M / count : 0), more(count ? M % count : 0) {}
+  int64_t rows(int64_t b) const { return base + (b < more); }
+};
+
+// Tile t's rows 0..a.M-1 in EvenBlocks of at most 8, each through Block<rows>::run(a, t, first
+// row): a block unpacks the tile once, and a block of few rows waits on its dot-product chains.
 template <template <int> class Block, typename Args>
 inline void row_blocks(const Args& a, int64_t t) {
-  constexpr int64_t R_MAX = 8;
   if (a.M <= 0) return;
-  const int64_t blocks = (a.M + R_MAX - 1) / R_MAX, base = a.M / blocks, more = a.M % blocks;
-  for (int64_t b = 0, r = 0; b < blocks; ++b) {
-    const int64_t rows = base + (b < more);
+  const EvenBlocks split(a.M, 8);
+  for (int64_t b = 0, r = 0; b < split.count; ++b) {
+    const int64_t rows = split.rows(b);
     switch (rows) {
       case 8: Block<8>::run(a, t, r); break;
       case 7: Block<7>::run(a, t, r); break;

@@ -628,13 +628,13 @@ TS_AMX void run_amx(const Args& a, int64_t t0, int64_t t1, int64_t r0) {
   for (int64_t t = t0; t < t1; ++t) block_amx<R, BITS>(a, t, r0);
 }
 
-// Tiles t0..t1 for every row: blocks of at most 16 rows, as even as can be, each block over all
-// the tiles under one tile configuration.
+// Tiles t0..t1 for every row: EvenBlocks of at most 16 rows, each block over all the tiles under
+// one tile configuration.
 template <int BITS>
 TS_AMX void tiles_amx(const Args& a, int64_t t0, int64_t t1) {
-  const int64_t blocks = (a.M + AMX_MAX_ROWS - 1) / AMX_MAX_ROWS, base = a.M / blocks, more = a.M % blocks;
-  for (int64_t k = 0, r = 0; k < blocks; ++k) {
-    const int64_t rows = base + (k < more);
+  const EvenBlocks split(a.M, AMX_MAX_ROWS);
+  for (int64_t k = 0, r = 0; k < split.count; ++k) {
+    const int64_t rows = split.rows(k);
     configure_amx(rows);
     switch (rows) {
 #define TS_AMX_ROWS(n) \
